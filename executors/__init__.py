@@ -1,0 +1,1 @@
+"""Executors: the ModelExecutor interface and its implementations. No gRPC here."""

@@ -1,0 +1,444 @@
+"""KvCacheExecutor: every executor method on top of a paged KV pool and one forward hook.
+
+Subclasses supply the model: `_forward_step` runs a list of StepItems (each a run of
+tokens continuing one cache) as one forward, writing K and V through the pool, and
+`_forward_sequence` runs a whole sequence without any cache. Everything else lives here,
+once for every model: request validation, cache creation and lookup, all-or-nothing KV
+growth with rollback, logits policies, status, metrics and lifecycle.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from executors.base import ModelExecutor
+from executors.errors import FailedPrecondition, InvalidParameter, NotFound, OutOfRange, Unavailable
+from executors.logits import apply_policies, to_host_tensor
+from executors.stats import ExecutorStats
+from executors.types import (
+    FLOAT_OUTPUT_DTYPES,
+    CacheMetrics,
+    DecodeInput,
+    DecodeOutput,
+    DType,
+    ExecutorLockMetrics,
+    ExecutorState,
+    ExecutorStatus,
+    ForwardKind,
+    HostTensor,
+    KvCacheHandle,
+    KvPoolStatus,
+    LogitsKind,
+    LogitsPolicy,
+    LogitsResult,
+    MemoryUsage,
+    PrefillInput,
+    PrefillOutput,
+    ReleaseResult,
+    TruncateResult,
+    UnifiedBatchItem,
+    UnifiedItemResult,
+    VerifyOutput,
+)
+from executors.worker import SerialWorker
+from kvcache import BlockTable, KvCacheManager
+from kvcache.kv_pool import PagedKvPool
+
+
+class Rows(enum.Enum):
+    """Which positions of an item need logits."""
+
+    NONE = 0  # a non-final prefill chunk: skip the lm_head
+    LAST = 1  # prefill, decode, final chunk
+    ALL = 2  # forward_verify
+
+
+@dataclass(slots=True)
+class ItemSpec:
+    """A validated request for one cache, before any state is touched."""
+
+    where: str  # field path used in error messages: "input", "inputs[2]", "batch.items[0]"
+    cache_id: str | None  # None: a new cache with a server-chosen id
+    expected_length: int  # the cache's length as the caller believes it
+    may_create: bool  # an id not in use may be created (expected_length is 0)
+    tokens: list[int]
+    rows: Rows
+    policy: LogitsPolicy
+    is_decode: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    cache_id: str
+    outputs: list[LogitsResult] | None  # one per logits row; None for Rows.NONE
+    kv_cache: KvCacheHandle
+
+
+@dataclass(slots=True)
+class StepItem:
+    """One cache's share of a forward: tokens at positions start..start+len-1."""
+
+    cache_id: str
+    table: BlockTable
+    tokens: list[int]
+    start: int
+    rows: Rows
+
+
+class KvCacheExecutor(ModelExecutor):
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        vocab_size: int,
+        max_sequence_length: int,
+        max_batch_size: int,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.max_batch_size = max_batch_size
+        self.device = device
+        self.kv = KvCacheManager(num_blocks, block_size)
+        self.pool = PagedKvPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_dtype, device)
+        self.worker = SerialWorker(self.name)
+        self.stats = ExecutorStats()
+        self.peak_used_bytes = 0
+
+    # -- the model ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _forward_step(self, items: list[StepItem]) -> list[torch.Tensor | None]:
+        """Run the items as one forward; K and V of their tokens go into the pool.
+
+        Returns per item its logits rows ([1, vocab] for Rows.LAST, [len, vocab] for
+        Rows.ALL) or None for Rows.NONE.
+        """
+
+    @abc.abstractmethod
+    def _forward_sequence(self, tokens: list[int], hidden: bool) -> torch.Tensor:
+        """Logits ([n, vocab]) or final hidden states ([n, hidden]) without any cache."""
+
+    @property
+    def parameter_bytes(self) -> int:
+        return 0
+
+    # -- public methods -------------------------------------------------------------------
+    def supports_native_unified_decode(self) -> bool:
+        return True
+
+    def kv_capacity(self) -> int | None:
+        pool_tokens = self.kv.allocator.num_total * self.kv.block_size
+        return pool_tokens if pool_tokens < self.max_sequence_length else None
+
+    async def prefill(self, inp: PrefillInput) -> PrefillOutput:
+        (res,) = await self._step([self._prefill_spec(inp, "input")])
+        return PrefillOutput(logits=res.outputs[0], kv_cache=res.kv_cache)
+
+    async def batch_prefill(self, inputs: Sequence[PrefillInput]) -> list[PrefillOutput]:
+        specs = [self._prefill_spec(inp, f"inputs[{i}]") for i, inp in enumerate(inputs)]
+        return [PrefillOutput(r.outputs[0], r.kv_cache) for r in await self._step(specs, "inputs")]
+
+    async def decode(self, inp: DecodeInput) -> DecodeOutput:
+        (res,) = await self._step([self._decode_spec(inp, "input")])
+        return DecodeOutput(logits=res.outputs[0], kv_cache=res.kv_cache)
+
+    async def batch_decode(self, inputs: Sequence[DecodeInput]) -> list[DecodeOutput]:
+        specs = [self._decode_spec(inp, f"inputs[{i}]") for i, inp in enumerate(inputs)]
+        return [DecodeOutput(r.outputs[0], r.kv_cache) for r in await self._step(specs, "inputs")]
+
+    async def unified_decode(self, items: Sequence[UnifiedBatchItem]) -> list[UnifiedItemResult]:
+        specs = [self._unified_spec(it, f"batch.items[{i}]") for i, it in enumerate(items)]
+        results = await self._step(specs, "batch.items")
+        return [UnifiedItemResult(r.cache_id, r.outputs[0] if r.outputs else None, r.kv_cache) for r in results]
+
+    async def forward_verify(
+        self, kv_cache: KvCacheHandle, tokens: Sequence[int], policy: LogitsPolicy
+    ) -> VerifyOutput:
+        tokens = self._check_tokens(tokens, "tokens")
+        policy.validate(self.vocab_size, "logits_policy")
+        spec = ItemSpec("kv_cache", kv_cache.cache_id, kv_cache.sequence_length, False, tokens, Rows.ALL,
+                        policy, is_decode=True)
+        (res,) = await self._step([spec])
+        return VerifyOutput(outputs=res.outputs, kv_cache=res.kv_cache)
+
+    async def forward(self, input_ids: Sequence[int], kind: ForwardKind, dtype: DType) -> HostTensor:
+        tokens = self._check_tokens(input_ids, "input_ids")
+        if len(tokens) > self.max_sequence_length:
+            raise OutOfRange(
+                f"input_ids holds {len(tokens)} tokens, more than max_sequence_length "
+                f"{self.max_sequence_length}", field="input_ids")
+        if dtype not in FLOAT_OUTPUT_DTYPES:
+            raise InvalidParameter(f"dtype must be FLOAT32, BFLOAT16 or FLOAT16, got {dtype.name}", field="dtype")
+        if kind is ForwardKind.TOKEN_LOGPROBS and len(tokens) < 2:
+            raise InvalidParameter("TOKEN_LOGPROBS needs at least two input_ids", field="input_ids")
+        return await self._run(self._forward_now, tokens, kind, dtype)
+
+    async def truncate_kv(self, cache_id: str, new_length: int) -> TruncateResult:
+        return await self._run(self._truncate_now, cache_id, new_length)
+
+    async def release_cache(self, cache_id: str) -> ReleaseResult:
+        return await self._run(self._release_now, cache_id)
+
+    async def warmup(self) -> None:
+        await self._run(self._warmup_now)
+
+    async def shutdown(self) -> int:
+        released = await self._run(self.kv.release_all)
+        self.stats.state = ExecutorState.SHUTDOWN
+        return released
+
+    def status(self) -> ExecutorStatus:
+        s, kv = self.stats, self.kv.stats()
+        allocated = self.parameter_bytes + self.pool.total_bytes
+        used = self._used_bytes()
+        return ExecutorStatus(
+            state=s.state,
+            is_ready=s.state in (ExecutorState.READY, ExecutorState.BUSY),
+            current_batch_size=s.current_batch_size,
+            prefill_operations=s.prefill_operations,
+            decode_operations=s.decode_operations,
+            avg_prefill_time_ms=s.avg_prefill_time_ms,
+            avg_decode_time_ms=s.avg_decode_time_ms,
+            memory_usage=MemoryUsage(
+                allocated_bytes=allocated,
+                used_bytes=used,
+                peak_bytes=max(self.peak_used_bytes, used),
+                utilization_percent=100.0 * used / allocated if allocated else 0.0,
+            ),
+            last_operation_unix_s=s.last_operation_unix_s,
+            kv_pool=KvPoolStatus(
+                total_blocks=kv.total_blocks,
+                used_blocks=kv.used_blocks,
+                free_blocks=kv.free_blocks,
+                block_size=kv.block_size,
+                active_caches=kv.active_caches,
+                block_allocations=kv.block_allocations,
+                allocation_failures=kv.allocation_failures,
+            ),
+        )
+
+    def cache_metrics(self) -> CacheMetrics | None:
+        w = self.worker
+        return CacheMetrics(
+            position="real-kv-reuse",
+            source="paged-block-pool",
+            enabled=False,  # prefix reuse comes later; the counters below are exact meanwhile
+            hits=0,
+            misses=0,
+            evictions=0,
+            saved_prefill_tokens=0,
+            entries=0,
+            bytes=self.kv.stats().used_blocks * self.pool.bytes_per_block,
+            block_size=self.kv.block_size,
+            kv_dtype=DType(str(self.pool.dtype).removeprefix("torch.")),
+            decode_batch=self.stats.decode_batch_metrics(),
+            executor_lock=ExecutorLockMetrics(
+                samples=w.wait_samples,
+                total_wait_time_us=w.total_wait_ns // 1000,
+                avg_wait_time_ms=w.total_wait_ns / w.wait_samples / 1e6 if w.wait_samples else 0.0,
+            ),
+        )
+
+    # -- request validation (no state read) -----------------------------------------------
+    def _check_tokens(self, tokens: Sequence[int], where: str) -> list[int]:
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise InvalidParameter(f"{where} must hold at least one token", field=where)
+        bad = next((i for i, t in enumerate(tokens) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidParameter(
+                f"{where}[{bad}] = {tokens[bad]} is outside the vocabulary [0, {self.vocab_size})",
+                field=f"{where}[{bad}]",
+            )
+        return tokens
+
+    def _prefill_spec(self, inp: PrefillInput, where: str) -> ItemSpec:
+        tokens = self._check_tokens(inp.input_ids, f"{where}.input_ids")
+        inp.logits_policy.validate(self.vocab_size, f"{where}.logits_policy")
+        if inp.attention_mask is not None and len(inp.attention_mask) > 0:
+            if len(inp.attention_mask) != len(tokens):
+                raise InvalidParameter(
+                    f"{where}.attention_mask has {len(inp.attention_mask)} entries for {len(tokens)} input_ids",
+                    field=f"{where}.attention_mask")
+            if any(m != 1 for m in inp.attention_mask):
+                raise InvalidParameter(
+                    f"{where}.attention_mask must be all ones: each input is one unpadded sequence",
+                    field=f"{where}.attention_mask")
+        handle = inp.kv_cache
+        start = handle.sequence_length if handle is not None else 0
+        if inp.position_ids is not None and len(inp.position_ids) > 0:
+            expected = list(range(start, start + len(tokens)))
+            if [int(p) for p in inp.position_ids] != expected:
+                raise FailedPrecondition(
+                    f"{where}.position_ids must continue the cache: expected {start}..{start + len(tokens) - 1}",
+                    field=f"{where}.position_ids")
+        if handle is None:
+            return ItemSpec(where, None, 0, True, tokens, Rows.LAST, inp.logits_policy, False)
+        return ItemSpec(where, handle.cache_id, start, start == 0, tokens, Rows.LAST, inp.logits_policy, False)
+
+    def _decode_spec(self, inp: DecodeInput, where: str) -> ItemSpec:
+        tokens = self._check_tokens([inp.token_id], f"{where}.token_id")
+        inp.logits_policy.validate(self.vocab_size, f"{where}.logits_policy")
+        length = inp.kv_cache.sequence_length
+        if inp.position_id is not None and inp.position_id != length:
+            raise FailedPrecondition(
+                f"{where}.position_id {inp.position_id} does not continue the cache (length {length})",
+                field=f"{where}.position_id")
+        return ItemSpec(where, inp.kv_cache.cache_id, length, False, tokens, Rows.LAST, inp.logits_policy, True)
+
+    def _unified_spec(self, it: UnifiedBatchItem, where: str) -> ItemSpec:
+        tokens = self._check_tokens(it.q_tokens, f"{where}.q_tokens")
+        if it.is_final_chunk:
+            it.logits_policy.validate(self.vocab_size, f"{where}.logits_policy")
+        if not it.seq_id and it.pos_offset != 0:
+            raise InvalidParameter(f"{where}.seq_id is required when pos_offset > 0", field=f"{where}.seq_id")
+        is_decode = it.pos_offset > 0 and len(tokens) == 1 and it.is_final_chunk
+        rows = Rows.LAST if it.is_final_chunk else Rows.NONE
+        return ItemSpec(where, it.seq_id or None, it.pos_offset, it.pos_offset == 0, tokens, rows,
+                        it.logits_policy, is_decode)
+
+    def _check_batch(self, specs: list[ItemSpec], where: str) -> None:
+        if not specs:
+            raise InvalidParameter(f"{where} must hold at least one item", field=where)
+        if len(specs) > self.max_batch_size:
+            raise InvalidParameter(
+                f"{where} holds {len(specs)} items, more than max_batch_size {self.max_batch_size}", field=where)
+        seen: dict[str, str] = {}
+        for s in specs:
+            if s.cache_id is None:
+                continue
+            if s.cache_id in seen:
+                raise InvalidParameter(
+                    f"{s.where} names cache {s.cache_id!r} already named by {seen[s.cache_id]}: "
+                    "one item per cache per call", field=s.where)
+            seen[s.cache_id] = s.where
+
+    # -- execution (worker thread) --------------------------------------------------------
+    async def _run(self, fn, *args):
+        if self.stats.state is ExecutorState.SHUTDOWN:
+            raise Unavailable(f"{self.name} executor is shut down")
+        return await self.worker.run(fn, *args)
+
+    async def _step(self, specs: list[ItemSpec], where: str = "input") -> list[StepResult]:
+        self._check_batch(specs, where)
+        return await self._run(self._step_now, specs)
+
+    def _step_now(self, specs: list[ItemSpec]) -> list[StepResult]:
+        started = time.perf_counter_ns()
+        self.stats.begin(len(specs))
+        created: list[str] = []
+        items: list[StepItem] = []
+        try:
+            for s in specs:
+                items.append(self._resolve(s, created))
+            self.kv.extend_many([(it.cache_id, it.start + len(it.tokens)) for it in items])
+            try:
+                rows = self._forward_step(items)
+                results = [self._finish(s, it, r) for s, it, r in zip(specs, items, rows)]
+            except BaseException:
+                for it in items:
+                    if it.cache_id not in created:
+                        self.kv.truncate(it.cache_id, it.start)
+                raise
+        except BaseException:
+            for cid in created:
+                self.kv.release(cid)
+            self.stats.state = ExecutorState.READY
+            self.stats.current_batch_size = 0
+            raise
+        self.peak_used_bytes = max(self.peak_used_bytes, self._used_bytes())
+        decode_items = sum(s.is_decode for s in specs)
+        self.stats.end(
+            prefill_items=len(specs) - decode_items,
+            decode_items=decode_items,
+            elapsed_ns=time.perf_counter_ns() - started,
+            full_logits=any(s.policy.kind is LogitsKind.FULL for s in specs if s.rows is not Rows.NONE),
+        )
+        return results
+
+    def _resolve(self, s: ItemSpec, created: list[str]) -> StepItem:
+        if s.cache_id is not None and s.cache_id in self.kv:
+            table = self.kv.get(s.cache_id)
+            if table.num_tokens != s.expected_length:
+                raise FailedPrecondition(
+                    f"{s.where}: cache {s.cache_id!r} holds {table.num_tokens} tokens but the request "
+                    f"continues it at {s.expected_length}; the caller's handle is stale",
+                    field=s.where, cache_id=s.cache_id, cache_length=table.num_tokens)
+            cache_id = s.cache_id
+        elif s.cache_id is not None and not s.may_create:
+            self.kv.get(s.cache_id)  # raises CacheNotFound, saying whether it was released
+            raise AssertionError("unreachable")
+        else:
+            cache_id, table = self.kv.create(s.cache_id)
+            created.append(cache_id)
+        end = s.expected_length + len(s.tokens)
+        if end > self.max_sequence_length:
+            raise OutOfRange(
+                f"{s.where}: {len(s.tokens)} tokens at position {s.expected_length} would reach {end}, "
+                f"past max_sequence_length {self.max_sequence_length}", field=s.where)
+        return StepItem(cache_id, table, s.tokens, s.expected_length, s.rows)
+
+    def _finish(self, s: ItemSpec, it: StepItem, rows: torch.Tensor | None) -> StepResult:
+        handle = self._handle(it.cache_id)
+        if rows is None:
+            return StepResult(it.cache_id, None, handle)
+        # Row r predicts the token at position first_predicted + r; it seeds sampling.
+        first_predicted = it.start + len(it.tokens) - rows.shape[0] + 1
+        positions = range(first_predicted, first_predicted + rows.shape[0])
+        return StepResult(it.cache_id, apply_policies(rows, [s.policy] * rows.shape[0], positions), handle)
+
+    def _handle(self, cache_id: str) -> KvCacheHandle:
+        t, p = self.kv.get(cache_id), self.pool
+        return KvCacheHandle(
+            cache_id=cache_id,
+            sequence_length=t.num_tokens,
+            block_ids=tuple(t.block_ids),
+            block_size=t.block_size,
+            num_layers=p.num_layers,
+            num_kv_heads=p.num_kv_heads,
+            head_dim=p.head_dim,
+            device=str(p.device),
+        )
+
+    def _forward_now(self, tokens: list[int], kind: ForwardKind, dtype: DType) -> HostTensor:
+        out = self._forward_sequence(tokens, hidden=kind is ForwardKind.HIDDEN_STATES)
+        if kind is ForwardKind.TOKEN_LOGPROBS:
+            logprobs = torch.log_softmax(out[:-1].float(), dim=-1)
+            picked = logprobs.gather(1, torch.tensor(tokens[1:], device=out.device).unsqueeze(1)).squeeze(1)
+            return to_host_tensor(picked, DType.FLOAT32)
+        return to_host_tensor(out, dtype)
+
+    def _truncate_now(self, cache_id: str, new_length: int) -> TruncateResult:
+        freed = self.kv.truncate(cache_id, new_length)
+        return TruncateResult(kv_cache=self._handle(cache_id), freed_blocks=freed)
+
+    def _release_now(self, cache_id: str) -> ReleaseResult:
+        freed = self.kv.release(cache_id)
+        return ReleaseResult(released=freed is not None, freed_blocks=freed or 0)
+
+    def _warmup_now(self) -> None:
+        """One small prefill, decode and verify on a scratch cache, then back to an idle pool."""
+        self.stats.state = ExecutorState.INITIALIZING
+        cache_id, _ = self.kv.create(None)
+        try:
+            tokens = [t % self.vocab_size for t in range(1, min(9, self.max_sequence_length))]
+            self.kv.extend(cache_id, len(tokens))
+            self._forward_step([StepItem(cache_id, self.kv.get(cache_id), tokens, 0, Rows.LAST)])
+            self._forward_sequence(tokens, hidden=False)
+        finally:
+            self.kv.release(cache_id)
+            self.stats.state = ExecutorState.READY
+
+    def _used_bytes(self) -> int:
+        return self.parameter_bytes + self.kv.stats().used_blocks * self.pool.bytes_per_block

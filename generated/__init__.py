@@ -1,0 +1,1 @@
+"""Code generated from protos/ by `python -m generated`; do not edit by hand."""

@@ -1,0 +1,30 @@
+"""The paged KV cache: a block pool, per-sequence block tables, ref counts.
+
+Bookkeeping (block_allocator, block_table, manager) is plain Python and knows nothing of
+tensors; kv_pool holds the K and V tensors those block ids index.
+"""
+
+from kvcache.block_allocator import BlockAllocator
+from kvcache.block_table import BlockTable
+from kvcache.errors import (
+    CacheAlreadyExists,
+    CacheNotFound,
+    InvalidCacheId,
+    InvalidLength,
+    KvCacheError,
+    KvCacheExhausted,
+)
+from kvcache.manager import KvCacheManager, KvPoolStats
+
+__all__ = [
+    "BlockAllocator",
+    "BlockTable",
+    "CacheAlreadyExists",
+    "CacheNotFound",
+    "InvalidCacheId",
+    "InvalidLength",
+    "KvCacheError",
+    "KvCacheExhausted",
+    "KvCacheManager",
+    "KvPoolStats",
+]

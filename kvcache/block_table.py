@@ -1,0 +1,41 @@
+"""BlockTable: one sequence's logical-to-physical block map."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class BlockTable:
+    """Logical block i of the sequence lives in physical block block_ids[i].
+
+    Token position p sits in block block_ids[p // block_size] at offset p % block_size,
+    i.e. at flat slot block_ids[p // block_size] * block_size + p % block_size of a pool
+    viewed as [num_blocks * block_size, ...].
+    """
+
+    block_size: int
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the held blocks can store."""
+        return len(self.block_ids) * self.block_size
+
+    def blocks_for(self, length: int) -> int:
+        """Blocks needed to hold `length` tokens."""
+        return -(-length // self.block_size)
+
+    def blocks_missing(self, length: int) -> int:
+        """Blocks to add so that `length` tokens fit (0 when they already do)."""
+        return max(0, self.blocks_for(length) - len(self.block_ids))
+
+    def slot(self, position: int) -> int:
+        block, offset = divmod(position, self.block_size)
+        return self.block_ids[block] * self.block_size + offset
+
+    def slots(self, start: int, end: int) -> list[int]:
+        """Flat slot of every position in [start, end)."""
+        bs, ids = self.block_size, self.block_ids
+        return [ids[p // bs] * bs + p % bs for p in range(start, end)]

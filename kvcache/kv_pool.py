@@ -1,0 +1,66 @@
+"""PagedKvPool: the K and V tensors that block ids index."""
+
+from __future__ import annotations
+
+import torch
+
+
+class PagedKvPool:
+    """K and V for every layer, preallocated as [num_blocks, block_size, num_kv_heads, head_dim].
+
+    One allocation backs all layers (k and v are views into it), so the pool's memory is
+    claimed once at start-up and never fragments. Slots are flat indices
+    block_id * block_size + offset, as BlockTable.slots() produces them.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._storage = torch.zeros(
+            2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+        self.key = list(self._storage[0])  # key[layer]: [num_blocks, block_size, H, D]
+        self.value = list(self._storage[1])
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self._storage.element_size()
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self._storage.numel() * self._storage.element_size()
+
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer viewed as [num_blocks * block_size, H, D]."""
+        h, d = self.num_kv_heads, self.head_dim
+        return self.key[layer].view(-1, h, d), self.value[layer].view(-1, h, d)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v ([n, H, D]) at the given flat slots ([n], int64)."""
+        kf, vf = self.flat(layer)
+        kf.index_copy_(0, slots, k.to(self.dtype))
+        vf.index_copy_(0, slots, v.to(self.dtype))
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ([n, H, D]) at the given flat slots."""
+        kf, vf = self.flat(layer)
+        return kf.index_select(0, slots), vf.index_select(0, slots)

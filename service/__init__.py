@@ -1,0 +1,1 @@
+"""The grpc.aio server hosting one executor: handlers, conversion, errors, health, reflection."""

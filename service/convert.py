@@ -1,0 +1,349 @@
+"""Conversion between modelexec.v1 messages and executor domain types, in one place.
+
+Structural checks happen here (required fields, enum values, byte lengths); anything that
+needs the model or the caches (vocabulary range, cache lengths) is the executor's job.
+Errors name the field at fault as a path from the request root ("inputs[2].kv_cache").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from google.protobuf import json_format, struct_pb2
+
+from executors import types as t
+from executors.errors import InvalidParameter
+from generated.modelexec.v1 import executor_pb2 as pb
+
+# -- enums -----------------------------------------------------------------------------------
+DTYPE_TO_PB = {
+    t.DType.FLOAT32: pb.DATA_TYPE_FLOAT32,
+    t.DType.FLOAT16: pb.DATA_TYPE_FLOAT16,
+    t.DType.BFLOAT16: pb.DATA_TYPE_BFLOAT16,
+    t.DType.INT32: pb.DATA_TYPE_INT32,
+    t.DType.INT64: pb.DATA_TYPE_INT64,
+    t.DType.UINT32: pb.DATA_TYPE_UINT32,
+    t.DType.INT8: pb.DATA_TYPE_INT8,
+    t.DType.UINT8: pb.DATA_TYPE_UINT8,
+    t.DType.BOOL: pb.DATA_TYPE_BOOL,
+}
+DTYPE_FROM_PB = {v: k for k, v in DTYPE_TO_PB.items()}
+# Little-endian NumPy layout of each dtype on the wire (bfloat16 travels as its uint16 bits).
+WIRE_NUMPY = {
+    t.DType.FLOAT32: "<f4", t.DType.FLOAT16: "<f2", t.DType.BFLOAT16: "<u2", t.DType.INT32: "<i4",
+    t.DType.INT64: "<i8", t.DType.UINT32: "<u4", t.DType.INT8: "i1", t.DType.UINT8: "u1", t.DType.BOOL: "u1",
+}
+LOGITS_KIND_TO_PB = {
+    t.LogitsKind.FULL: pb.LOGITS_KIND_FULL,
+    t.LogitsKind.ARGMAX: pb.LOGITS_KIND_ARGMAX,
+    t.LogitsKind.TOP_K: pb.LOGITS_KIND_TOP_K,
+    t.LogitsKind.SAMPLE: pb.LOGITS_KIND_SAMPLE,
+}
+FORWARD_FROM_PB = {
+    pb.FORWARD_OUTPUT_UNSPECIFIED: t.ForwardKind.LOGITS,
+    pb.FORWARD_OUTPUT_LOGITS: t.ForwardKind.LOGITS,
+    pb.FORWARD_OUTPUT_HIDDEN_STATES: t.ForwardKind.HIDDEN_STATES,
+    pb.FORWARD_OUTPUT_TOKEN_LOGPROBS: t.ForwardKind.TOKEN_LOGPROBS,
+}
+FORWARD_TO_PB = {
+    t.ForwardKind.LOGITS: pb.FORWARD_OUTPUT_LOGITS,
+    t.ForwardKind.HIDDEN_STATES: pb.FORWARD_OUTPUT_HIDDEN_STATES,
+    t.ForwardKind.TOKEN_LOGPROBS: pb.FORWARD_OUTPUT_TOKEN_LOGPROBS,
+}
+DEVICE_TYPE_TO_PB = {"cpu": pb.DEVICE_TYPE_CPU, "cuda": pb.DEVICE_TYPE_CUDA, "rocm": pb.DEVICE_TYPE_ROCM,
+                     "mps": pb.DEVICE_TYPE_METAL, "metal": pb.DEVICE_TYPE_METAL}
+MODEL_TYPE_TO_PB = {m: pb.ModelType.Value(f"MODEL_TYPE_{m.name}") for m in t.ModelType}
+ATTENTION_TO_PB = {a: pb.AttentionType.Value(f"ATTENTION_TYPE_{a.name}") for a in t.AttentionType}
+STATE_TO_PB = {s: pb.ExecutorState.Value(f"EXECUTOR_STATE_{s.name}") for s in t.ExecutorState}
+
+
+def _dtype(value: int, where: str, default: t.DType | None = None) -> t.DType:
+    if value == pb.DATA_TYPE_UNSPECIFIED and default is not None:
+        return default
+    try:
+        return DTYPE_FROM_PB[value]
+    except KeyError:
+        raise InvalidParameter(f"{where} = {value} is not a supported DataType", field=where) from None
+
+
+# -- requests --------------------------------------------------------------------------------
+def metadata(fields: Any, where: str) -> dict[str, Any]:
+    try:
+        return json_format.MessageToDict(struct_pb2.Struct(fields=fields))
+    except (json_format.Error, ValueError) as e:
+        raise InvalidParameter(f"{where} is not valid JSON-like metadata: {e}", field=where) from None
+
+
+def logits_policy(msg: pb.LogitsPolicy, where: str) -> t.LogitsPolicy:
+    which = msg.WhichOneof("policy")
+    if which is None:
+        return t.LogitsPolicy()
+    if which == "full":
+        return t.LogitsPolicy(t.LogitsKind.FULL, full_dtype=_dtype(msg.full.dtype, f"{where}.full.dtype", t.DType.FLOAT32))
+    if which == "argmax":
+        return t.LogitsPolicy(t.LogitsKind.ARGMAX)
+    if which == "top_k":
+        return t.LogitsPolicy(t.LogitsKind.TOP_K, k=msg.top_k.k)
+    s = msg.sample
+    return t.LogitsPolicy(
+        t.LogitsKind.SAMPLE,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        seed=s.seed if s.HasField("seed") else None,
+    )
+
+
+def kv_handle(msg: pb.KvCacheHandle, where: str) -> t.KvCacheHandle:
+    if not msg.cache_id:
+        raise InvalidParameter(f"{where}.cache_id is required", field=f"{where}.cache_id")
+    return t.KvCacheHandle(cache_id=msg.cache_id, sequence_length=msg.block_table.sequence_length)
+
+
+def prefill_input(msg: pb.PrefillInput, where: str) -> t.PrefillInput:
+    return t.PrefillInput(
+        input_ids=msg.input_ids,
+        kv_cache=kv_handle(msg.kv_cache, f"{where}.kv_cache") if msg.HasField("kv_cache") else None,
+        position_ids=msg.position_ids or None,
+        attention_mask=msg.attention_mask or None,
+        metadata=metadata(msg.metadata, f"{where}.metadata"),
+        logits_policy=logits_policy(msg.logits_policy, f"{where}.logits_policy"),
+    )
+
+
+def decode_input(msg: pb.DecodeInput, where: str) -> t.DecodeInput:
+    if not msg.HasField("token_id"):
+        raise InvalidParameter(f"{where}.token_id is required", field=f"{where}.token_id")
+    if not msg.HasField("kv_cache"):
+        raise InvalidParameter(f"{where}.kv_cache is required: decode continues a prefilled cache",
+                               field=f"{where}.kv_cache")
+    return t.DecodeInput(
+        token_id=msg.token_id,
+        kv_cache=kv_handle(msg.kv_cache, f"{where}.kv_cache"),
+        position_id=msg.position_id if msg.HasField("position_id") else None,
+        metadata=metadata(msg.metadata, f"{where}.metadata"),
+        logits_policy=logits_policy(msg.logits_policy, f"{where}.logits_policy"),
+    )
+
+
+def unified_item(msg: pb.UnifiedBatchItem, where: str) -> t.UnifiedBatchItem:
+    return t.UnifiedBatchItem(
+        seq_id=msg.seq_id,
+        q_tokens=msg.q_tokens,
+        pos_offset=msg.pos_offset,
+        is_final_chunk=msg.is_final_chunk,
+        metadata=metadata(msg.metadata, f"{where}.metadata"),
+        logits_policy=logits_policy(msg.logits_policy, f"{where}.logits_policy"),
+    )
+
+
+def forward_kind(value: int) -> t.ForwardKind:
+    try:
+        return FORWARD_FROM_PB[value]
+    except KeyError:
+        raise InvalidParameter(f"output = {value} is not a ForwardOutput", field="output") from None
+
+
+def forward_dtype(value: int) -> t.DType:
+    return _dtype(value, "dtype", t.DType.FLOAT32)
+
+
+def verify_handle(msg: pb.ForwardVerifyRequest) -> t.KvCacheHandle:
+    if not msg.HasField("kv_cache"):
+        raise InvalidParameter("kv_cache is required", field="kv_cache")
+    return kv_handle(msg.kv_cache, "kv_cache")
+
+
+def cache_id(value: str) -> str:
+    if not value:
+        raise InvalidParameter("cache_id is required", field="cache_id")
+    return value
+
+
+# -- responses -------------------------------------------------------------------------------
+def tensor(ht: t.HostTensor) -> pb.Tensor:
+    data = np.ascontiguousarray(ht.array, dtype=WIRE_NUMPY[ht.dtype]).tobytes()
+    return pb.Tensor(dtype=DTYPE_TO_PB[ht.dtype], shape=ht.shape, data=data)
+
+
+def device(name: str) -> pb.Device:
+    kind, _, index = name.partition(":")
+    return pb.Device(type=DEVICE_TYPE_TO_PB.get(kind, pb.DEVICE_TYPE_UNSPECIFIED), index=int(index or 0))
+
+
+def handle(h: t.KvCacheHandle) -> pb.KvCacheHandle:
+    return pb.KvCacheHandle(
+        cache_id=h.cache_id,
+        block_table=pb.BlockTable(block_ids=h.block_ids, sequence_length=h.sequence_length, block_size=h.block_size),
+        num_layers=h.num_layers,
+        num_kv_heads=h.num_kv_heads,
+        head_dim=h.head_dim,
+        device=device(h.device),
+    )
+
+
+def logits_output(r: t.LogitsResult) -> pb.LogitsOutput:
+    out = pb.LogitsOutput(kind=LOGITS_KIND_TO_PB[r.kind])
+    if r.logits is not None:
+        out.logits.CopyFrom(tensor(r.logits))
+    if r.token_id is not None:
+        out.token_id = r.token_id
+    if r.logprob is not None:
+        out.logprob = r.logprob
+    if r.sampling_logprob is not None:
+        out.sampling_logprob = r.sampling_logprob
+    out.top_token_ids.extend(r.top_token_ids)
+    out.top_logprobs.extend(r.top_logprobs)
+    return out
+
+
+def prefill_output(o: t.PrefillOutput) -> pb.PrefillOutput:
+    return pb.PrefillOutput(logits=logits_output(o.logits), kv_cache=handle(o.kv_cache))
+
+
+def decode_output(o: t.DecodeOutput) -> pb.DecodeOutput:
+    return pb.DecodeOutput(logits=logits_output(o.logits), kv_cache=handle(o.kv_cache))
+
+
+def unified_result(r: t.UnifiedItemResult) -> pb.UnifiedItemResult:
+    out = pb.UnifiedItemResult(seq_id=r.seq_id, kv_cache=handle(r.kv_cache))
+    if r.logits is not None:
+        out.logits.CopyFrom(logits_output(r.logits))
+    return out
+
+
+def _value_map(target: Any, values: dict[str, Any]) -> None:
+    for key, value in values.items():
+        json_format.ParseDict(value, target[key])
+
+
+def model_info(i: t.ModelInfo) -> pb.ModelInfo:
+    out = pb.ModelInfo(
+        model_id=i.model_id,
+        model_type=MODEL_TYPE_TO_PB[i.model_type],
+        model_type_name=i.model_type_name,
+        num_parameters=i.num_parameters,
+        hidden_size=i.hidden_size,
+        num_layers=i.num_layers,
+        num_heads=i.num_heads,
+        num_kv_heads=i.num_kv_heads,
+        head_dim=i.head_dim,
+        vocab_size=i.vocab_size,
+        max_sequence_length=i.max_sequence_length,
+        dtype=DTYPE_TO_PB[i.dtype],
+        device=device(i.device),
+    )
+    if i.version is not None:
+        out.version = i.version
+    if i.license is not None:
+        out.license = i.license
+    _value_map(out.metadata, i.metadata)
+    return out
+
+
+def capabilities(c: t.ExecutorCapabilities, limits: pb.ServiceLimits) -> pb.ExecutorCapabilities:
+    m = c.memory_requirements
+    out = pb.ExecutorCapabilities(
+        max_batch_size=c.max_batch_size,
+        max_sequence_length=c.max_sequence_length,
+        attention_mechanisms=[ATTENTION_TO_PB[a] for a in c.attention_mechanisms],
+        supports_dynamic_batching=c.supports_dynamic_batching,
+        supports_continuous_batching=c.supports_continuous_batching,
+        supports_speculative_decoding=c.supports_speculative_decoding,
+        supports_tensor_parallelism=c.supports_tensor_parallelism,
+        supports_pipeline_parallelism=c.supports_pipeline_parallelism,
+        supported_dtypes=[DTYPE_TO_PB[d] for d in c.supported_dtypes],
+        supported_devices=[DEVICE_TYPE_TO_PB[d] for d in c.supported_devices],
+        memory_requirements=pb.MemoryRequirements(
+            parameter_memory=m.parameter_memory,
+            activation_memory_per_token=m.activation_memory_per_token,
+            kv_cache_memory_per_token=m.kv_cache_memory_per_token,
+            overhead_memory=m.overhead_memory,
+        ),
+        supports_native_unified_decode=c.supports_native_unified_decode,
+        kv_block_size=c.kv_block_size,
+        kv_total_blocks=c.kv_total_blocks,
+        limits=limits,
+    )
+    if c.kv_capacity is not None:
+        out.kv_capacity = c.kv_capacity
+    return out
+
+
+def status(s: t.ExecutorStatus) -> pb.ExecutorStatus:
+    mu, kv = s.memory_usage, s.kv_pool
+    out = pb.ExecutorStatus(
+        state=STATE_TO_PB[s.state],
+        is_ready=s.is_ready,
+        current_batch_size=s.current_batch_size,
+        prefill_operations=s.prefill_operations,
+        decode_operations=s.decode_operations,
+        avg_prefill_time_ms=s.avg_prefill_time_ms,
+        avg_decode_time_ms=s.avg_decode_time_ms,
+        memory_usage=pb.MemoryUsage(
+            allocated_bytes=mu.allocated_bytes,
+            used_bytes=mu.used_bytes,
+            peak_bytes=mu.peak_bytes,
+            utilization_percent=mu.utilization_percent,
+        ),
+        kv_pool=pb.KvPoolStatus(
+            total_blocks=kv.total_blocks,
+            used_blocks=kv.used_blocks,
+            free_blocks=kv.free_blocks,
+            block_size=kv.block_size,
+            active_caches=kv.active_caches,
+            block_allocations=kv.block_allocations,
+            allocation_failures=kv.allocation_failures,
+        ),
+    )
+    if s.last_operation_unix_s is not None:
+        out.last_operation.FromNanoseconds(int(s.last_operation_unix_s * 1e9))
+    return out
+
+
+def cache_metrics(m: t.CacheMetrics) -> pb.CacheMetrics:
+    d, lock = m.decode_batch, m.executor_lock
+    return pb.CacheMetrics(
+        position=m.position,
+        source=m.source,
+        enabled=m.enabled,
+        hits=m.hits,
+        misses=m.misses,
+        evictions=m.evictions,
+        saved_prefill_tokens=m.saved_prefill_tokens,
+        entries=m.entries,
+        bytes=m.bytes,
+        block_size=m.block_size,
+        kv_dtype=DTYPE_TO_PB[m.kv_dtype],
+        decode_batch=pb.DecodeBatchMetrics(
+            schema_version=1,
+            calls=d.calls,
+            total_items=d.total_items,
+            avg_items_per_call=d.avg_items_per_call,
+            max_items=d.max_items,
+            last_items=d.last_items,
+            force_full_logits_calls=d.force_full_logits_calls,
+            singleton_fast_path_calls=d.singleton_fast_path_calls,
+            unsupported_fallback_calls=d.unsupported_fallback_calls,
+            lora_fallback_calls=d.lora_fallback_calls,
+            bucket_calls=pb.DecodeBatchBuckets(**d.bucket_calls),
+        ),
+        executor_lock=pb.ExecutorLockMetrics(
+            schema_version=1,
+            samples=lock.samples,
+            total_wait_time_us=lock.total_wait_time_us,
+            avg_wait_time_ms=lock.avg_wait_time_ms,
+        ),
+    )
+
+
+def lora_metrics(m: t.LoraMetrics) -> pb.LoraMetrics:
+    return pb.LoraMetrics(
+        enabled=m.enabled,
+        adapter_count=m.adapter_count,
+        active_cache_bindings=m.active_cache_bindings,
+        projection_applications=m.projection_applications,
+        position=m.position,
+        source=m.source,
+    )

@@ -1,0 +1,111 @@
+"""ExecutorServer: the grpc.aio server around one executor, with health and reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from executors.base import ModelExecutor
+from generated.modelexec.v1 import executor_pb2 as pb
+from generated.modelexec.v1 import executor_pb2_grpc as pb_grpc
+from service.config import ServeConfig
+from service.errors import ErrorMappingInterceptor
+from service.servicer import ModelExecutorServicer
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelExecutorService"].full_name
+
+
+def build_executor(config: ServeConfig) -> ModelExecutor:
+    if config.executor == "paged":
+        from executors.paged import PagedAttentionExecutor, PagedExecutorConfig
+
+        return PagedAttentionExecutor(PagedExecutorConfig(
+            num_blocks=config.num_blocks, block_size=config.block_size, max_batch_size=config.max_batch_size))
+    raise ValueError(f"unknown executor {config.executor!r}")
+
+
+def grpc_options(config: ServeConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        # A long forward sends no frames: let clients keep the connection alive with pings
+        # instead of being sent GOAWAY "too_many_pings".
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        # Two servers must not share a port silently.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class ExecutorServer:
+    def __init__(self, config: ServeConfig, executor: ModelExecutor | None = None) -> None:
+        self.config = config
+        self.executor = executor or build_executor(config)
+        self.health = health.aio.HealthServicer()
+        self.stopped = asyncio.Event()
+        self._server: grpc.aio.Server | None = None
+        self.address = ""
+
+    async def start(self) -> str:
+        """Bind, start serving and (unless disabled) warm up; returns the bound address."""
+        cfg = self.config
+        server = grpc.aio.server(
+            interceptors=[ErrorMappingInterceptor()],
+            options=grpc_options(cfg),
+            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
+        )
+        servicer = ModelExecutorServicer(self.executor, cfg, self._serving, self._shutdown_requested)
+        pb_grpc.add_ModelExecutorServiceServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        if cfg.reflection:
+            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        port = server.add_insecure_port(cfg.address)
+        self.address = cfg.address if cfg.unix_socket else f"{cfg.host}:{port}"
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.start()
+        self._server = server
+        log.info("listening on %s (executor %s)", self.address, self.executor.name)
+        if cfg.warmup_on_start:
+            await self.executor.warmup()
+            await self._serving()
+        return self.address
+
+    async def _set_health(self, status: int) -> None:
+        await self.health.set("", status)
+        await self.health.set(SERVICE_NAME, status)
+
+    async def _serving(self) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def _shutdown_requested(self, grace: float) -> None:
+        log.info("Shutdown RPC: stopping with %.1f s grace", grace)
+        asyncio.get_running_loop().create_task(self.stop(grace))
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Report NOT_SERVING, give calls in flight `grace` seconds, then stop."""
+        if self._server is None or self.stopped.is_set():
+            return
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._server.stop(self.config.grace_seconds if grace is None else grace)
+        self.stopped.set()
+
+    async def wait(self) -> None:
+        await self.stopped.wait()
+
+
+async def serve(config: ServeConfig) -> None:
+    server = ExecutorServer(config)
+    address = await server.start()
+    print(f"modelexec: serving the {server.executor.name} executor on {address}", flush=True)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: loop.create_task(server.stop()))
+    await server.wait()
+    print("modelexec: stopped", flush=True)

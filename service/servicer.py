@@ -1,0 +1,178 @@
+"""ModelExecutorService handlers: proto to domain, one executor call, domain to proto.
+
+No try/except here: service.errors.ErrorMappingInterceptor maps exceptions to statuses.
+Each response carries the call's timing (queue, executor, total) in nanoseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from executors.base import ModelExecutor
+from executors.errors import InvalidParameter, PermissionDenied
+from executors.timing import CallTimer, current_call_timer
+from generated.modelexec.v1 import executor_pb2 as pb
+from generated.modelexec.v1 import executor_pb2_grpc as pb_grpc
+from service import convert
+from service.config import ServeConfig
+
+SERVER_VERSION = "0.1.0"
+
+
+class _Call:
+    """Times one RPC: started on entry, read into the response on exit."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter_ns()
+        self.timer = CallTimer()
+        current_call_timer.set(self.timer)
+
+    def timing(self) -> pb.CallTiming:
+        return pb.CallTiming(
+            queue_ns=self.timer.queue_ns,
+            executor_ns=self.timer.executor_ns,
+            total_ns=time.perf_counter_ns() - self.started,
+        )
+
+
+class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
+    def __init__(
+        self,
+        executor: ModelExecutor,
+        config: ServeConfig,
+        on_warm: Callable[[], Awaitable[None]],
+        on_shutdown: Callable[[float], Awaitable[None]],
+    ) -> None:
+        self.executor = executor
+        self.config = config
+        self._on_warm = on_warm
+        self._on_shutdown = on_shutdown
+        self.limits = pb.ServiceLimits(
+            max_message_bytes=config.max_message_bytes,
+            max_batch_size=min(config.max_batch_size, executor.capabilities().max_batch_size),
+            max_tokens_per_request=config.max_tokens_per_request,
+        )
+
+    def _check_size(self, items: int, tokens: int, where: str) -> None:
+        if items > self.limits.max_batch_size:
+            raise InvalidParameter(
+                f"{where} holds {items} items, more than the server's max_batch_size {self.limits.max_batch_size}",
+                field=where)
+        if tokens > self.limits.max_tokens_per_request:
+            raise InvalidParameter(
+                f"request holds {tokens} tokens, more than the server's max_tokens_per_request "
+                f"{self.limits.max_tokens_per_request}", field=where)
+
+    # -- description ----------------------------------------------------------------------
+    async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
+        call = _Call()
+        return pb.GetInfoResponse(info=convert.model_info(self.executor.info()), server_version=SERVER_VERSION,
+                                  executor_name=self.executor.name, timing=call.timing())
+
+    async def GetCapabilities(self, request, context) -> pb.GetCapabilitiesResponse:
+        call = _Call()
+        caps = convert.capabilities(self.executor.capabilities(), self.limits)
+        return pb.GetCapabilitiesResponse(capabilities=caps, timing=call.timing())
+
+    async def GetStatus(self, request, context) -> pb.GetStatusResponse:
+        call = _Call()
+        return pb.GetStatusResponse(status=convert.status(self.executor.status()), timing=call.timing())
+
+    async def GetCacheMetrics(self, request, context) -> pb.GetCacheMetricsResponse:
+        call = _Call()
+        metrics = self.executor.cache_metrics()
+        out = pb.GetCacheMetricsResponse(timing=call.timing())
+        if metrics is not None:
+            out.metrics.CopyFrom(convert.cache_metrics(metrics))
+        return out
+
+    async def GetLoraMetrics(self, request, context) -> pb.GetLoraMetricsResponse:
+        call = _Call()
+        metrics = self.executor.lora_metrics()
+        out = pb.GetLoraMetricsResponse(timing=call.timing())
+        if metrics is not None:
+            out.metrics.CopyFrom(convert.lora_metrics(metrics))
+        return out
+
+    # -- prefill and decode ---------------------------------------------------------------
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        call = _Call()
+        self._check_size(1, len(request.input.input_ids), "input.input_ids")
+        out = await self.executor.prefill(convert.prefill_input(request.input, "input"))
+        return pb.PrefillResponse(output=convert.prefill_output(out), timing=call.timing())
+
+    async def Decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
+        call = _Call()
+        out = await self.executor.decode(convert.decode_input(request.input, "input"))
+        return pb.DecodeResponse(output=convert.decode_output(out), timing=call.timing())
+
+    async def BatchPrefill(self, request: pb.BatchPrefillRequest, context) -> pb.BatchPrefillResponse:
+        call = _Call()
+        self._check_size(len(request.inputs), sum(len(i.input_ids) for i in request.inputs), "inputs")
+        inputs = [convert.prefill_input(m, f"inputs[{i}]") for i, m in enumerate(request.inputs)]
+        outs = await self.executor.batch_prefill(inputs)
+        return pb.BatchPrefillResponse(outputs=[convert.prefill_output(o) for o in outs], timing=call.timing())
+
+    async def BatchDecode(self, request: pb.BatchDecodeRequest, context) -> pb.BatchDecodeResponse:
+        call = _Call()
+        self._check_size(len(request.inputs), len(request.inputs), "inputs")
+        inputs = [convert.decode_input(m, f"inputs[{i}]") for i, m in enumerate(request.inputs)]
+        outs = await self.executor.batch_decode(inputs)
+        return pb.BatchDecodeResponse(outputs=[convert.decode_output(o) for o in outs], timing=call.timing())
+
+    async def UnifiedDecode(self, request: pb.UnifiedDecodeRequest, context) -> pb.UnifiedDecodeResponse:
+        call = _Call()
+        items = request.batch.items
+        self._check_size(len(items), sum(len(i.q_tokens) for i in items), "batch.items")
+        results = await self.executor.unified_decode(
+            [convert.unified_item(m, f"batch.items[{i}]") for i, m in enumerate(items)])
+        return pb.UnifiedDecodeResponse(results=[convert.unified_result(r) for r in results], timing=call.timing())
+
+    # -- forward and speculative decoding -------------------------------------------------
+    async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:
+        call = _Call()
+        self._check_size(1, len(request.input_ids), "input_ids")
+        kind = convert.forward_kind(request.output)
+        out = await self.executor.forward(request.input_ids, kind, convert.forward_dtype(request.dtype))
+        return pb.ForwardResponse(output=convert.tensor(out), kind=convert.FORWARD_TO_PB[kind], timing=call.timing())
+
+    async def ForwardVerify(self, request: pb.ForwardVerifyRequest, context) -> pb.ForwardVerifyResponse:
+        call = _Call()
+        self._check_size(1, len(request.tokens), "tokens")
+        out = await self.executor.forward_verify(
+            convert.verify_handle(request), request.tokens,
+            convert.logits_policy(request.logits_policy, "logits_policy"))
+        return pb.ForwardVerifyResponse(outputs=[convert.logits_output(r) for r in out.outputs],
+                                        kv_cache=convert.handle(out.kv_cache), timing=call.timing())
+
+    async def TruncateKv(self, request: pb.TruncateKvRequest, context) -> pb.TruncateKvResponse:
+        call = _Call()
+        out = await self.executor.truncate_kv(convert.cache_id(request.cache_id), request.new_length)
+        return pb.TruncateKvResponse(kv_cache=convert.handle(out.kv_cache), freed_blocks=out.freed_blocks,
+                                     timing=call.timing())
+
+    async def ReleaseCache(self, request: pb.ReleaseCacheRequest, context) -> pb.ReleaseCacheResponse:
+        call = _Call()
+        out = await self.executor.release_cache(convert.cache_id(request.cache_id))
+        return pb.ReleaseCacheResponse(released=out.released, freed_blocks=out.freed_blocks, timing=call.timing())
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def Warmup(self, request: pb.WarmupRequest, context) -> pb.WarmupResponse:
+        call = _Call()
+        await self.executor.warmup()
+        await self._on_warm()
+        return pb.WarmupResponse(timing=call.timing())
+
+    async def Shutdown(self, request: pb.ShutdownRequest, context) -> pb.ShutdownResponse:
+        call = _Call()
+        if not self.config.allow_shutdown:
+            raise PermissionDenied("Shutdown is disabled: start the server with --allow-shutdown to permit it")
+        grace = request.grace_seconds
+        if not 0 <= grace <= 3600:
+            raise InvalidParameter(f"grace_seconds must be in [0, 3600], got {grace}", field="grace_seconds")
+        released = await self.executor.shutdown()
+        await self._on_shutdown(grace or self.config.grace_seconds)
+        return pb.ShutdownResponse(released_caches=released, timing=call.timing())
