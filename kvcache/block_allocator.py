@@ -37,7 +37,13 @@ class BlockAllocator:
         return self.num_total - self.num_free
 
     def ref_count(self, block_id: int) -> int:
-        return self._ref_counts[block_id]
+        return self._ref_counts[self._checked(block_id)]
+
+    def _checked(self, block_id: int) -> int:
+        # A negative id would silently index from the end of the list.
+        if not 0 <= block_id < len(self._ref_counts):
+            raise ValueError(f"block id {block_id} is outside the pool [0, {len(self._ref_counts)})")
+        return block_id
 
     def allocate(self, n: int) -> list[int]:
         """Take n free blocks, each with ref count 1; all or none."""
@@ -54,13 +60,13 @@ class BlockAllocator:
 
     def incref(self, block_id: int) -> None:
         """Add a holder to a block that is already held (prefix sharing)."""
-        if self._ref_counts[block_id] < 1:
+        if self._ref_counts[self._checked(block_id)] < 1:
             raise ValueError(f"block {block_id} is free; allocate it instead of sharing it")
         self._ref_counts[block_id] += 1
 
     def decref(self, block_id: int) -> bool:
         """Drop one holder; returns True when that freed the block."""
-        count = self._ref_counts[block_id]
+        count = self._ref_counts[self._checked(block_id)]
         if count < 1:
             raise ValueError(f"block {block_id} is already free")
         self._ref_counts[block_id] = count - 1

@@ -47,12 +47,10 @@ class InvalidCacheId(KvCacheError):
 
 
 class InvalidLength(KvCacheError):
-    """A length that the cache cannot take (truncating past its end)."""
+    """A length the cache cannot take: truncating past its end, or "extending" backwards."""
 
-    def __init__(self, cache_id: str, requested: int, current: int) -> None:
+    def __init__(self, cache_id: str, requested: int, current: int, action: str = "truncate") -> None:
         self.cache_id = cache_id
         self.requested = requested
         self.current = current
-        super().__init__(
-            f"cannot truncate KV cache {cache_id!r} to {requested} tokens: it holds {current}"
-        )
+        super().__init__(f"cannot {action} KV cache {cache_id!r} to {requested} tokens: it holds {current}")

@@ -86,6 +86,9 @@ class KvCacheManager:
         KvCacheExhausted and change nothing.
         """
         tables = [(self.get(cid), length) for cid, length in targets]
+        for (cid, length), (table, _) in zip(targets, tables):
+            if length < table.num_tokens:
+                raise InvalidLength(cid, length, table.num_tokens, action="extend")
         needed = sum(t.blocks_missing(length) for t, length in tables)
         if needed > self.allocator.num_free:
             self.allocator.allocation_failures += 1

@@ -1,0 +1,91 @@
+"""Python client of the modelexec.v1 executor service (no torch: grpc, protobuf, NumPy).
+
+    from client import ExecutorClient, PrefillInput, LogitsPolicy
+    with ExecutorClient("localhost:50051") as ex:
+        out = ex.prefill(PrefillInput([1, 2, 3], logits_policy=LogitsPolicy.argmax()))
+
+`client.aio.AsyncExecutorClient` is the asyncio twin; failures raise the typed
+exceptions of `client.errors`.
+"""
+
+from client.aio import AsyncExecutorClient
+from client.blocking import ExecutorClient
+from client.errors import (
+    AbortedError,
+    AlreadyExistsError,
+    CallCancelledError,
+    DataLossError,
+    DeadlineExceededError,
+    ExecutorError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    OutOfRangeError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+    UnimplementedError,
+    UnknownError,
+    from_rpc_error,
+)
+from client.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, HEALTH_SERVICE_NAME
+from client.types import (
+    CallTiming,
+    DecodeInput,
+    DecodeOutput,
+    ForwardOutput,
+    ForwardVerifyOutput,
+    KvCacheHandle,
+    LogitsOutput,
+    LogitsPolicy,
+    PrefillInput,
+    PrefillOutput,
+    ReleaseResult,
+    TruncateResult,
+    UnifiedBatch,
+    UnifiedBatchItem,
+    UnifiedItemResult,
+)
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_TIMEOUT_S",
+    "HEALTH_SERVICE_NAME",
+    "AbortedError",
+    "AlreadyExistsError",
+    "AsyncExecutorClient",
+    "CallCancelledError",
+    "CallTiming",
+    "DataLossError",
+    "DeadlineExceededError",
+    "DecodeInput",
+    "DecodeOutput",
+    "ExecutorClient",
+    "ExecutorError",
+    "FailedPreconditionError",
+    "ForwardOutput",
+    "ForwardVerifyOutput",
+    "InternalError",
+    "InvalidArgumentError",
+    "KvCacheHandle",
+    "LogitsOutput",
+    "LogitsPolicy",
+    "NotFoundError",
+    "OutOfRangeError",
+    "PermissionDeniedError",
+    "PrefillInput",
+    "PrefillOutput",
+    "ReleaseResult",
+    "ResourceExhaustedError",
+    "TruncateResult",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "UnifiedBatch",
+    "UnifiedBatchItem",
+    "UnifiedItemResult",
+    "UnimplementedError",
+    "UnknownError",
+    "from_rpc_error",
+]

@@ -1,0 +1,87 @@
+"""Shared fixtures: real servers on localhost or a unix socket, driven through the real client."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import pytest
+
+from client import ExecutorClient
+from service.config import ServeConfig
+from service.server import ExecutorServer
+
+# The reference configuration of the paged executor tests: small blocks so that every
+# sequence spans several, non-contiguous ones.
+PAGED_TEST_CONFIG = ServeConfig(port=0, block_size=4, num_blocks=256)
+
+
+@dataclass
+class RunningServer:
+    """An ExecutorServer serving on its own event loop in a background thread."""
+
+    server: ExecutorServer
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    @property
+    def executor(self):
+        return self.server.executor
+
+    def call(self, coro, timeout: float = 30.0):
+        """Run a coroutine on the server's loop (to reach the executor in-process)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(30)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(30)
+
+
+def start_server(config: ServeConfig) -> RunningServer:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="test-server", daemon=True)
+    thread.start()
+
+    async def make() -> ExecutorServer:
+        server = ExecutorServer(config)
+        await server.start()
+        return server
+
+    server = asyncio.run_coroutine_threadsafe(make(), loop).result(60)
+    return RunningServer(server, loop, thread)
+
+
+@pytest.fixture(scope="session")
+def paged_server() -> Iterator[RunningServer]:
+    running = start_server(PAGED_TEST_CONFIG)
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def client(paged_server: RunningServer) -> Iterator[ExecutorClient]:
+    with ExecutorClient(paged_server.address, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture
+def make_server() -> Iterator[Callable[..., RunningServer]]:
+    """Start a dedicated server with config overrides; stopped after the test."""
+    started: list[RunningServer] = []
+
+    def make(**overrides) -> RunningServer:
+        running = start_server(replace(PAGED_TEST_CONFIG, **overrides))
+        started.append(running)
+        return running
+
+    yield make
+    for running in started:
+        running.stop()
