@@ -13,10 +13,13 @@ class ExecutorError(Exception):
 
     reason = "EXECUTOR_ERROR"
 
-    def __init__(self, message: str, *, field: str | None = None, **details: object) -> None:
+    def __init__(self, message: str, *, field: str | None = None, reason: str | None = None,
+                 **details: object) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+        if reason is not None:
+            self.reason = reason  # a more specific ErrorInfo reason than the class's
         self.details = {k: str(v) for k, v in details.items()}
 
 

@@ -282,7 +282,7 @@ class KvCacheExecutor(ModelExecutor):
             if [int(p) for p in inp.position_ids] != expected:
                 raise FailedPrecondition(
                     f"{where}.position_ids must continue the cache: expected {start}..{start + len(tokens) - 1}",
-                    field=f"{where}.position_ids")
+                    field=f"{where}.position_ids", reason="POSITION_MISMATCH")
         if handle is None:
             return ItemSpec(where, None, 0, True, tokens, Rows.LAST, inp.logits_policy, False)
         return ItemSpec(where, handle.cache_id, start, start == 0, tokens, Rows.LAST, inp.logits_policy, False)
@@ -294,7 +294,7 @@ class KvCacheExecutor(ModelExecutor):
         if inp.position_id is not None and inp.position_id != length:
             raise FailedPrecondition(
                 f"{where}.position_id {inp.position_id} does not continue the cache (length {length})",
-                field=f"{where}.position_id")
+                field=f"{where}.position_id", reason="POSITION_MISMATCH")
         return ItemSpec(where, inp.kv_cache.cache_id, length, False, tokens, Rows.LAST, inp.logits_policy, True)
 
     def _unified_spec(self, it: UnifiedBatchItem, where: str) -> ItemSpec:
@@ -374,7 +374,7 @@ class KvCacheExecutor(ModelExecutor):
                 raise FailedPrecondition(
                     f"{s.where}: cache {s.cache_id!r} holds {table.num_tokens} tokens but the request "
                     f"continues it at {s.expected_length}; the caller's handle is stale",
-                    field=s.where, cache_id=s.cache_id, cache_length=table.num_tokens)
+                    field=s.where, reason="STALE_CACHE_HANDLE", cache_id=s.cache_id, cache_length=table.num_tokens)
             cache_id = s.cache_id
         elif s.cache_id is not None and not s.may_create:
             self.kv.get(s.cache_id)  # raises CacheNotFound, saying whether it was released

@@ -9,6 +9,7 @@ from kvcache.block_table import BlockTable
 from kvcache.errors import (
     CacheAlreadyExists,
     CacheNotFound,
+    DuplicateCache,
     InvalidCacheId,
     InvalidLength,
     KvCacheError,
@@ -21,6 +22,7 @@ __all__ = [
     "BlockTable",
     "CacheAlreadyExists",
     "CacheNotFound",
+    "DuplicateCache",
     "InvalidCacheId",
     "InvalidLength",
     "KvCacheError",

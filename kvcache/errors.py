@@ -46,6 +46,14 @@ class InvalidCacheId(KvCacheError):
         super().__init__(f"cache id {cache_id[:64]!r} is invalid: {reason}")
 
 
+class DuplicateCache(KvCacheError):
+    """One batch names the same cache twice; its growth would be ambiguous."""
+
+    def __init__(self, cache_id: str) -> None:
+        self.cache_id = cache_id
+        super().__init__(f"KV cache {cache_id!r} appears twice in one batch")
+
+
 class InvalidLength(KvCacheError):
     """A length the cache cannot take: truncating past its end, or "extending" backwards."""
 

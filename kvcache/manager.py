@@ -12,6 +12,7 @@ from kvcache.block_table import BlockTable
 from kvcache.errors import (
     CacheAlreadyExists,
     CacheNotFound,
+    DuplicateCache,
     InvalidCacheId,
     InvalidLength,
     KvCacheExhausted,
@@ -83,8 +84,13 @@ class KvCacheManager:
         """Grow each named cache to hold its target length and set its length to it.
 
         All or nothing: if the blocks needed by all targets together are not free, raise
-        KvCacheExhausted and change nothing.
+        KvCacheExhausted and change nothing. Each cache may appear once.
         """
+        seen: set[str] = set()
+        for cid, _ in targets:
+            if cid in seen:
+                raise DuplicateCache(cid)
+            seen.add(cid)
         tables = [(self.get(cid), length) for cid, length in targets]
         for (cid, length), (table, _) in zip(targets, tables):
             if length < table.num_tokens:

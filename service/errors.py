@@ -65,6 +65,8 @@ def to_status_error(exc: BaseException) -> StatusError:
                            "CACHE_RELEASED" if exc.released else "CACHE_NOT_FOUND", cache_id=exc.cache_id)
     if isinstance(exc, kvcache.CacheAlreadyExists):
         return StatusError(grpc.StatusCode.ALREADY_EXISTS, str(exc), "CACHE_ALREADY_EXISTS", cache_id=exc.cache_id)
+    if isinstance(exc, kvcache.DuplicateCache):
+        return StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "DUPLICATE_CACHE", cache_id=exc.cache_id)
     if isinstance(exc, kvcache.InvalidCacheId):
         return StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "INVALID_CACHE_ID", field="cache_id")
     if isinstance(exc, kvcache.InvalidLength):

@@ -45,13 +45,13 @@ class RunningServer:
             self.thread.join(30)
 
 
-def start_server(config: ServeConfig) -> RunningServer:
+def start_server(config: ServeConfig, executor=None) -> RunningServer:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="test-server", daemon=True)
     thread.start()
 
     async def make() -> ExecutorServer:
-        server = ExecutorServer(config)
+        server = ExecutorServer(config, executor)
         await server.start()
         return server
 
@@ -77,8 +77,8 @@ def make_server() -> Iterator[Callable[..., RunningServer]]:
     """Start a dedicated server with config overrides; stopped after the test."""
     started: list[RunningServer] = []
 
-    def make(**overrides) -> RunningServer:
-        running = start_server(replace(PAGED_TEST_CONFIG, **overrides))
+    def make(executor=None, **overrides) -> RunningServer:
+        running = start_server(replace(PAGED_TEST_CONFIG, **overrides), executor)
         started.append(running)
         return running
 

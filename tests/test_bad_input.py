@@ -91,7 +91,7 @@ def test_full_logits_must_be_a_float_dtype(stub):
 def test_decode_bad_inputs(client, stub, live):
     expect(C.NOT_FOUND, client.decode, DecodeInput(1, KvCacheHandle("never-made", 5)))
     err = expect(C.FAILED_PRECONDITION, client.decode, DecodeInput(1, KvCacheHandle(live.cache_id, 4)))
-    assert "stale" in err.details_message
+    assert "stale" in err.details_message and err.reason == "STALE_CACHE_HANDLE"
     expect(C.INVALID_ARGUMENT, client.decode, DecodeInput(999, live))
     expect(C.FAILED_PRECONDITION, client.decode, DecodeInput(1, live, position_id=9))
     handle = pb.KvCacheHandle(cache_id=live.cache_id, block_table=pb.BlockTable(sequence_length=5))
