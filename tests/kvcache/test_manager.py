@@ -7,6 +7,7 @@ import pytest
 from kvcache import (
     CacheAlreadyExists,
     CacheNotFound,
+    DuplicateCache,
     InvalidCacheId,
     InvalidLength,
     KvCacheError,
@@ -273,33 +274,64 @@ def test_extend_many_unknown_cache_changes_nothing() -> None:
     assert m.allocator.allocation_failures == 0
 
 
-def test_extend_to_a_shorter_length_keeps_invariants() -> None:
-    """extend() is growth; a target below the current length must not break the books.
-
-    BUG: extend_many sets num_tokens to the smaller length but keeps every block, so a
-    cache of 8 tokens "extended" to 2 holds 2 blocks for 2 tokens and
-    check_invariants() fails (the extra block is not freed and is never reclaimed by a
-    later truncate either). Either refuse (InvalidLength) or leave the cache as it is.
-    """
+def test_extend_to_a_shorter_length_is_refused() -> None:
+    """extend() only grows; a target below the current length raises and changes nothing."""
     m = make(12, 4)
     cid, t = m.create()
     m.extend(cid, 8)
-    try:
+    before = list(t.block_ids)
+    with pytest.raises(InvalidLength) as info:
         m.extend(cid, 2)
-    except InvalidLength:
-        pass
+    assert (info.value.cache_id, info.value.requested, info.value.current) == (cid, 2, 8)
+    assert t.block_ids == before and t.num_tokens == 8
+    assert m.allocator.allocation_failures == 0
     m.check_invariants()
-    assert m.allocator.num_used == t.blocks_for(t.num_tokens)
 
 
-def test_extend_to_a_negative_length_is_refused() -> None:
-    """BUG: extend(cid, -1) is accepted and sets num_tokens to -1."""
+@pytest.mark.parametrize("start", [0, 4])
+def test_extend_to_a_negative_length_is_refused(start: int) -> None:
     m = make(12, 4)
     cid, t = m.create()
-    m.extend(cid, 4)
-    with pytest.raises((InvalidLength, ValueError)):
+    m.extend(cid, start)
+    with pytest.raises(InvalidLength):
         m.extend(cid, -1)
-    assert t.num_tokens == 4
+    assert t.num_tokens == start
+    m.check_invariants()
+
+
+def test_extend_many_with_one_backward_target_changes_nothing() -> None:
+    m = make(12, 4)
+    a, ta = m.create()
+    b, tb = m.create()
+    m.extend(b, 8)
+    with pytest.raises(InvalidLength):
+        m.extend_many([(a, 8), (b, 4)])
+    assert ta.block_ids == [] and ta.num_tokens == 0
+    assert tb.num_tokens == 8 and len(tb.block_ids) == 2
+    assert m.allocator.num_used == 2
+    assert m.allocator.allocation_failures == 0
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("targets", [[8, 4], [4, 8], [4, 4]])
+def test_extend_many_same_cache_twice_is_rejected(targets: list[int]) -> None:
+    """A batch naming one cache twice is refused before anything moves.
+
+    (Summing per entry would over-count the blocks needed, giving a spurious
+    KvCacheExhausted, and a later smaller entry would leave blocks past the length.)
+    """
+    m = make(2, 4)
+    a, t = m.create()
+    b, tb = m.create()
+    with pytest.raises(DuplicateCache) as info:
+        m.extend_many([(a, targets[0]), (b, 1), (a, targets[1])])
+    assert isinstance(info.value, KvCacheError)
+    assert not isinstance(info.value, KvCacheExhausted)
+    assert info.value.cache_id == a
+    assert t.block_ids == [] and t.num_tokens == 0
+    assert tb.block_ids == [] and tb.num_tokens == 0
+    assert m.allocator.num_free == 2
+    assert m.allocator.allocation_failures == 0
     m.check_invariants()
 
 
