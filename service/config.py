@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-EXECUTORS = ("paged",)
+EXECUTORS = ("llm", "paged")
+# Where the set-up (`make model`) converts the embedded SmolLM2-135M-Instruct.
+DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,8 +18,11 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     unix_socket: str | None = None
-    # What to host.
-    executor: str = "paged"
+    # What to host: a real model (llm) or the weight-free paged reference executor.
+    executor: str = "llm"
+    model: str = DEFAULT_MODEL_DIR
+    dtype: str = "auto"
+    device: str = "cpu"
     num_blocks: int = 1024
     block_size: int = 16
     # Limits, shown by GetCapabilities. Messages are capped on both ends: gRPC's default
@@ -44,6 +49,10 @@ class ServeConfig:
             raise ValueError("max_message_bytes must be in [1024, 2**31 - 1] (protobuf caps messages at 2 GiB)")
         if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs < 1:
             raise ValueError("max_concurrent_rpcs must be >= 1")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.grace_seconds < 0:
             raise ValueError("grace_seconds must be >= 0")
 
@@ -59,7 +68,13 @@ def parse_args(argv: Sequence[str] | None = None) -> ServeConfig:
     p.add_argument("--host", default=defaults.host, help="TCP host to bind (default %(default)s)")
     p.add_argument("--port", type=int, default=defaults.port, help="TCP port; 0 picks a free one (default %(default)s)")
     p.add_argument("--unix-socket", default=None, help="listen on this unix socket path instead of TCP")
-    p.add_argument("--executor", choices=EXECUTORS, default=defaults.executor, help="executor to host")
+    p.add_argument("--executor", choices=EXECUTORS, default=defaults.executor,
+                   help="llm: a Hugging Face model directory; paged: the weight-free reference (default %(default)s)")
+    p.add_argument("--model", default=defaults.model,
+                   help="model directory for --executor llm (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=defaults.dtype,
+                   help="weights and KV dtype; auto is float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--device", default=defaults.device, help="cpu or cuda[:N]")
     p.add_argument("--num-blocks", type=int, default=defaults.num_blocks, help="KV blocks in the pool")
     p.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
     p.add_argument("--max-message-bytes", type=int, default=defaults.max_message_bytes,

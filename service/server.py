@@ -27,7 +27,11 @@ def build_executor(config: ServeConfig) -> ModelExecutor:
 
         return PagedAttentionExecutor(PagedExecutorConfig(
             num_blocks=config.num_blocks, block_size=config.block_size, max_batch_size=config.max_batch_size))
-    raise ValueError(f"unknown executor {config.executor!r}")
+    from executors.llm import LlmExecutor, LlmExecutorConfig
+
+    return LlmExecutor(LlmExecutorConfig(
+        model_dir=config.model, dtype=config.dtype, device=config.device, num_blocks=config.num_blocks,
+        block_size=config.block_size, max_batch_size=config.max_batch_size))
 
 
 def grpc_options(config: ServeConfig) -> list[tuple[str, int]]:

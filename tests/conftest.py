@@ -15,7 +15,7 @@ from service.server import ExecutorServer
 
 # The reference configuration of the paged executor tests: small blocks so that every
 # sequence spans several, non-contiguous ones.
-PAGED_TEST_CONFIG = ServeConfig(port=0, block_size=4, num_blocks=256)
+PAGED_TEST_CONFIG = ServeConfig(port=0, executor="paged", block_size=4, num_blocks=256)
 
 
 @dataclass

@@ -1,0 +1,164 @@
+"""LlmExecutor: a real decoder-only model behind the executor interface.
+
+The model's KV lives in the paged pool, keyed by cache id (KvCacheExecutor does the
+bookkeeping). Every step — prefill, batch prefill, decode, batch decode, unified batches,
+verification — is one flat forward over all the items' tokens, with attention segmented
+per sequence and the lm_head run only on the rows that need logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from executors.kv_executor import KvCacheExecutor, Rows, StepItem
+from executors.models.attention import Segment, StepContext
+from executors.models.decoder import DecoderLM
+from executors.models.loader import load_model
+from executors.types import (
+    AttentionType,
+    DType,
+    ExecutorCapabilities,
+    MemoryRequirements,
+    ModelInfo,
+    ModelType,
+)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FAMILY_TYPES = {"llama": ModelType.LLAMA, "qwen2": ModelType.QWEN, "qwen3": ModelType.QWEN}
+
+
+@dataclass(frozen=True, slots=True)
+class LlmExecutorConfig:
+    model_dir: str
+    dtype: str = "auto"  # float32, bfloat16, float16; auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "cpu"
+    num_blocks: int = 1024
+    block_size: int = 16
+    max_batch_size: int = 64
+    max_sequence_length: int | None = None  # default: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in TORCH_DTYPES:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.device == "cpu" else torch.bfloat16
+        return TORCH_DTYPES[self.dtype]
+
+
+class LlmExecutor(KvCacheExecutor):
+    name = "llm"
+
+    def __init__(self, config: LlmExecutorConfig, model: DecoderLM | None = None) -> None:
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
+        self.config = config
+        self.model = model or load_model(config.model_dir, config.torch_dtype, config.device)
+        mc = self.model.config
+        self.model_config = mc
+        super().__init__(
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            vocab_size=mc.vocab_size,
+            max_sequence_length=min(config.max_sequence_length or mc.max_position_embeddings,
+                                    mc.max_position_embeddings),
+            max_batch_size=config.max_batch_size,
+            num_blocks=config.num_blocks,
+            block_size=config.block_size,
+            kv_dtype=config.torch_dtype,
+            device=config.device,
+        )
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        self._param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def parameter_bytes(self) -> int:
+        return self._param_bytes
+
+    # -- the forward ----------------------------------------------------------------------
+    def _forward_step(self, items: list[StepItem]) -> list[torch.Tensor | None]:
+        dev = self.config.device
+        ids, positions, slots, segments = [], [], [], []
+        for it in items:
+            end = it.start + len(it.tokens)
+            ids.extend(it.tokens)
+            positions.extend(range(it.start, end))
+            slots.extend(it.table.slots(it.start, end))
+            context = torch.tensor(it.table.slots(0, end), device=dev) if it.start else None
+            segments.append(Segment(q_start=len(ids) - len(it.tokens), q_len=len(it.tokens), start=it.start,
+                                    context_slots=context))
+        ctx = StepContext(segments, self.pool, torch.tensor(slots, device=dev))
+        hidden = self.model.hidden_states(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), ctx)
+        # The lm_head runs once, on the rows that need logits only.
+        rows: list[int] = []
+        spans: list[tuple[int, int] | None] = []
+        for it, seg in zip(items, segments):
+            if it.rows is Rows.NONE:
+                spans.append(None)
+                continue
+            first = seg.q_start if it.rows is Rows.ALL else seg.q_start + seg.q_len - 1
+            spans.append((len(rows), seg.q_start + seg.q_len - first))
+            rows.extend(range(first, seg.q_start + seg.q_len))
+        logits = self.model.logits(hidden[torch.tensor(rows, device=dev)]) if rows else None
+        return [None if s is None else logits[s[0]:s[0] + s[1]] for s in spans]
+
+    def _forward_sequence(self, tokens: list[int], hidden: bool) -> torch.Tensor:
+        dev = self.config.device
+        ctx = StepContext([Segment(0, len(tokens), 0, None)])
+        h = self.model.hidden_states(torch.tensor(tokens, device=dev), torch.arange(len(tokens), device=dev), ctx)
+        return h if hidden else self.model.logits(h)
+
+    # -- description ----------------------------------------------------------------------
+    def info(self) -> ModelInfo:
+        mc = self.model_config
+        return ModelInfo(
+            model_id=Path(self.config.model_dir).name,
+            model_type=FAMILY_TYPES[mc.family],
+            model_type_name=mc.architecture,
+            num_parameters=self.num_parameters,
+            hidden_size=mc.hidden_size,
+            num_layers=mc.num_layers,
+            num_heads=mc.num_heads,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            vocab_size=mc.vocab_size,
+            max_sequence_length=self.max_sequence_length,
+            dtype=DType(str(self.config.torch_dtype).removeprefix("torch.")),
+            device=self.config.device,
+            metadata={"architecture": mc.architecture, "family": mc.family,
+                      "eos_token_ids": list(mc.eos_token_ids), "bos_token_id": mc.bos_token_id},
+        )
+
+    def capabilities(self) -> ExecutorCapabilities:
+        mc = self.model_config
+        attention = AttentionType.GROUPED_QUERY if mc.num_kv_heads < mc.num_heads else AttentionType.MULTI_HEAD
+        return ExecutorCapabilities(
+            max_batch_size=self.max_batch_size,
+            max_sequence_length=self.max_sequence_length,
+            attention_mechanisms=(attention, AttentionType.PAGED),
+            supports_dynamic_batching=True,
+            supports_continuous_batching=True,
+            supports_speculative_decoding=True,
+            supports_tensor_parallelism=False,
+            supports_pipeline_parallelism=False,
+            supported_dtypes=(DType.FLOAT32, DType.BFLOAT16, DType.FLOAT16),
+            supported_devices=("cpu", "cuda"),
+            memory_requirements=MemoryRequirements(
+                parameter_memory=self._param_bytes,
+                activation_memory_per_token=4 * (mc.hidden_size * 4 + mc.intermediate_size * 2),
+                kv_cache_memory_per_token=self.pool.bytes_per_token,
+                overhead_memory=0,
+            ),
+            kv_capacity=self.kv_capacity(),
+            supports_native_unified_decode=True,
+            kv_block_size=self.kv.block_size,
+            kv_total_blocks=self.kv.allocator.num_total,
+        )

@@ -1,0 +1,79 @@
+"""Loading a Hugging Face layout directory (config.json + safetensors) into a DecoderLM.
+
+Tensors are read through safetensors' memory map, one at a time, converted to the serving
+dtype and moved to the device, so peak host memory stays near one copy of the weights.
+Every expected tensor must be present with its exact shape; anything else is an error
+that names the tensor, raised at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from executors.models.config import DecoderConfig, UnsupportedModel
+from executors.models.decoder import DecoderLM
+from executors.models.layers import RotaryEmbedding
+
+log = logging.getLogger(__name__)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise UnsupportedModel(f"{model_dir}: shards named by the index are missing: {', '.join(missing)}")
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise UnsupportedModel(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device) -> DecoderLM:
+    model_dir = Path(model_dir)
+    config = DecoderConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        model = DecoderLM(config)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    files = weight_files(model_dir)
+    total = sum(f.stat().st_size for f in files)
+    state: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    done, next_report, started = 0, 0.1, time.perf_counter()
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name not in expected:
+                    tied_head = name == "lm_head.weight" and config.tie_word_embeddings
+                    if not tied_head and not name.endswith(IGNORED_SUFFIXES):
+                        unexpected.append(name)
+                    continue
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != expected[name]:
+                    raise UnsupportedModel(
+                        f"{path.name}: tensor {name} has shape {tuple(tensor.shape)}, the config implies {expected[name]}")
+                state[name] = tensor.to(dtype=dtype, device=device)
+                done += tensor.numel() * tensor.element_size()
+                if done >= next_report * total:
+                    log.info("loading %s: %3.0f%% of %.0f MB", model_dir.name, 100 * done / total, total / 1e6)
+                    next_report += 0.1
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise UnsupportedModel(f"{model_dir}: missing tensors: {shown}")
+    if unexpected:
+        shown = ", ".join(sorted(unexpected)[:5])
+        raise UnsupportedModel(f"{model_dir}: tensors the {config.architecture} config does not expect: {shown}")
+    model.load_state_dict(state, assign=True, strict=True)
+    model.rope = RotaryEmbedding(config).to(device)
+    log.info("loaded %s (%s) in %.1f s", model_dir.name, config.architecture, time.perf_counter() - started)
+    return model.eval()
