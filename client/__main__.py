@@ -1,4 +1,4 @@
-"""`python -m client [--target HOST:PORT] COMMAND`: inspect a running executor.
+"""`python -m client [--target HOST:PORT] COMMAND`: inspect a running executor, or generate text.
 
 One function per subcommand, registered in `_COMMANDS`, so adding one is two lines.
 """
@@ -52,6 +52,44 @@ def cmd_health(ex: ExecutorClient, args: argparse.Namespace) -> Message | None:
     return ex.health()
 
 
+def cmd_generate(ex: ExecutorClient, args: argparse.Namespace) -> None:
+    """Stream a completion of --prompt (or a chat reply with --chat) to stdout."""
+    from client.generate import generate_text
+    from client.tokenizer import TextTokenizer
+    from client.types import LogitsPolicy
+
+    tok = TextTokenizer(args.tokenizer)
+    text = args.prompt
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        text = tok.apply_chat_template(messages + [{"role": "user", "content": args.prompt}])
+    policy = (LogitsPolicy.argmax() if args.temperature == 0 else
+              LogitsPolicy.sample(args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed))
+    stop = set() if args.ignore_eos else tok.eos_ids
+    if not args.chat:
+        print(args.prompt, end="", flush=True)
+    for piece in generate_text(ex, tok, tok.encode(text), max_tokens=args.max_tokens, policy=policy, stop_ids=stop):
+        print(piece, end="", flush=True)
+    print()
+    return None
+
+
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    from client.tokenizer import DEFAULT_TOKENIZER_DIR
+
+    p.add_argument("--prompt", required=True, help="text to complete (or the user message with --chat)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--max-tokens", type=int, default=64, help="most new tokens (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 keeps all")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+    p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER_DIR),
+                   help="directory with the served model's tokenizer.json (default: the embedded model)")
+
+
 _COMMANDS: dict[str, tuple[Command, str]] = {
     "info": (cmd_info, "model and server description (GetInfo)"),
     "capabilities": (cmd_capabilities, "executor capabilities and limits"),
@@ -59,7 +97,9 @@ _COMMANDS: dict[str, tuple[Command, str]] = {
     "cache-metrics": (cmd_cache_metrics, "KV reuse and decode batching metrics (null when none)"),
     "lora-metrics": (cmd_lora_metrics, "LoRA adapter metrics (null when none)"),
     "health": (cmd_health, "grpc.health.v1 status of the executor service"),
+    "generate": (cmd_generate, "stream generated text from a prompt through the server"),
 }
+_EXTRA_ARGUMENTS = {"generate": _generate_arguments}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="per-call deadline, seconds")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (func, help_text) in _COMMANDS.items():
-        sub.add_parser(name, help=help_text).set_defaults(func=func)
+        command = sub.add_parser(name, help=help_text)
+        command.set_defaults(func=func)
+        if name in _EXTRA_ARGUMENTS:
+            _EXTRA_ARGUMENTS[name](command)
     return parser
 
 
@@ -76,8 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         with ExecutorClient(args.target, timeout=args.timeout) as ex:
-            print(_to_json(args.func(ex, args)))
-    except ExecutorError as e:
+            result = args.func(ex, args)
+            if args.command != "generate":
+                print(_to_json(result))
+    except (ExecutorError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -37,6 +37,10 @@ MARKER = "conversion.json"
 OUTPUT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                 "tokenizer_config.json", "special_tokens_map.json", MARKER)
 CONTROL_TOKEN = 3  # llama.cpp's token_type for special tokens such as <|im_start|>
+# Not "GPT2Tokenizer" (what the SmolLM2 repo names): transformers 5 rebuilds that class from vocab
+# and merges with its own ByteLevel-only pre-tokenizer, dropping tokenizer.json's Digits split.
+# PreTrainedTokenizerFast loads tokenizer.json as written, in transformers 4 and 5 alike.
+TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 # GGUF leaf names -> Hugging Face names, inside model.layers.{i}.
 _BLOCK_NAMES = {
@@ -46,6 +50,8 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# llama.cpp pre-types that split off every digit before GPT-2's regex, as HF's Digits does.
+_DIGIT_SPLIT_PRE_TYPES = {"smollm", "starcoder", "refact"}
 
 
 def default_gguf_path() -> Path:
@@ -155,9 +161,10 @@ def convert_tensors(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str
 
 
 def build_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
-    """A byte-level BPE tokenizer equal to the one Hugging Face ships for SmolLM2.
+    """A byte-level BPE tokenizer equal to the tokenizer.json Hugging Face ships for SmolLM2.
 
-    llama.cpp's "smollm" pre-type mirrors HF's Sequence(Digits(individual), ByteLevel(regex)).
+    llama.cpp's "smollm" pre-type (regexes "\\p{N}" then GPT-2's) mirrors HF's
+    Sequence(Digits(individual_digits=True), ByteLevel(use_regex=True)).
     """
     if _require(reader, "tokenizer.ggml.model") != "gpt2":
         raise ValueError("only byte-level BPE (tokenizer.ggml.model 'gpt2') tokenizers are supported")
@@ -166,13 +173,14 @@ def build_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
     types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
     vocab = {token: index for index, token in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=False, fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-    ])
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
-    if pre not in ("smollm", "gpt2", "default"):
-        print(f"  warning: pre-tokenizer type {pre!r} approximated by SmolLM2's", flush=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    pre = _field(reader, "tokenizer.ggml.pre", "default")  # llama.cpp's "default" is not GPT-2's split
+    if pre in _DIGIT_SPLIT_PRE_TYPES:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre == "gpt2":
+        tok.pre_tokenizer = byte_level
+    else:  # e.g. llama3's or qwen2's own split regex: better to refuse than to tokenize wrongly
+        raise ValueError(f"pre-tokenizer type {pre!r} is not supported")
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
@@ -188,7 +196,7 @@ def tokenizer_files(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str
     specials = {name: tokens[i] for name, key in ids.items()
                 if (i := _field(reader, f"tokenizer.ggml.{key}")) is not None}
     tokenizer_config = {
-        "tokenizer_class": "GPT2Tokenizer", **specials,
+        "tokenizer_class": TOKENIZER_CLASS, **specials,
         "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
         "add_prefix_space": False, "clean_up_tokenization_spaces": False,

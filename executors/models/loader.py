@@ -65,7 +65,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                 done += tensor.numel() * tensor.element_size()
                 if done >= next_report * total:
                     log.info("loading %s: %3.0f%% of %.0f MB", model_dir.name, 100 * done / total, total / 1e6)
-                    next_report += 0.1
+                    while next_report * total <= done:
+                        next_report += 0.1
     missing = sorted(set(expected) - set(state))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

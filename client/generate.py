@@ -1,0 +1,43 @@
+"""Generating text through a running server: tokenize, prefill, decode token by token, stream."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from client.blocking import ExecutorClient
+from client.tokenizer import TextTokenizer
+from client.types import DecodeInput, LogitsPolicy, PrefillInput
+
+
+def generate_text(
+    ex: ExecutorClient,
+    tokenizer: TextTokenizer,
+    prompt_ids: list[int],
+    *,
+    max_tokens: int,
+    policy: LogitsPolicy,
+    stop_ids: set[int],
+) -> Iterator[str]:
+    """Yield the text of each new token as it comes; the cache is released however it ends.
+
+    Text is yielded as the difference between successive decodings of all new ids, and held
+    back while it ends in a partial UTF-8 character, so multi-token characters print whole.
+    """
+    out = ex.prefill(PrefillInput(prompt_ids, logits_policy=policy))
+    handle = out.kv_cache
+    try:
+        new_ids: list[int] = []
+        shown = ""
+        for _ in range(max_tokens):
+            token = out.logits.token_id
+            if token in stop_ids:
+                break
+            new_ids.append(token)
+            text = tokenizer.decode(new_ids)
+            if not text.endswith("\ufffd"):
+                yield text[len(shown):]
+                shown = text
+            out = ex.decode(DecodeInput(token, handle, logits_policy=policy))
+            handle = out.kv_cache
+    finally:
+        ex.release_cache(handle)
