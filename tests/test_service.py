@@ -104,7 +104,7 @@ class SlowPagedExecutor(PagedAttentionExecutor):
 
 
 def test_health_and_status_answer_during_a_long_forward(make_server):
-    running = make_server(executor=SlowPagedExecutor(PagedExecutorConfig(block_size=4, num_blocks=64)),
+    running = make_server(instance=SlowPagedExecutor(PagedExecutorConfig(block_size=4, num_blocks=64)),
                           warmup_on_start=False)
 
     async def drive() -> None:
@@ -158,7 +158,7 @@ class MinimalExecutor(ModelExecutor):
 
 
 def test_the_interfaces_defaults(make_server):
-    running = make_server(executor=MinimalExecutor())
+    running = make_server(instance=MinimalExecutor())
     with ExecutorClient(running.address) as c:
         outs = c.batch_prefill([PrefillInput([1, 2, 3]), PrefillInput([4])])  # one prefill per item
         np.testing.assert_allclose(outs[0].logits.logits, MODEL.last_logits([1, 2, 3]), atol=1e-5)
@@ -178,6 +178,13 @@ def test_the_interfaces_defaults(make_server):
 def test_generated_code_matches_the_protos():
     done = subprocess.run([sys.executable, "-m", "generated", "--check"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_service_never_imports_transformers():
+    code = ("import sys, service.server, service.__main__, executors.llm, executors.gguf_import; "
+            "assert 'transformers' not in sys.modules, 'transformers is a test oracle only'")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_the_cli_serves_and_stops_on_sigterm(tmp_path):

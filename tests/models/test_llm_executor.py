@@ -41,6 +41,14 @@ class Served:
             return inner(*args, **kwargs)
 
         self.executor.model.hidden_states = counting
+        self.lm_head_rows: list[int] = []
+        head = self.executor.model.logits
+
+        def counting_head(hidden):
+            self.lm_head_rows.append(hidden.shape[0])
+            return head(hidden)
+
+        self.executor.model.logits = counting_head
         self.running = start_server(ServeConfig(port=0, executor="llm", model=str(self.dir)), self.executor)
         self.client = ExecutorClient(self.running.address, timeout=60)
 
@@ -122,12 +130,14 @@ def test_unified_batch_of_chunks_and_decodes_is_one_forward(served):
     dec = c.prefill(PrefillInput(decoding)).kv_cache
     part = c.prefill(PrefillInput(chunked[:10])).kv_cache
     before = served.forwards
+    served.lm_head_rows.clear()
     results = c.unified_decode([
         UnifiedBatchItem("", fresh, 0, True),
         UnifiedBatchItem(part.cache_id, chunked[10:18], 10, False),
         UnifiedBatchItem(dec.cache_id, [3], 9, True),
     ])
     assert served.forwards == before + 1
+    assert served.lm_head_rows == [2], "the lm_head runs once, on the two final items' last rows only"
     close(results[0].logits.logits, served.logits(fresh)[-1])
     assert results[1].logits is None
     close(results[2].logits.logits, served.logits(decoding + [3])[-1])
