@@ -10,6 +10,7 @@ growth with rollback, logits policies, status, metrics and lifecycle.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 import time
 from collections.abc import Sequence
@@ -18,7 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from executors.base import ModelExecutor
-from executors.errors import FailedPrecondition, InvalidParameter, NotFound, OutOfRange, Unavailable
+from executors.cache_state import CacheRegistry
+from executors.errors import FailedPrecondition, InvalidParameter, OutOfRange, Unavailable
+from executors.identity import current_identity
 from executors.logits import apply_policies, to_host_tensor
 from executors.stats import ExecutorStats
 from executors.types import (
@@ -78,6 +81,7 @@ class StepResult:
     cache_id: str
     outputs: list[LogitsResult] | None  # one per logits row; None for Rows.NONE
     kv_cache: KvCacheHandle
+    created: bool = False  # this step created the cache
 
 
 @dataclass(slots=True)
@@ -113,6 +117,7 @@ class KvCacheExecutor(ModelExecutor):
         self.kv = KvCacheManager(num_blocks, block_size)
         self.pool = PagedKvPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_dtype, device)
         self.worker = SerialWorker(self.name)
+        self.caches = CacheRegistry()
         self.stats = ExecutorStats()
         self.peak_used_bytes = 0
 
@@ -185,16 +190,20 @@ class KvCacheExecutor(ModelExecutor):
         return await self._run(self._forward_now, tokens, kind, dtype)
 
     async def truncate_kv(self, cache_id: str, new_length: int) -> TruncateResult:
-        return await self._run(self._truncate_now, cache_id, new_length)
+        return await self._run(self._truncate_now, cache_id, new_length, current_identity.get())
 
     async def release_cache(self, cache_id: str) -> ReleaseResult:
-        return await self._run(self._release_now, cache_id)
+        return await self._run(self._release_now, cache_id, current_identity.get())
+
+    async def reap_idle(self, ttl_s: float) -> list[str]:
+        """Release caches idle for longer than ttl_s (their lease ran out); returns their ids."""
+        return await self._run(self._reap_now, ttl_s)
 
     async def warmup(self) -> None:
         await self._run(self._warmup_now)
 
     async def shutdown(self) -> int:
-        released = await self._run(self.kv.release_all)
+        released = await self._run(self._release_all_now)
         self.stats.state = ExecutorState.SHUTDOWN
         return released
 
@@ -225,6 +234,7 @@ class KvCacheExecutor(ModelExecutor):
                 active_caches=kv.active_caches,
                 block_allocations=kv.block_allocations,
                 allocation_failures=kv.allocation_failures,
+                leases_expired=self.caches.leases_expired,
             ),
         )
 
@@ -325,39 +335,46 @@ class KvCacheExecutor(ModelExecutor):
             seen[s.cache_id] = s.where
 
     # -- execution (worker thread) --------------------------------------------------------
-    async def _run(self, fn, *args):
+    async def _run(self, fn, *args, on_abandon=None):
         if self.stats.state is ExecutorState.SHUTDOWN:
             raise Unavailable(f"{self.name} executor is shut down")
-        return await self.worker.run(fn, *args)
+        return await self.worker.run(fn, *args, on_abandon=on_abandon)
 
     async def _step(self, specs: list[ItemSpec], where: str = "input") -> list[StepResult]:
         self._check_batch(specs, where)
-        return await self._run(self._step_now, specs)
+        return await self._run(self._step_now, specs, current_identity.get(), on_abandon=self._undo_created)
 
-    def _step_now(self, specs: list[ItemSpec]) -> list[StepResult]:
+    def _step_now(self, specs: list[ItemSpec], identity: str | None) -> list[StepResult]:
+        """Run the specs as one forward; a spec that repeats its cache's last step is replayed."""
         started = time.perf_counter_ns()
         self.stats.begin(len(specs))
         created: list[str] = []
-        items: list[StepItem] = []
+        resolved: list[StepItem | StepResult] = []
         try:
             for s in specs:
-                items.append(self._resolve(s, created))
-            self.kv.extend_many([(it.cache_id, it.start + len(it.tokens)) for it in items])
+                resolved.append(self._resolve(s, created, identity))
+            work = [(s, it) for s, it in zip(specs, resolved) if isinstance(it, StepItem)]
+            self.kv.extend_many([(it.cache_id, it.start + len(it.tokens)) for _, it in work])
             try:
-                rows = self._forward_step(items)
-                results = [self._finish(s, it, r) for s, it, r in zip(specs, items, rows)]
+                rows = self._forward_step([it for _, it in work]) if work else []
+                fresh = iter([self._finish(s, it, r, it.cache_id in created) for (s, it), r in zip(work, rows)])
             except BaseException:
-                for it in items:
+                for _, it in work:
                     if it.cache_id not in created:
                         self.kv.truncate(it.cache_id, it.start)
                 raise
         except BaseException:
             for cid in created:
                 self.kv.release(cid)
+                self.caches.remove(cid)
             self.stats.state = ExecutorState.READY
             self.stats.current_batch_size = 0
             raise
+        results = [r if isinstance(r, StepResult) else next(fresh) for r in resolved]
+        for (s, it), res in zip(work, (r for r, x in zip(results, resolved) if isinstance(x, StepItem))):
+            self.caches.record(it.cache_id, it.start, it.tokens, (s.rows, s.policy), res)
         self.peak_used_bytes = max(self.peak_used_bytes, self._used_bytes())
+        specs = [s for s, _ in work]
         decode_items = sum(s.is_decode for s in specs)
         self.stats.end(
             prefill_items=len(specs) - decode_items,
@@ -367,10 +384,15 @@ class KvCacheExecutor(ModelExecutor):
         )
         return results
 
-    def _resolve(self, s: ItemSpec, created: list[str]) -> StepItem:
+    def _resolve(self, s: ItemSpec, created: list[str], identity: str | None) -> StepItem | StepResult:
         if s.cache_id is not None and s.cache_id in self.kv:
             table = self.kv.get(s.cache_id)
+            self.caches.touch(s.cache_id, identity, s.where)
             if table.num_tokens != s.expected_length:
+                replayed = self.caches.replay(s.cache_id, table.num_tokens, s.expected_length, s.tokens,
+                                              (s.rows, s.policy))
+                if replayed is not None:
+                    return dataclasses.replace(replayed, created=False)  # a retry of a step that succeeded
                 raise FailedPrecondition(
                     f"{s.where}: cache {s.cache_id!r} holds {table.num_tokens} tokens but the request "
                     f"continues it at {s.expected_length}; the caller's handle is stale",
@@ -382,6 +404,7 @@ class KvCacheExecutor(ModelExecutor):
         else:
             cache_id, table = self.kv.create(s.cache_id)
             created.append(cache_id)
+            self.caches.add(cache_id, identity)
         end = s.expected_length + len(s.tokens)
         if end > self.max_sequence_length:
             raise OutOfRange(
@@ -389,14 +412,14 @@ class KvCacheExecutor(ModelExecutor):
                 f"past max_sequence_length {self.max_sequence_length}", field=s.where)
         return StepItem(cache_id, table, s.tokens, s.expected_length, s.rows)
 
-    def _finish(self, s: ItemSpec, it: StepItem, rows: torch.Tensor | None) -> StepResult:
+    def _finish(self, s: ItemSpec, it: StepItem, rows: torch.Tensor | None, created: bool) -> StepResult:
         handle = self._handle(it.cache_id)
         if rows is None:
-            return StepResult(it.cache_id, None, handle)
+            return StepResult(it.cache_id, None, handle, created)
         # Row r predicts the token at position first_predicted + r; it seeds sampling.
         first_predicted = it.start + len(it.tokens) - rows.shape[0] + 1
         positions = range(first_predicted, first_predicted + rows.shape[0])
-        return StepResult(it.cache_id, apply_policies(rows, [s.policy] * rows.shape[0], positions), handle)
+        return StepResult(it.cache_id, apply_policies(rows, [s.policy] * rows.shape[0], positions), handle, created)
 
     def _handle(self, cache_id: str) -> KvCacheHandle:
         t, p = self.kv.get(cache_id), self.pool
@@ -419,13 +442,40 @@ class KvCacheExecutor(ModelExecutor):
             return to_host_tensor(picked, DType.FLOAT32)
         return to_host_tensor(out, dtype)
 
-    def _truncate_now(self, cache_id: str, new_length: int) -> TruncateResult:
+    def _truncate_now(self, cache_id: str, new_length: int, identity: str | None) -> TruncateResult:
+        self.kv.get(cache_id)  # NOT_FOUND before an ownership check
+        self.caches.touch(cache_id, identity, "cache_id")
+        before = self.kv.get(cache_id).num_tokens
         freed = self.kv.truncate(cache_id, new_length)
+        if new_length < before:
+            self.caches.forget_step(cache_id)  # the last step is undone: nothing to replay
         return TruncateResult(kv_cache=self._handle(cache_id), freed_blocks=freed)
 
-    def _release_now(self, cache_id: str) -> ReleaseResult:
+    def _release_now(self, cache_id: str, identity: str | None) -> ReleaseResult:
+        if cache_id in self.kv:
+            self.caches.touch(cache_id, identity, "cache_id")
         freed = self.kv.release(cache_id)
+        self.caches.remove(cache_id)
         return ReleaseResult(released=freed is not None, freed_blocks=freed or 0)
+
+    def _undo_created(self, results: list[StepResult]) -> None:
+        """The caller went away before it learned of these caches: release them."""
+        for r in results:
+            if r.created and r.cache_id in self.kv:
+                self.kv.release(r.cache_id)
+                self.caches.remove(r.cache_id)
+
+    def _reap_now(self, ttl_s: float) -> list[str]:
+        expired = self.caches.idle(ttl_s)
+        for cache_id in expired:
+            self.kv.release(cache_id)
+            self.caches.remove(cache_id)
+        self.caches.leases_expired += len(expired)
+        return expired
+
+    def _release_all_now(self) -> int:
+        self.caches.clear()
+        return self.kv.release_all()
 
     def _warmup_now(self) -> None:
         """One small prefill, decode and verify on a scratch cache, then back to an idle pool."""

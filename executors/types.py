@@ -300,6 +300,7 @@ class KvPoolStatus:
     active_caches: int
     block_allocations: int
     allocation_failures: int
+    leases_expired: int = 0
 
 
 @dataclass(frozen=True, slots=True)

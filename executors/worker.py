@@ -3,6 +3,11 @@
 Model work must not run on the event loop (health checks and other RPCs must answer during
 a long forward), and executor state must not be touched by two calls at once. One worker
 thread gives both: calls queue in arrival order and run alone.
+
+A caller that goes away (cancelled, deadline exceeded, disconnected) does not stop a job
+that has started: the job finishes, and `on_abandon` then runs on the worker with its
+result, so the executor can undo what nobody will ever learn about (a new cache, say).
+A job that had not started yet is simply dropped.
 """
 
 from __future__ import annotations
@@ -10,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from executors.timing import current_call_timer
 
@@ -24,7 +29,8 @@ class SerialWorker:
         self.wait_samples = 0
         self.total_wait_ns = 0
 
-    async def run(self, fn: Callable[..., T], *args: object) -> T:
+    async def run(self, fn: Callable[..., T], *args: object,
+                  on_abandon: Callable[[T], Any] | None = None) -> T:
         submitted = time.perf_counter_ns()
         started: list[int] = []
 
@@ -32,8 +38,13 @@ class SerialWorker:
             started.append(time.perf_counter_ns())
             return fn(*args)
 
+        future = self._pool.submit(job)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, job)
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if not future.cancel() and on_abandon is not None:
+                future.add_done_callback(lambda f: self._abandoned(f, on_abandon))
+            raise
         finally:
             if started:
                 waited = started[0] - submitted
@@ -43,6 +54,11 @@ class SerialWorker:
                 if timer is not None:
                     timer.queue_ns += waited
                     timer.executor_ns += time.perf_counter_ns() - started[0]
+
+    def _abandoned(self, future: Future, on_abandon: Callable[[Any], Any]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            # Queue the clean-up as a job of its own: this callback may run on any thread.
+            self._pool.submit(on_abandon, future.result())
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -10,6 +11,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 EXECUTORS = ("llm", "paged")
 # Where the set-up (`make model`) converts the embedded SmolLM2-135M-Instruct.
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
+REFLECTION_MODES = ("on", "off", "authenticated")
+LOG_FORMATS = ("text", "json")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,11 +34,25 @@ class ServeConfig:
     max_batch_size: int = 64
     max_tokens_per_request: int = 65536
     max_concurrent_rpcs: int | None = None
+    # A cache unused for this long is released (its client is presumed gone); 0 keeps caches forever.
+    cache_ttl_seconds: float = 600.0
     # Lifecycle.
     warmup_on_start: bool = True
     allow_shutdown: bool = False
     grace_seconds: float = 5.0
-    reflection: bool = True
+    # Server reflection: "on", "off" or "authenticated" (needs credentials when auth is on);
+    # None: "authenticated" when auth is on, else "on". True/False mean "on"/"off".
+    reflection: str | bool | None = None
+    # Security (service/auth.py): TLS, mutual TLS (client certificates verified against
+    # tls_client_ca) and bearer tokens from a file of "IDENTITY TOKEN" lines or a variable.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    auth_token_file: str | None = None
+    auth_token_env: str | None = None
+    # Observability (service/observability.py): Prometheus on this port (0: off), log format.
+    metrics_port: int = 0
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
@@ -53,8 +70,43 @@ class ServeConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if not self.cache_ttl_seconds >= 0:
+            raise ValueError(f"cache_ttl_seconds must be >= 0, got {self.cache_ttl_seconds}")
         if self.grace_seconds < 0:
             raise ValueError("grace_seconds must be >= 0")
+        self._check_security_and_observability()
+
+    def _check_security_and_observability(self) -> None:
+        if isinstance(self.reflection, bool):
+            object.__setattr__(self, "reflection", "on" if self.reflection else "off")
+        if self.reflection not in (None, *REFLECTION_MODES):
+            raise ValueError(f"reflection must be one of {REFLECTION_MODES}, got {self.reflection!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together: give both (--tls-cert and --tls-key) or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mutual TLS) needs server TLS too: give --tls-cert and --tls-key")
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file"):
+            path = getattr(self, name)
+            if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+                raise ValueError(f"{name}: {path!r} is not a readable file")
+        if self.auth_token_env is not None and not self.auth_token_env.strip():
+            raise ValueError("auth_token_env must name an environment variable")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535] (0: off), got {self.metrics_port}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
+
+    @property
+    def auth_enabled(self) -> bool:
+        """Callers must authenticate: bearer tokens are configured, or client certificates required."""
+        return bool(self.auth_token_file or self.auth_token_env or self.tls_client_ca)
+
+    @property
+    def reflection_mode(self) -> str:
+        """The reflection mode, "on", "off" or "authenticated", with its default resolved."""
+        if self.reflection is None:
+            return "authenticated" if self.auth_enabled else "on"
+        return str(self.reflection)
 
     @property
     def address(self) -> str:
@@ -84,12 +136,32 @@ def parse_args(argv: Sequence[str] | None = None) -> ServeConfig:
                    help="most tokens in one request, over all its items")
     p.add_argument("--max-concurrent-rpcs", type=int, default=None,
                    help="refuse RPCs beyond this many in flight with RESOURCE_EXHAUSTED")
+    p.add_argument("--cache-ttl-seconds", type=float, default=defaults.cache_ttl_seconds,
+                   help="release a cache left unused this long; 0 never does (default %(default)s)")
     p.add_argument("--no-warmup", dest="warmup_on_start", action="store_false",
                    help="do not warm up at start; health stays NOT_SERVING until a Warmup call")
     p.add_argument("--allow-shutdown", action="store_true", help="let the Shutdown RPC stop the server")
     p.add_argument("--grace-seconds", type=float, default=defaults.grace_seconds,
                    help="time calls in flight get to finish when the server stops")
-    p.add_argument("--no-reflection", dest="reflection", action="store_false", help="disable server reflection")
+    p.add_argument("--reflection", choices=REFLECTION_MODES, default=None,
+                   help="server reflection: on, off, or authenticated (needs credentials); "
+                        "default: authenticated when auth is on, else on")
+    sec = p.add_argument_group("security", "TLS, mutual TLS and bearer tokens (see README)")
+    sec.add_argument("--tls-cert", default=None, metavar="PATH", help="server certificate chain (PEM); enables TLS")
+    sec.add_argument("--tls-key", default=None, metavar="PATH", help="server private key (PEM)")
+    sec.add_argument("--tls-client-ca", default=None, metavar="PATH",
+                     help="CA bundle (PEM) for client certificates: requires and verifies them (mutual TLS); "
+                          "a call without a token is the certificate's subject CN")
+    sec.add_argument("--auth-token-file", default=None, metavar="PATH",
+                     help="bearer tokens: lines 'IDENTITY TOKEN', or one bare token (identity 'default'); "
+                          "# comments")
+    sec.add_argument("--auth-token-env", default=None, metavar="VAR",
+                     help="environment variable holding one bearer token (identity 'default')")
+    obs = p.add_argument_group("observability")
+    obs.add_argument("--metrics-port", type=int, default=defaults.metrics_port,
+                     help="serve Prometheus metrics on --host at this port; 0 is off (default %(default)s)")
+    obs.add_argument("--log-format", choices=LOG_FORMATS, default=defaults.log_format,
+                     help="log lines (one per RPC among them) as text or JSON (default %(default)s)")
     args = vars(p.parse_args(argv))
     try:
         return ServeConfig(**{f.name: args[f.name] for f in fields(ServeConfig)})

@@ -295,6 +295,7 @@ def status(s: t.ExecutorStatus) -> pb.ExecutorStatus:
             active_caches=kv.active_caches,
             block_allocations=kv.block_allocations,
             allocation_failures=kv.allocation_failures,
+            leases_expired=kv.leases_expired,
         ),
     )
     if s.last_operation_unix_s is not None:

@@ -13,8 +13,10 @@ from grpc_reflection.v1alpha import reflection
 from executors.base import ModelExecutor
 from generated.modelexec.v1 import executor_pb2 as pb
 from generated.modelexec.v1 import executor_pb2_grpc as pb_grpc
+from service.auth import AuthInterceptor, server_credentials
 from service.config import ServeConfig
 from service.errors import ErrorMappingInterceptor
+from service.observability import MetricsHttpServer, ObservabilityInterceptor, ServiceMetrics
 from service.servicer import ModelExecutorServicer
 
 log = logging.getLogger(__name__)
@@ -55,31 +57,69 @@ class ExecutorServer:
         self.health = health.aio.HealthServicer()
         self.stopped = asyncio.Event()
         self._server: grpc.aio.Server | None = None
+        self._reaper: asyncio.Task | None = None
         self.address = ""
+        # Read once, here: TLS files and bearer tokens (a bad one fails before anything binds).
+        self.credentials = server_credentials(config)
+        self.auth = AuthInterceptor.from_config(config)
+        self.metrics = ServiceMetrics(self.executor)
+        self._metrics_http: MetricsHttpServer | None = None
+        self.metrics_port = 0  # the bound Prometheus port once started; 0 when off
 
     async def start(self) -> str:
         """Bind, start serving and (unless disabled) warm up; returns the bound address."""
         cfg = self.config
         server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor()],
+            # Outermost first: request id, metrics and log line see every outcome, auth
+            # refusals included; auth sets the identity before errors are mapped.
+            interceptors=[ObservabilityInterceptor(self.metrics), *([self.auth] if self.auth else []),
+                          ErrorMappingInterceptor()],
             options=grpc_options(cfg),
             maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
         )
         servicer = ModelExecutorServicer(self.executor, cfg, self._serving, self._shutdown_requested)
         pb_grpc.add_ModelExecutorServiceServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        if cfg.reflection:
+        if cfg.reflection_mode != "off":
             reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        port = server.add_insecure_port(cfg.address)
+        if self.credentials is not None:
+            port = server.add_secure_port(cfg.address, self.credentials)
+        else:
+            port = server.add_insecure_port(cfg.address)
         self.address = cfg.address if cfg.unix_socket else f"{cfg.host}:{port}"
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._server = server
+        if cfg.metrics_port:
+            self._metrics_http = MetricsHttpServer(self.metrics.registry)
+            self.metrics_port = await self._metrics_http.start(cfg.host, cfg.metrics_port)
+            log.info("Prometheus metrics on http://%s:%d/metrics", cfg.host, self.metrics_port)
         log.info("listening on %s (executor %s)", self.address, self.executor.name)
         if cfg.warmup_on_start:
             await self.executor.warmup()
             await self._serving()
+        if cfg.cache_ttl_seconds > 0 and hasattr(self.executor, "reap_idle"):
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_leases(cfg.cache_ttl_seconds))
         return self.address
+
+    async def _reap_leases(self, ttl: float) -> None:
+        # Release caches whose idle lease ran out: their clients are gone or have forgotten them.
+        interval = min(max(ttl / 4, 0.05), 5.0)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                expired = await self.executor.reap_idle(ttl)
+            except Exception:  # noqa: BLE001 - a failing pass must not end the reaper
+                log.exception("lease reaper")
+                continue
+            if expired:
+                log.info("released %d caches whose %.0f s lease ran out: %s", len(expired), ttl,
+                         ", ".join(expired[:10]))
+                self.on_leases_expired(len(expired))
+
+    def on_leases_expired(self, count: int) -> None:
+        # Hook for metrics: called with the number of caches one reaper pass released.
+        self.metrics.leases_expired.inc(count)
 
     async def _set_health(self, status: int) -> None:
         await self.health.set("", status)
@@ -90,14 +130,18 @@ class ExecutorServer:
 
     async def _shutdown_requested(self, grace: float) -> None:
         log.info("Shutdown RPC: stopping with %.1f s grace", grace)
-        asyncio.get_running_loop().create_task(self.stop(grace))
+        await self.stop(grace)
 
     async def stop(self, grace: float | None = None) -> None:
         """Report NOT_SERVING, give calls in flight `grace` seconds, then stop."""
         if self._server is None or self.stopped.is_set():
             return
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._reaper is not None:
+            self._reaper.cancel()
         await self._server.stop(self.config.grace_seconds if grace is None else grace)
+        if self._metrics_http is not None:
+            await self._metrics_http.stop()
         self.stopped.set()
 
     async def wait(self) -> None:

@@ -6,6 +6,7 @@ Each response carries the call's timing (queue, executor, total) in nanoseconds.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
@@ -54,6 +55,8 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
             max_message_bytes=config.max_message_bytes,
             max_batch_size=min(config.max_batch_size, executor.capabilities().max_batch_size),
             max_tokens_per_request=config.max_tokens_per_request,
+            max_concurrent_rpcs=config.max_concurrent_rpcs or 0,
+            cache_ttl_seconds=config.cache_ttl_seconds,
         )
 
     def _check_size(self, items: int, tokens: int, where: str) -> None:
@@ -174,5 +177,7 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         if not 0 <= grace <= 3600:
             raise InvalidParameter(f"grace_seconds must be in [0, 3600], got {grace}", field="grace_seconds")
         released = await self.executor.shutdown()
-        await self._on_shutdown(grace or self.config.grace_seconds)
+        # Stop the server only once this call has completed, so its own answer is not cut off.
+        loop = asyncio.get_running_loop()
+        context.add_done_callback(lambda _: loop.create_task(self._on_shutdown(grace or self.config.grace_seconds)))
         return pb.ShutdownResponse(released_caches=released, timing=call.timing())

@@ -553,14 +553,18 @@ class MemoryRequirements(_message.Message):
     def __init__(self, parameter_memory: _Optional[int] = ..., activation_memory_per_token: _Optional[int] = ..., kv_cache_memory_per_token: _Optional[int] = ..., overhead_memory: _Optional[int] = ...) -> None: ...
 
 class ServiceLimits(_message.Message):
-    __slots__ = ("max_message_bytes", "max_batch_size", "max_tokens_per_request")
+    __slots__ = ("max_message_bytes", "max_batch_size", "max_tokens_per_request", "max_concurrent_rpcs", "cache_ttl_seconds")
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENT_RPCS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     max_message_bytes: int
     max_batch_size: int
     max_tokens_per_request: int
-    def __init__(self, max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ...) -> None: ...
+    max_concurrent_rpcs: int
+    cache_ttl_seconds: float
+    def __init__(self, max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., max_concurrent_rpcs: _Optional[int] = ..., cache_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class ExecutorCapabilities(_message.Message):
     __slots__ = ("max_batch_size", "max_sequence_length", "attention_mechanisms", "supports_dynamic_batching", "supports_continuous_batching", "supports_speculative_decoding", "supports_tensor_parallelism", "supports_pipeline_parallelism", "supported_dtypes", "supported_devices", "memory_requirements", "kv_capacity", "supports_native_unified_decode", "kv_block_size", "kv_total_blocks", "limits")
@@ -623,7 +627,7 @@ class MemoryUsage(_message.Message):
     def __init__(self, allocated_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., utilization_percent: _Optional[float] = ...) -> None: ...
 
 class KvPoolStatus(_message.Message):
-    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "block_size", "active_caches", "block_allocations", "allocation_failures")
+    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "block_size", "active_caches", "block_allocations", "allocation_failures", "leases_expired")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -631,6 +635,7 @@ class KvPoolStatus(_message.Message):
     ACTIVE_CACHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     ALLOCATION_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     used_blocks: int
     free_blocks: int
@@ -638,7 +643,8 @@ class KvPoolStatus(_message.Message):
     active_caches: int
     block_allocations: int
     allocation_failures: int
-    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., active_caches: _Optional[int] = ..., block_allocations: _Optional[int] = ..., allocation_failures: _Optional[int] = ...) -> None: ...
+    leases_expired: int
+    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., active_caches: _Optional[int] = ..., block_allocations: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., leases_expired: _Optional[int] = ...) -> None: ...
 
 class ExecutorStatus(_message.Message):
     __slots__ = ("state", "is_ready", "current_batch_size", "prefill_operations", "decode_operations", "avg_prefill_time_ms", "avg_decode_time_ms", "memory_usage", "last_operation", "kv_pool")

@@ -1,0 +1,75 @@
+"""Per-cache facts the executor keeps beside the block tables: owner, lease, last step.
+
+- owner: the identity that created the cache; nobody else may use it.
+- last_used: when the cache was last touched; idle caches past their lease are reclaimed,
+  so a client that vanished does not hold KV blocks forever.
+- last_step: what the latest append did and returned, so a retried step (same position,
+  same tokens, same policy) gets the same answer instead of appending its tokens twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from executors.errors import PermissionDenied
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    start: int
+    tokens: tuple[int, ...]
+    request: Any  # what else must match for a replay (rows wanted, logits policy)
+    result: Any  # the StepResult that was returned
+
+
+@dataclass(slots=True)
+class CacheState:
+    owner: str | None
+    last_used: float = field(default_factory=time.monotonic)
+    last_step: StepRecord | None = None
+
+
+class CacheRegistry:
+    def __init__(self) -> None:
+        self._states: dict[str, CacheState] = {}
+        self.leases_expired = 0
+
+    def add(self, cache_id: str, owner: str | None) -> None:
+        self._states[cache_id] = CacheState(owner)
+
+    def remove(self, cache_id: str) -> None:
+        self._states.pop(cache_id, None)
+
+    def clear(self) -> None:
+        self._states.clear()
+
+    def touch(self, cache_id: str, identity: str | None, where: str) -> CacheState:
+        """The cache's state, after checking the caller owns it; renews its lease."""
+        state = self._states[cache_id]
+        if state.owner != identity:
+            raise PermissionDenied(f"{where}: cache {cache_id!r} belongs to another identity",
+                                   field=where, reason="CACHE_OWNED_BY_ANOTHER", cache_id=cache_id)
+        state.last_used = time.monotonic()
+        return state
+
+    def replay(self, cache_id: str, length: int, start: int, tokens: Sequence[int], request: Any) -> Any | None:
+        """The recorded result if this request repeats the cache's last step exactly, else None."""
+        last = self._states[cache_id].last_step
+        if (last is not None and last.start == start and length == start + len(last.tokens)
+                and last.tokens == tuple(tokens) and last.request == request):
+            return last.result
+        return None
+
+    def record(self, cache_id: str, start: int, tokens: Sequence[int], request: Any, result: Any) -> None:
+        self._states[cache_id].last_step = StepRecord(start, tuple(tokens), request, result)
+
+    def forget_step(self, cache_id: str) -> None:
+        self._states[cache_id].last_step = None
+
+    def idle(self, ttl_s: float) -> list[str]:
+        """Ids of caches untouched for longer than ttl_s."""
+        cutoff = time.monotonic() - ttl_s
+        return [cid for cid, s in self._states.items() if s.last_used < cutoff]
