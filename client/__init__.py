@@ -31,6 +31,7 @@ from client.errors import (
     from_rpc_error,
 )
 from client.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, HEALTH_SERVICE_NAME
+from client.security import bearer_metadata, tls_credentials
 from client.types import (
     CallTiming,
     DecodeInput,
@@ -87,5 +88,7 @@ __all__ = [
     "UnifiedItemResult",
     "UnimplementedError",
     "UnknownError",
+    "bearer_metadata",
     "from_rpc_error",
+    "tls_credentials",
 ]

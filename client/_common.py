@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2
 
 from client.errors import DeadlineExceededError
 from client.limits import DEFAULT_MAX_MESSAGE_BYTES, HEALTH_SERVICE_NAME, channel_options
+from client.security import bearer_metadata
 
 
 class _Default(enum.Enum):
@@ -51,7 +52,11 @@ class ClientConfig:
         call_metadata: Sequence[tuple[str, str]] | None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: Sequence[tuple[str, Any]] = (),
+        token: str | None = None,
     ) -> ClientConfig:
+        """`token`: a bearer token, sent as `authorization: Bearer <token>` with every call."""
+        if token is not None:
+            call_metadata = (*(call_metadata or ()), bearer_metadata(token))
         if not target:
             raise ValueError("target must be 'host:port', 'unix:///path' or 'unix:path'")
         if timeout is not None and timeout <= 0:

@@ -26,6 +26,7 @@ from client._common import (
     not_ready_error,
 )
 from client.errors import from_rpc_error
+from client.session import AsyncStepSession
 from client.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, HEALTH_SERVICE_NAME
 from client.types import (
     DecodeInput,
@@ -67,8 +68,10 @@ class AsyncExecutorClient:
         call_metadata: Sequence[tuple[str, str]] | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: Sequence[tuple[str, Any]] = (),
+        token: str | None = None,
     ) -> None:
-        self._config = ClientConfig.build(target, timeout, credentials, call_metadata, max_message_bytes, options)
+        self._config = ClientConfig.build(target, timeout, credentials, call_metadata, max_message_bytes, options,
+                                          token=token)
         self._channel: grpc.aio.Channel | None = None
         self._stubs: tuple[pb_grpc.ModelExecutorServiceStub, health_pb2_grpc.HealthStub] | None = None
 
@@ -206,6 +209,10 @@ class AsyncExecutorClient:
     ) -> health_pb2.HealthCheckResponse:
         """One grpc.health.v1 Check of the executor service."""
         return await self._call(self._open()[1].Check, health_request(service), timeout)
+
+    def step_session(self, *, timeout: float | None = None) -> AsyncStepSession:
+        """Open a StepSession stream: many unified steps over one call (see client.session)."""
+        return AsyncStepSession(self.stub, self._config.metadata, timeout)
 
     async def wait_ready(self, timeout: float = DEFAULT_TIMEOUT_S, *, poll_interval: float = 0.1) -> None:
         """Poll health until SERVING (after warm-up), waiting through connection failures.

@@ -8,6 +8,7 @@ Requests whose bytes are not a valid protobuf get INVALID_ARGUMENT, not gRPC's I
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -104,6 +105,61 @@ def _lenient(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return deserialize
 
 
+def _malformed(request: _Undecodable) -> StatusError:
+    return StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"request is not a valid protobuf message: {request.error}", "MALFORMED_REQUEST")
+
+
+def _refusing_undecodable(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """Health and reflection: bytes that are not a protobuf get INVALID_ARGUMENT there too,
+    not gRPC's UNKNOWN. Only the parsing is guarded; their handlers are otherwise untouched."""
+
+    async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await context.abort_with_status(rich_status(_malformed(request)))
+        return request
+
+    lenient = _lenient(handler.request_deserializer)
+    inner: Any = handler.unary_unary or handler.unary_stream or handler.stream_stream
+    if handler.unary_unary is not None or (handler.unary_stream is not None and not inspect.isasyncgenfunction(inner)):
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await inner(await checked(request, context), context)
+
+        make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.unary_stream_rpc_method_handler
+        return make(unary, request_deserializer=lenient, response_serializer=handler.response_serializer)
+    if handler.stream_stream is not None and inspect.isasyncgenfunction(inner):
+        async def streams(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            async def parsed() -> Any:
+                async for request in requests:
+                    yield await checked(request, context)
+
+            async for response in inner(parsed(), context):
+                yield response
+
+        return grpc.stream_stream_rpc_method_handler(
+            streams, request_deserializer=lenient, response_serializer=handler.response_serializer)
+    return handler
+
+
+def _guarded_stream(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A streaming handler answers failed steps itself; anything escaping it ends the stream
+    with the mapped status. Undecodable messages reach the handler as _Undecodable."""
+    inner = handler.stream_stream
+
+    async def guarded(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            async for response in inner(requests, context):
+                yield response
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the same mapping as for unary calls
+            await context.abort_with_status(rich_status(to_status_error(exc)))
+
+    return grpc.stream_stream_rpc_method_handler(
+        guarded, request_deserializer=_lenient(handler.request_deserializer),
+        response_serializer=handler.response_serializer)
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every unary handler of ModelExecutorService with the exception mapping."""
 
@@ -113,15 +169,18 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or handler.unary_unary is None or not details.method.startswith(SERVICE_PREFIX):
+        if handler is not None and not details.method.startswith(SERVICE_PREFIX):
+            return _refusing_undecodable(handler)
+        if handler is not None and handler.stream_stream is not None:
+            return _guarded_stream(handler)
+        if handler is None or handler.unary_unary is None:
             return handler
         inner = handler.unary_unary
 
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
                 if isinstance(request, _Undecodable):
-                    raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                      f"request is not a valid protobuf message: {request.error}", "MALFORMED_REQUEST")
+                    raise _malformed(request)
                 return await inner(request, context)
             except grpc.aio.AbortError:
                 raise

@@ -19,6 +19,7 @@ from generated.modelexec.v1 import executor_pb2 as pb
 from generated.modelexec.v1 import executor_pb2_grpc as pb_grpc
 from service import convert
 from service.config import ServeConfig
+from service.errors import _malformed, _Undecodable, to_status_error
 
 SERVER_VERSION = "0.1.0"
 
@@ -133,6 +134,28 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         results = await self.executor.unified_decode(
             [convert.unified_item(m, f"batch.items[{i}]") for i, m in enumerate(items)])
         return pb.UnifiedDecodeResponse(results=[convert.unified_result(r) for r in results], timing=call.timing())
+
+    async def StepSession(self, requests, context):
+        # Steps run in order, each as UnifiedDecode would; a failed step is answered with its
+        # status and the session goes on, so one bad step does not cost the scheduler its stream.
+        async for request in requests:
+            call = _Call()
+            try:
+                if isinstance(request, _Undecodable):
+                    raise _malformed(request)
+                items = request.batch.items
+                self._check_size(len(items), sum(len(i.q_tokens) for i in items), "batch.items")
+                results = await self.executor.unified_decode(
+                    [convert.unified_item(m, f"batch.items[{i}]") for i, m in enumerate(items)])
+            except Exception as exc:  # noqa: BLE001 - mapped exactly as the interceptor maps unary calls
+                err = to_status_error(exc)
+                yield pb.StepSessionResponse(
+                    step_id=getattr(request, "step_id", 0), timing=call.timing(),
+                    error=pb.StepError(code=err.code.value[0], message=err.message, reason=err.reason,
+                                       metadata=err.metadata))
+                continue
+            yield pb.StepSessionResponse(step_id=request.step_id, results=[convert.unified_result(r) for r in results],
+                                         timing=call.timing())
 
     # -- forward and speculative decoding -------------------------------------------------
     async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:

@@ -831,3 +831,42 @@ class ShutdownResponse(_message.Message):
     released_caches: int
     timing: CallTiming
     def __init__(self, released_caches: _Optional[int] = ..., timing: _Optional[_Union[CallTiming, _Mapping]] = ...) -> None: ...
+
+class StepSessionRequest(_message.Message):
+    __slots__ = ("step_id", "batch")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    batch: UnifiedBatch
+    def __init__(self, step_id: _Optional[int] = ..., batch: _Optional[_Union[UnifiedBatch, _Mapping]] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("code", "message", "reason", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    reason: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class StepSessionResponse(_message.Message):
+    __slots__ = ("step_id", "results", "error", "timing")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    results: _containers.RepeatedCompositeFieldContainer[UnifiedItemResult]
+    error: StepError
+    timing: CallTiming
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[UnifiedItemResult, _Mapping]]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., timing: _Optional[_Union[CallTiming, _Mapping]] = ...) -> None: ...

@@ -116,6 +116,11 @@ class ModelExecutorServiceStub:
                 request_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ShutdownRequest.SerializeToString,
                 response_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ShutdownResponse.FromString,
                 _registered_method=True)
+        self.StepSession = channel.stream_stream(
+                '/modelexec.v1.ModelExecutorService/StepSession',
+                request_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.StepSessionRequest.SerializeToString,
+                response_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.StepSessionResponse.FromString,
+                _registered_method=True)
 
 
 class ModelExecutorServiceServicer:
@@ -239,6 +244,17 @@ class ModelExecutorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepSession(self, request_iterator, context):
+        """StepSession is a bidirectional stream of unified steps: a scheduler sends step after
+        step and reads each step's results on the same stream, without a new call per step.
+        Steps run in the order sent; each has UnifiedDecode's semantics. A step that fails
+        gets a response carrying the status UnifiedDecode would have returned, and the
+        session stays open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelExecutorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -321,6 +337,11 @@ def add_ModelExecutorServiceServicer_to_server(servicer, server):
                     servicer.Shutdown,
                     request_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ShutdownRequest.FromString,
                     response_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ShutdownResponse.SerializeToString,
+            ),
+            'StepSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepSession,
+                    request_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.StepSessionRequest.FromString,
+                    response_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.StepSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -757,6 +778,33 @@ class ModelExecutorService:
             '/modelexec.v1.ModelExecutorService/Shutdown',
             generated_dot_modelexec_dot_v1_dot_executor__pb2.ShutdownRequest.SerializeToString,
             generated_dot_modelexec_dot_v1_dot_executor__pb2.ShutdownResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/modelexec.v1.ModelExecutorService/StepSession',
+            generated_dot_modelexec_dot_v1_dot_executor__pb2.StepSessionRequest.SerializeToString,
+            generated_dot_modelexec_dot_v1_dot_executor__pb2.StepSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

