@@ -68,11 +68,47 @@ def _dtype(value: int, where: str, default: t.DType | None = None) -> t.DType:
 
 
 # -- requests --------------------------------------------------------------------------------
+MAX_METADATA_ENTRIES = 64
+MAX_METADATA_KEY_CHARS = 128
+# Keys the ferrum engine gives a meaning to, and what each must hold.
+KNOWN_METADATA_KINDS = {
+    "ferrum_require_full_logits": "boolean",
+    "ferrum_lora_adapter": "string",
+    "ferrum_lora_path": "string",
+    "ferrum_kv_capacity_hint": "count",
+    "ferrum_kv_admission_target_len": "count",
+}
+
+
+def json_kind(value: Any) -> str:
+    """The JSON kind of a metadata value; whole non-negative numbers are also a "count"."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "count" if value >= 0 and float(value).is_integer() else "number"
+    return {str: "string", list: "list", dict: "object"}[type(value)]
+
+
 def metadata(fields: Any, where: str) -> dict[str, Any]:
+    if len(fields) > MAX_METADATA_ENTRIES:
+        raise InvalidParameter(f"{where} has {len(fields)} entries, more than {MAX_METADATA_ENTRIES}", field=where)
     try:
-        return json_format.MessageToDict(struct_pb2.Struct(fields=fields))
+        values = json_format.MessageToDict(struct_pb2.Struct(fields=fields))
     except (json_format.Error, ValueError) as e:
         raise InvalidParameter(f"{where} is not valid JSON-like metadata: {e}", field=where) from None
+    for key, value in values.items():
+        if not 0 < len(key) <= MAX_METADATA_KEY_CHARS:
+            raise InvalidParameter(f"{where} keys must have 1 to {MAX_METADATA_KEY_CHARS} characters", field=where)
+        kind = KNOWN_METADATA_KINDS.get(key)
+        if kind is not None and json_kind(value) != kind:
+            wanted = "a whole number >= 0" if kind == "count" else f"a {kind}"
+            raise InvalidParameter(f"{where}[{key!r}] must be {wanted}, got {value!r}", field=f"{where}.{key}")
+    if ("ferrum_lora_adapter" in values) != ("ferrum_lora_path" in values):
+        raise InvalidParameter(f"{where}: ferrum_lora_adapter and ferrum_lora_path come together or not at all",
+                               field=where)
+    return values
 
 
 def logits_policy(msg: pb.LogitsPolicy, where: str) -> t.LogitsPolicy:

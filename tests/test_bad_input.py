@@ -217,3 +217,26 @@ def test_server_still_serves_and_pool_is_exact_after_all_that(client):
     client.release_cache(out.kv_cache)
     kv = client.status().kv_pool
     assert kv.active_caches == 0 and kv.free_blocks == kv.total_blocks
+
+
+@pytest.mark.parametrize(
+    "meta, field",
+    [
+        ({"ferrum_require_full_logits": "yes"}, "input.metadata.ferrum_require_full_logits"),
+        ({"ferrum_kv_capacity_hint": -3}, "input.metadata.ferrum_kv_capacity_hint"),
+        ({"ferrum_kv_capacity_hint": 2.5}, "input.metadata.ferrum_kv_capacity_hint"),
+        ({"ferrum_lora_adapter": "a"}, "input.metadata"),
+        ({f"k{i}": i for i in range(65)}, "input.metadata"),
+        ({"x" * 129: 1}, "input.metadata"),
+    ],
+    ids=["bool_as_string", "negative_hint", "fractional_hint", "lora_half", "too_many", "long_key"],
+)
+def test_metadata_types_are_checked(client, meta, field):
+    err = expect(C.INVALID_ARGUMENT, client.prefill, PrefillInput([1], metadata=meta))
+    assert err.metadata["field"] == field
+
+
+def test_well_typed_metadata_is_accepted(client):
+    meta = {"ferrum_require_full_logits": True, "ferrum_kv_capacity_hint": 64, "trace": {"a": [1, "b", None]}}
+    out = client.prefill(PrefillInput([1, 2], metadata=meta))
+    client.release_cache(out.kv_cache)

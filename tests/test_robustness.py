@@ -231,3 +231,19 @@ def test_device_out_of_memory_is_resource_exhausted_and_rolls_back(make_server):
         assert c.decode(DecodeInput(4, keep)).kv_cache.sequence_length == 4  # its cache rolled back intact
         c.release_cache(keep.cache_id)
         assert pool_is_free(c)
+
+
+def test_rpcs_beyond_the_concurrency_limit_are_refused(make_server):
+    running = slow_server(make_server, max_concurrent_rpcs=2)
+
+    async def drive() -> None:
+        async with AsyncExecutorClient(running.address) as c:
+            assert (await c.capabilities()).limits.max_concurrent_rpcs == 2
+            calls = [asyncio.create_task(c.prefill(PrefillInput([i + 1]))) for i in range(2)]
+            await asyncio.sleep(0.2)
+            with pytest.raises(ResourceExhaustedError):
+                await c.prefill(PrefillInput([9]))
+            for out in await asyncio.gather(*calls):
+                await c.release_cache(out.kv_cache)
+
+    asyncio.run(drive())
