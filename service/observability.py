@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import json
 import logging
@@ -51,6 +52,8 @@ from service.auth import wrap_handler
 REQUEST_ID = "x-request-id"
 _VALID_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 SERVICE_PREFIX = "/modelexec.v1.ModelExecutorService/"
+# Streams of steps: each request is booked like one call of this unary method.
+STREAMED_STEPS = {"StepSession": "UnifiedDecode"}
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 rpc_log = logging.getLogger("modelexec.rpc")
@@ -123,8 +126,8 @@ class ServiceMetrics:
         self.requests.labels(method, code).inc()
         self.latency.labels(method, code).observe(seconds)
 
-    def record_work(self, name: str, request: Any) -> None:
-        """Tokens and batch size of a successful ModelExecutorService call."""
+    def record_work(self, name: str, request: Any, batch_label: str | None = None) -> None:
+        """Tokens and batch size of a successful ModelExecutorService call (or stream step)."""
         if not isinstance(request, Message):
             return
         tokens: dict[str, int] = {}
@@ -153,7 +156,7 @@ class ServiceMetrics:
             if n:
                 self.tokens.labels(kind).inc(n)
         if batch is not None:
-            self.batch_items.labels(name).observe(batch)
+            self.batch_items.labels(batch_label or name).observe(batch)
 
 
 class MetricsHttpServer:
@@ -194,13 +197,19 @@ class MetricsHttpServer:
             if method != "HEAD":
                 writer.write(body)
             await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
             pass
         finally:
             writer.close()
 
 
 # -- request ids and the per-RPC log line ------------------------------------------------------
+async def _remembered(requests: Any, pending: collections.deque[Any]) -> Any:
+    async for request in requests:
+        pending.append(request)
+        yield request
+
+
 def request_id(metadata: Iterable[tuple[str, Any]] | None) -> str:
     """The caller's x-request-id when it is sane, else a new uuid4 hex."""
     for key, value in metadata or ():
@@ -237,6 +246,7 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
         method = details.method
         rid = request_id(details.invocation_metadata)
         work = method.removeprefix(SERVICE_PREFIX) if method.startswith(SERVICE_PREFIX) else None
+        step_work = STREAMED_STEPS.get(work) if handler.stream_stream is not None else None
 
         def around(behaviour: Any) -> Any:
             if inspect.isasyncgenfunction(behaviour):
@@ -245,8 +255,17 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
                     error: BaseException | None = None
                     try:
                         await context.send_initial_metadata(((REQUEST_ID, rid),))
-                        async for item in behaviour(request, context):
-                            yield item
+                        if step_work is None:
+                            async for item in behaviour(request, context):
+                                yield item
+                        else:
+                            # One response per request, in order: book each step that succeeded.
+                            pending: collections.deque[Any] = collections.deque()
+                            async for item in behaviour(_remembered(request, pending), context):
+                                step = pending.popleft() if pending else None
+                                if step is not None and not item.HasField("error"):
+                                    self.metrics.record_work(step_work, step, batch_label=work)
+                                yield item
                     except BaseException as e:
                         error = e
                         raise
@@ -285,11 +304,14 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
         code = _code_name(context, error)
         name = method.lstrip("/")
         self.metrics.record_rpc(name, code, seconds)
-        if rpc_log.isEnabledFor(logging.INFO):
+        # Successful calls log at DEBUG: a text console at decode rates would drown in them.
+        # configure_logging lets them through for JSON logs, which machines read.
+        level = logging.DEBUG if code == "OK" else logging.INFO
+        if rpc_log.isEnabledFor(level):
             fields = {"method": name, "code": code, "duration_ms": round(seconds * 1e3, 3), "request_id": rid,
                       "identity": current_identity.get(), "peer": context.peer()}
-            rpc_log.info("%s %s %.3f ms request_id=%s identity=%s peer=%s", name, code, fields["duration_ms"], rid,
-                         fields["identity"], fields["peer"], extra={"rpc": fields})
+            rpc_log.log(level, "%s %s %.3f ms request_id=%s identity=%s peer=%s", name, code, fields["duration_ms"],
+                        rid, fields["identity"], fields["peer"], extra={"rpc": fields})
 
 
 # -- log format ------------------------------------------------------------------------------
@@ -324,3 +346,5 @@ def configure_logging(log_format: str = "text", level: int = logging.INFO) -> No
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+    # Every RPC in JSON logs; only the failed ones in text logs.
+    rpc_log.setLevel(logging.DEBUG if log_format == "json" else logging.NOTSET)

@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -54,27 +55,28 @@ def test_the_metrics_endpoint_serves_the_series(make_server):
         a = c.prefill(PrefillInput([1, 2, 3, 4, 5]))
         b = c.prefill(PrefillInput([6, 7]))
         steps = c.batch_decode([DecodeInput(8, a.kv_cache), DecodeInput(9, b.kv_cache)])
-        c.decode(DecodeInput(10, steps[0].kv_cache))
+        d = c.decode(DecodeInput(10, steps[0].kv_cache))
         c.unified_decode([UnifiedBatchItem(b.kv_cache.cache_id, [11], 3, True),
                           UnifiedBatchItem("fresh", [1, 2, 3, 4], 0, True)])
-        c.forward_verify(a.kv_cache.cache_id, [1, 2])
+        c.forward_verify(d.kv_cache, [1, 2])
         with pytest.raises(NotFoundError):
-            c.decode(DecodeInput(1, "never-made"))
+            c.truncate_kv("never-made", 1)
         status = c.status()
     running.server.on_leases_expired(3)  # the lease reaper's hook
 
+    wait_for_records(8)  # a failed call's status reaches the client just before the server books it
     m = scrape(port)
     req = "modelexec_rpc_requests_total"
     assert m[(req, (("code", "OK"), ("method", f"{SERVICE}/Prefill")))] == 2
     assert m[(req, (("code", "OK"), ("method", f"{SERVICE}/BatchDecode")))] == 1
-    assert m[(req, (("code", "NOT_FOUND"), ("method", f"{SERVICE}/Decode")))] == 1
+    assert m[(req, (("code", "NOT_FOUND"), ("method", f"{SERVICE}/TruncateKv")))] == 1
     assert m[("modelexec_rpc_duration_seconds_count", (("code", "OK"), ("method", f"{SERVICE}/Prefill")))] == 2
     assert m[("modelexec_rpc_duration_seconds_sum", (("code", "OK"), ("method", f"{SERVICE}/Prefill")))] > 0
     assert m[("modelexec_rpc_duration_seconds_bucket",
               (("code", "OK"), ("le", "+Inf"), ("method", f"{SERVICE}/Prefill")))] == 2
-    # Tokens: prefill 5 + 2 + the unified chunk's 4; decode 2 (batch) + 1 + 1 (unified) + 1; verify 2.
+    # Tokens: prefill 5 + 2 + the unified chunk's 4; decode 2 (batch) + 1 + 1 (unified); verify 2.
     assert m[("modelexec_tokens_processed_total", (("kind", "prefill"),))] == 11
-    assert m[("modelexec_tokens_processed_total", (("kind", "decode"),))] == 5
+    assert m[("modelexec_tokens_processed_total", (("kind", "decode"),))] == 4
     assert m[("modelexec_tokens_processed_total", (("kind", "verify"),))] == 2
     assert m[("modelexec_batch_items_count", (("method", "BatchDecode"),))] == 1
     assert m[("modelexec_batch_items_sum", (("method", "UnifiedDecode"),))] == 2
@@ -112,9 +114,9 @@ def test_auth_refusals_are_counted_and_logged(make_server, tmp_path):
     with ExecutorClient(running.address, timeout=10, token="tok-carol",
                         call_metadata=[("x-request-id", "carol-1")]) as c:
         c.info()
+    lines = wait_for_records(2)
     m = scrape(port)
     assert m[("modelexec_rpc_requests_total", (("code", "UNAUTHENTICATED"), ("method", f"{SERVICE}/GetInfo")))] == 1
-    lines = _records()
     refused = [line for line in lines if line["code"] == "UNAUTHENTICATED"]
     assert len(refused) == 1 and refused[0]["identity"] is None
     ok = next(line for line in lines if line["request_id"] == "carol-1")
@@ -126,7 +128,15 @@ _RECORDS: list[logging.LogRecord] = []
 
 def _records() -> list[dict]:
     formatter = JsonFormatter()
-    return [json.loads(formatter.format(r)) for r in _RECORDS]
+    return [json.loads(formatter.format(r)) for r in list(_RECORDS)]
+
+
+def wait_for_records(count: int, timeout: float = 5.0) -> list[dict]:
+    """The log lines once `count` are in: an error status is sent before its RPC's line is written."""
+    deadline = time.monotonic() + timeout
+    while len(_RECORDS) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _records()
 
 
 @pytest.fixture(autouse=True)
@@ -135,9 +145,9 @@ def _capture_rpc_records() -> Iterator[None]:
         def emit(self, record: logging.LogRecord) -> None:
             _RECORDS.append(record)
 
-    logger = logging.getLogger("modelexec.rpc")
-    handler, old_level = Keep(logging.INFO), logger.level
-    logger.setLevel(logging.INFO)
+    logger = logging.getLogger("modelexec.rpc")  # every RPC, as JSON logging keeps them
+    handler, old_level = Keep(logging.DEBUG), logger.level
+    logger.setLevel(logging.DEBUG)
     logger.addHandler(handler)
     _RECORDS.clear()
     yield
@@ -155,9 +165,9 @@ def test_request_ids_are_echoed_and_logged(make_server):
         generated = dict(call.initial_metadata())["x-request-id"]
         assert re.fullmatch(r"[0-9a-f]{32}", generated)
         with pytest.raises(grpc.RpcError) as failed:
-            stub.ReleaseCache(pb.ReleaseCacheRequest(cache_id="bad id!"), timeout=10,
-                              metadata=[("x-request-id", "req-failing-7")])
-        assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            stub.TruncateKv(pb.TruncateKvRequest(cache_id="never-made"), timeout=10,
+                            metadata=[("x-request-id", "req-failing-7")])
+        assert failed.value.code() == grpc.StatusCode.NOT_FOUND
         assert dict(failed.value.initial_metadata())["x-request-id"] == "req-failing-7"
         # A value that is not a sane id is replaced, not echoed.
         _, call = stub.GetInfo.with_call(pb.GetInfoRequest(), metadata=[("x-request-id", "x" * 500)], timeout=10)
@@ -173,13 +183,13 @@ def test_request_ids_are_echoed_and_logged(make_server):
             return err.value.code().name
 
     code = asyncio.run(aio())
-    lines = {line["request_id"]: line for line in _records()}
+    lines = {line["request_id"]: line for line in wait_for_records(5)}
     given = lines["req-given-42"]
     assert given["method"] == f"{SERVICE}/GetInfo" and given["code"] == "OK" and given["identity"] is None
     assert given["duration_ms"] >= 0 and given["peer"].startswith("ipv4:127.0.0.1:")
-    assert given["level"] == "INFO" and given["logger"] == "modelexec.rpc"
+    assert given["level"] == "DEBUG" and given["logger"] == "modelexec.rpc"  # successes: DEBUG, errors: INFO
     assert lines[generated]["code"] == "OK"
-    assert lines["req-failing-7"]["code"] == "INVALID_ARGUMENT"
+    assert lines["req-failing-7"]["code"] == "NOT_FOUND" and lines["req-failing-7"]["level"] == "INFO"
     assert lines["req-aio-9"]["code"] == code == "INVALID_ARGUMENT"
 
 
@@ -214,3 +224,22 @@ def test_log_format_flag_and_json_lines(capsys):
     assert first["message"] == "hello world" and first["level"] == "WARNING" and first["logger"] == "modelexec.test"
     assert any(line.endswith("WARNING modelexec.test: plain") for line in err)
     assert request_id([("x-request-id", "abc-1")]) == "abc-1" and len(request_id(None)) == 32
+
+
+def test_step_session_steps_are_booked_like_unified_calls(make_server):
+    port = free_port()
+    running = make_server(metrics_port=port)
+    with ExecutorClient(running.address, timeout=10) as c:
+        with c.step_session() as session:
+            first = session.step([UnifiedBatchItem("s1", [1, 2, 3], 0, True), UnifiedBatchItem("s2", [4], 0, True)])
+            session.step([UnifiedBatchItem("s1", [5], 3, True)])
+            with pytest.raises(NotFoundError):
+                session.step([UnifiedBatchItem("nobody", [5], 3, True)])  # a failed step books nothing
+        assert first[0].kv_cache.sequence_length == 3
+    wait_for_records(1)
+    m = scrape(port)
+    assert m[("modelexec_rpc_requests_total", (("code", "OK"), ("method", f"{SERVICE}/StepSession")))] == 1
+    assert m[("modelexec_batch_items_count", (("method", "StepSession"),))] == 2
+    assert m[("modelexec_batch_items_sum", (("method", "StepSession"),))] == 3
+    assert m[("modelexec_tokens_processed_total", (("kind", "prefill"),))] == 4
+    assert m[("modelexec_tokens_processed_total", (("kind", "decode"),))] == 1
