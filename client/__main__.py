@@ -90,6 +90,20 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="directory with the served model's tokenizer.json (default: the embedded model)")
 
 
+def cmd_schedule(ex: ExecutorClient, args: argparse.Namespace) -> None:
+    """Run --prompts-file through the continuous-batching scheduler on --targets (client/scheduler.py)."""
+    from client.scheduler import run_schedule_command
+
+    run_schedule_command(args)
+    return None
+
+
+def _schedule_arguments(p: argparse.ArgumentParser) -> None:
+    from client.scheduler import add_schedule_arguments
+
+    add_schedule_arguments(p)
+
+
 _COMMANDS: dict[str, tuple[Command, str]] = {
     "info": (cmd_info, "model and server description (GetInfo)"),
     "capabilities": (cmd_capabilities, "executor capabilities and limits"),
@@ -98,8 +112,9 @@ _COMMANDS: dict[str, tuple[Command, str]] = {
     "lora-metrics": (cmd_lora_metrics, "LoRA adapter metrics (null when none)"),
     "health": (cmd_health, "grpc.health.v1 status of the executor service"),
     "generate": (cmd_generate, "stream generated text from a prompt through the server"),
+    "schedule": (cmd_schedule, "run a file of prompts through the continuous-batching scheduler"),
 }
-_EXTRA_ARGUMENTS = {"generate": _generate_arguments}
+_EXTRA_ARGUMENTS = {"generate": _generate_arguments, "schedule": _schedule_arguments}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with ExecutorClient(args.target, timeout=args.timeout) as ex:
             result = args.func(ex, args)
-            if args.command != "generate":
+            if args.command not in ("generate", "schedule"):
                 print(_to_json(result))
     except (ExecutorError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -56,11 +56,14 @@ class LlmExecutorConfig:
 class LlmExecutor(KvCacheExecutor):
     name = "llm"
 
-    def __init__(self, config: LlmExecutorConfig, model: DecoderLM | None = None) -> None:
+    def __init__(self, config: LlmExecutorConfig, model: DecoderLM | None = None, *, reference: bool = False) -> None:
+        """`reference`: run the plain reference computation (per-layer modules, per-sequence
+        slot gathers) instead of the fast path; the tests compare the two."""
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
         self.config = config
-        self.model = model or load_model(config.model_dir, config.torch_dtype, config.device)
+        self.reference = reference
+        self.model = (model or load_model(config.model_dir, config.torch_dtype, config.device)).fuse()
         mc = self.model.config
         self.model_config = mc
         super().__init__(
@@ -86,16 +89,29 @@ class LlmExecutor(KvCacheExecutor):
     # -- the forward ----------------------------------------------------------------------
     def _forward_step(self, items: list[StepItem]) -> list[torch.Tensor | None]:
         dev = self.config.device
-        ids, positions, slots, segments = [], [], [], []
+        bs = self.pool.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        stale: list[int] = []
+        segments = []
         for it in items:
-            end = it.start + len(it.tokens)
+            start, n = it.start, len(it.tokens)
+            end = start + n
+            q_start = len(ids)
             ids.extend(it.tokens)
-            positions.extend(range(it.start, end))
-            slots.extend(it.table.slots(it.start, end))
-            context = torch.tensor(it.table.slots(0, end), device=dev) if it.start else None
-            segments.append(Segment(q_start=len(ids) - len(it.tokens), q_len=len(it.tokens), start=it.start,
-                                    context_slots=context))
-        ctx = StepContext(segments, self.pool, torch.tensor(slots, device=dev))
+            positions.extend(range(start, end))
+            slots.extend(it.table.slots(start, end))
+            block_ids = list(it.table.block_ids)
+            if end % bs and (start == 0 or (end - 1) // bs > (start - 1) // bs):
+                # This step enters the block holding position end-1: clear its slots past the
+                # sequence's end, which may hold a previous owner's K/V. The fast attention
+                # reads (masked) whole blocks, and a masked NaN would still poison its row.
+                first = block_ids[(end - 1) // bs] * bs
+                stale.extend(range(first + end % bs, first + bs))
+            segments.append(Segment(q_start=q_start, q_len=n, start=start, block_ids=block_ids))
+        ctx = StepContext(segments, self.pool, torch.tensor(slots, device=dev), reference=self.reference,
+                          zero_slots=torch.tensor(stale, device=dev) if stale else None)
         hidden = self.model.hidden_states(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), ctx)
         # The lm_head runs once, on the rows that need logits only.
         rows: list[int] = []
@@ -107,14 +123,21 @@ class LlmExecutor(KvCacheExecutor):
             first = seg.q_start if it.rows is Rows.ALL else seg.q_start + seg.q_len - 1
             spans.append((len(rows), seg.q_start + seg.q_len - first))
             rows.extend(range(first, seg.q_start + seg.q_len))
-        logits = self.model.logits(hidden[torch.tensor(rows, device=dev)]) if rows else None
+        if not rows:
+            logits = None
+        else:
+            # Every row (decode steps): no gather.
+            picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=dev)]
+            logits = self.model.logits(picked, reference=True) if self.reference else self.model.logits(picked)
         return [None if s is None else logits[s[0]:s[0] + s[1]] for s in spans]
 
     def _forward_sequence(self, tokens: list[int], hidden: bool) -> torch.Tensor:
         dev = self.config.device
-        ctx = StepContext([Segment(0, len(tokens), 0, None)])
+        ctx = StepContext([Segment(0, len(tokens), 0)], reference=self.reference)
         h = self.model.hidden_states(torch.tensor(tokens, device=dev), torch.arange(len(tokens), device=dev), ctx)
-        return h if hidden else self.model.logits(h)
+        if hidden:
+            return h
+        return self.model.logits(h, reference=True) if self.reference else self.model.logits(h)
 
     # -- description ----------------------------------------------------------------------
     def info(self) -> ModelInfo:

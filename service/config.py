@@ -36,6 +36,9 @@ class ServeConfig:
     max_concurrent_rpcs: int | None = None
     # A cache unused for this long is released (its client is presumed gone); 0 keeps caches forever.
     cache_ttl_seconds: float = 600.0
+    # Concurrent Decode calls arriving within this window run as one batched forward
+    # (executors/coalescer.py); a lone caller is never delayed. 0: off.
+    coalesce_window_ms: float = 0.0
     # Lifecycle.
     warmup_on_start: bool = True
     allow_shutdown: bool = False
@@ -72,6 +75,8 @@ class ServeConfig:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if not self.cache_ttl_seconds >= 0:
             raise ValueError(f"cache_ttl_seconds must be >= 0, got {self.cache_ttl_seconds}")
+        if not 0 <= self.coalesce_window_ms <= 10_000:
+            raise ValueError(f"coalesce_window_ms must be in [0, 10000], got {self.coalesce_window_ms}")
         if self.grace_seconds < 0:
             raise ValueError("grace_seconds must be >= 0")
         self._check_security_and_observability()
@@ -138,6 +143,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ServeConfig:
                    help="refuse RPCs beyond this many in flight with RESOURCE_EXHAUSTED")
     p.add_argument("--cache-ttl-seconds", type=float, default=defaults.cache_ttl_seconds,
                    help="release a cache left unused this long; 0 never does (default %(default)s)")
+    p.add_argument("--coalesce-window-ms", type=float, default=defaults.coalesce_window_ms,
+                   help="run concurrent Decode calls arriving within this window as one batched forward; "
+                        "a lone caller is never delayed; 0 is off (default %(default)s)")
     p.add_argument("--no-warmup", dest="warmup_on_start", action="store_false",
                    help="do not warm up at start; health stays NOT_SERVING until a Warmup call")
     p.add_argument("--allow-shutdown", action="store_true", help="let the Shutdown RPC stop the server")

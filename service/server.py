@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from executors.base import ModelExecutor
+from executors.coalescer import DecodeCoalescer
 from generated.modelexec.v1 import executor_pb2 as pb
 from generated.modelexec.v1 import executor_pb2_grpc as pb_grpc
 from service.auth import AuthInterceptor, server_credentials
@@ -56,6 +57,7 @@ class ExecutorServer:
         self.executor = executor or build_executor(config)
         self.health = health.aio.HealthServicer()
         self.stopped = asyncio.Event()
+        self.stopping = False  # a stop has begun: health is NOT_SERVING, calls in flight drain
         self._server: grpc.aio.Server | None = None
         self._reaper: asyncio.Task | None = None
         self.address = ""
@@ -77,7 +79,11 @@ class ExecutorServer:
             options=grpc_options(cfg),
             maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
         )
-        servicer = ModelExecutorServicer(self.executor, cfg, self._serving, self._shutdown_requested)
+        # --coalesce-window-ms: RPCs see the executor through a DecodeCoalescer (decode batched).
+        self.coalescer = DecodeCoalescer(
+            self.executor, cfg.coalesce_window_ms / 1000,
+            min(cfg.max_batch_size, self.executor.capabilities().max_batch_size)) if cfg.coalesce_window_ms > 0 else None
+        servicer = ModelExecutorServicer(self.coalescer or self.executor, cfg, self._serving, self._shutdown_requested)
         pb_grpc.add_ModelExecutorServiceServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if cfg.reflection_mode != "off":
@@ -133,10 +139,20 @@ class ExecutorServer:
         await self.stop(grace)
 
     async def stop(self, grace: float | None = None) -> None:
-        """Report NOT_SERVING, give calls in flight `grace` seconds, then stop."""
+        """Report NOT_SERVING at once, refuse new calls (UNAVAILABLE), give calls in flight
+        `grace` seconds, then cancel what is left and stop.
+
+        Called again while a stop is draining (a second SIGTERM), it cancels the calls still
+        in flight at once; the first call then completes the stop."""
         if self._server is None or self.stopped.is_set():
             return
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.stopping:
+            log.info("stopping now: cancelling the calls still in flight")
+            await self._server.stop(None)
+            return
+        self.stopping = True
+        # NOT_SERVING for every service, and no later set() (a Warmup in flight) can undo it.
+        await self.health.enter_graceful_shutdown()
         if self._reaper is not None:
             self._reaper.cancel()
         await self._server.stop(self.config.grace_seconds if grace is None else grace)
@@ -153,7 +169,17 @@ async def serve(config: ServeConfig) -> None:
     address = await server.start()
     print(f"modelexec: serving the {server.executor.name} executor on {address}", flush=True)
     loop = asyncio.get_running_loop()
+    stops: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
+
+    def on_signal(sig: signal.Signals) -> None:
+        # The first signal drains calls in flight for the grace period; a second ends it now.
+        log.info("%s: %s", sig.name, "again" if server.stopping else
+                 f"stopping, {config.grace_seconds:.1f} s grace for calls in flight (a second signal ends it)")
+        task = loop.create_task(server.stop())
+        stops.add(task)
+        task.add_done_callback(stops.discard)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: loop.create_task(server.stop()))
+        loop.add_signal_handler(sig, on_signal, sig)
     await server.wait()
     print("modelexec: stopped", flush=True)

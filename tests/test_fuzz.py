@@ -25,7 +25,9 @@ from dataclasses import replace
 import grpc
 import numpy as np
 import pytest
+import torch
 from google.protobuf import struct_pb2
+from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
@@ -42,6 +44,7 @@ RESPONSE = {m.name: getattr(pb, m.output_type.name) for m in SERVICE.methods}
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 MODEL = PagedModel()
+CODE_BY_NUMBER = {c.value[0]: c for c in C}
 
 # A small pool (64 blocks of 4 tokens) so that exhaustion and its rollback are reached
 # often, and small batch and token limits so that they are reached too.
@@ -77,6 +80,8 @@ TOKENS = st.one_of(
     st.tuples(st.integers(0, 255), st.integers(13, 700)).map(lambda t: [t[0]] * t[1]),  # long
 )
 CALLER_IDS = ["fz-0", "fz-1", "fz-2", "fz-3"]
+INDEX = st.integers(0, 2**16)
+ANY_LENGTH = st.one_of(st.integers(0, 40), st.sampled_from([MAX_SEQ, MAX_SEQ + 1, 2**31, 2**32 - 1]))
 WEIRD_IDS = st.one_of(
     st.sampled_from(["", " ", "bad id!", "x" * 128, "y" * 129, "ü", "\x00", "kv-0", "kv-99999", "../etc",
                      "a" * 10_000, "fz-0\n", "DROP TABLE;"]),
@@ -131,7 +136,7 @@ VALUE = st.recursive(
                             st.dictionaries(st.text(max_size=8), inner, max_size=3).map(_struct_value)),
     max_leaves=6,
 )
-METADATA = st.one_of(st.just({}), st.just({}), st.dictionaries(st.text(max_size=12), VALUE, max_size=3))
+WILD_METADATA = st.one_of(st.just({}), st.dictionaries(st.text(max_size=12), VALUE, max_size=3))
 
 
 def _sample(temperature: float, top_k: int, top_p: float | None, seed: int | None) -> pb.LogitsPolicy:
@@ -143,14 +148,32 @@ def _sample(temperature: float, top_k: int, top_p: float | None, seed: int | Non
     return pb.LogitsPolicy(sample=s)
 
 
-POLICY = st.one_of(
+# Requests are drawn "sane" (valid values, live caches at their true length: calls that
+# succeed and move state) or "wild" (anything at all), one or the other per rule.
+SANE_POLICY = st.one_of(
+    st.none(),
+    st.integers(0, 3).map(lambda d: pb.LogitsPolicy(full=pb.FullLogits(dtype=d))),
+    st.builds(lambda: pb.LogitsPolicy(argmax=pb.ArgmaxToken())),
+    st.integers(1, 20).map(lambda k: pb.LogitsPolicy(top_k=pb.TopKLogprobs(k=k))),
+    st.builds(_sample, st.floats(0, 2, width=32), st.integers(0, 50), st.none() | st.floats(0.0625, 1, width=32),
+              st.none() | U64),
+)
+WILD_POLICY = st.one_of(
     st.none(),
     ENUM.map(lambda d: pb.LogitsPolicy(full=pb.FullLogits(dtype=d))),
-    st.builds(lambda: pb.LogitsPolicy(argmax=pb.ArgmaxToken())),
     st.builds(lambda: pb.LogitsPolicy(argmax=pb.ArgmaxToken())),
     st.one_of(st.integers(0, 300), U32).map(lambda k: pb.LogitsPolicy(top_k=pb.TopKLogprobs(k=k))),
     st.builds(_sample, FLOAT32, st.one_of(st.integers(0, 300), U32), st.none() | FLOAT32, st.none() | U64),
 )
+SANE_TOKENS = st.one_of(
+    VALID_TOKENS,
+    VALID_TOKENS,
+    VALID_TOKENS,
+    st.tuples(st.integers(0, 255), st.integers(13, 160)).map(lambda t: [t[0]] * t[1]),  # fills the pool
+)
+SANE_METADATA = st.one_of(st.just({}), st.just({}), st.dictionaries(
+    st.text(min_size=1, max_size=8), st.one_of(st.text(max_size=20).map(lambda v: _value(string_value=v)),
+                                   st.integers(-1000, 1000).map(lambda v: _value(number_value=v))), max_size=2))
 
 
 def _set_metadata(target, values: dict[str, struct_pb2.Value]) -> None:
@@ -161,6 +184,11 @@ def _set_metadata(target, values: dict[str, struct_pb2.Value]) -> None:
 def _set_policy(msg, policy: pb.LogitsPolicy | None) -> None:
     if policy is not None:
         msg.logits_policy.CopyFrom(policy)
+
+
+def known_bug(message: str, request) -> bool:
+    """The tiny-temperature bug (see KNOWN_BUG_TINY_TEMPERATURE), and only that."""
+    return KNOWN_BUG_TINY_TEMPERATURE in message and "temperature" in str(request)
 
 
 def _blocks(length: int) -> int:
@@ -191,7 +219,10 @@ class ServerFuzz(RuleBasedStateMachine):
         super().__init__()
         self.live: dict[str, int] = {}  # cache id -> length, from successful responses
         self.released: set[str] = set()
-        self.steps = 0
+        self.wild = True
+
+    def mode(self, data) -> None:
+        self.wild = data.draw(st.integers(0, 2), label="wild") == 0
 
     # -- calling and modelling ------------------------------------------------------------
     def send(self, method: str, request, metadata=None, *, raw: bool = False, count: int = 1):
@@ -206,17 +237,23 @@ class ServerFuzz(RuleBasedStateMachine):
         try:
             resp = fn(request, timeout=CALL_TIMEOUT, metadata=metadata)
         except grpc.RpcError as e:
-            code = e.code()
+            code = self.last_code = e.code()
+            self.last_details = e.details()
             if code == C.UNIMPLEMENTED and method not in REQUEST and method != HEALTH_CHECK:
                 return None  # a method no service has
-            if code == C.INTERNAL and KNOWN_BUG_TINY_TEMPERATURE in (e.details() or ""):
+            if code == C.INTERNAL and known_bug(e.details() or "", request):
                 ServerFuzz.known_bug_hits += 1
                 return None
             assert code in CALLER_MISTAKES, (
                 f"{method} answered {code.name}: {e.details()!r}\nrequest: {str(request)[:2000]!r}")
             return None
+        self.last_code = C.OK
         if raw and method in RESPONSE:
-            request, resp = REQUEST[method].FromString(request), RESPONSE[method].FromString(resp)
+            resp = RESPONSE[method].FromString(resp)
+            try:
+                request = REQUEST[method].FromString(request)
+            except DecodeError:  # StepSession answers undecodable steps in its stream
+                assert method == "StepSession", method
         if method in RESPONSE:
             self.track(method, request, resp)
         return resp
@@ -227,6 +264,13 @@ class ServerFuzz(RuleBasedStateMachine):
         elif method in ("BatchPrefill", "BatchDecode"):
             handles = [o.kv_cache for o in resp.outputs]
         elif method == "UnifiedDecode":
+            handles = [r.kv_cache for r in resp.results]
+        elif method == "StepSession":  # a failed step answers with its status inside the stream
+            if resp.HasField("error"):
+                code = CODE_BY_NUMBER.get(resp.error.code)
+                assert code in CALLER_MISTAKES or known_bug(resp.error.message, request), (
+                    f"StepSession step answered {resp.error}\nrequest: {str(request)[:2000]!r}")
+                ServerFuzz.known_bug_hits += code not in CALLER_MISTAKES
             handles = [r.kv_cache for r in resp.results]
         elif method in ("ForwardVerify", "TruncateKv"):
             handles = [resp.kv_cache]
@@ -246,22 +290,45 @@ class ServerFuzz(RuleBasedStateMachine):
             self.released.discard(h.cache_id)
 
     # -- drawing values that refer to the model -------------------------------------------
+    # Strategies built per draw are slow in hypothesis: these draw from module-level ones.
+    def pick(self, data, ids) -> str:
+        ids = sorted(ids)
+        return ids[data.draw(INDEX) % len(ids)]
+
+    def tokens(self, data) -> list[int]:
+        return data.draw(TOKENS if self.wild else SANE_TOKENS)
+
+    def metadata(self, data, target) -> None:
+        _set_metadata(target, data.draw(WILD_METADATA if self.wild else SANE_METADATA))
+
+    def policy(self, data, msg) -> None:
+        _set_policy(msg, data.draw(WILD_POLICY if self.wild else SANE_POLICY))
+
     def cache_id(self, data) -> str:
-        choices = [st.sampled_from(CALLER_IDS), WEIRD_IDS]
-        if self.live:
-            live = st.sampled_from(sorted(self.live))
-            choices = [live, live, live, *choices]
-        if self.released:
-            choices.append(st.sampled_from(sorted(self.released)))
-        return data.draw(st.one_of(choices))
+        which = data.draw(st.integers(0, 6))
+        if self.live and (which < 3 or not self.wild):
+            return self.pick(data, self.live)
+        if which == 3 and self.released:
+            return self.pick(data, self.released)
+        return data.draw(st.sampled_from(CALLER_IDS) if which % 2 or not self.wild else WEIRD_IDS)
 
     def length(self, data, cache_id: str) -> int:
         n = self.live.get(cache_id)
-        anything = st.one_of(st.integers(0, 40), st.sampled_from([MAX_SEQ, MAX_SEQ + 1, 2**31, 2**32 - 1]))
-        if n is None:
-            return data.draw(st.one_of(st.just(0), anything))
-        return data.draw(st.one_of(st.just(n), st.just(n), st.just(n), st.just(n + 1), st.just(max(n - 1, 0)),
-                                   anything))
+        if not self.wild:
+            return 0 if n is None else n
+        which = data.draw(st.integers(0, 6))
+        if n is not None and which < 3:
+            return n
+        if n is not None and which < 5:
+            return max(n + (1 if which == 3 else -1), 0)
+        return 0 if which == 5 else data.draw(ANY_LENGTH)
+
+    def live_ids(self, data, most: int) -> list[str]:
+        """Live caches for a batch: distinct when sane, repeats allowed when wild."""
+        if not self.live:
+            return []
+        ids = [self.pick(data, self.live) for _ in range(data.draw(st.integers(0, most)))]
+        return ids if self.wild else list(dict.fromkeys(ids))
 
     def handle(self, data, cache_id: str, length: int) -> pb.KvCacheHandle:
         h = pb.KvCacheHandle(cache_id=cache_id, block_table=pb.BlockTable(sequence_length=length))
@@ -273,12 +340,12 @@ class ServerFuzz(RuleBasedStateMachine):
         return h
 
     def prefill_input(self, data) -> pb.PrefillInput:
-        tokens = data.draw(TOKENS)
+        tokens = self.tokens(data)
         msg = pb.PrefillInput(input_ids=tokens)
         start = 0
         how = data.draw(st.sampled_from(["new", "new", "continue", "caller", "any"]))
         if how == "continue" and self.live:
-            cid = data.draw(st.sampled_from(sorted(self.live)))
+            cid = self.pick(data, self.live)
             start = self.length(data, cid)
             msg.kv_cache.CopyFrom(self.handle(data, cid, start))
         elif how in ("caller", "any", "continue"):
@@ -286,34 +353,35 @@ class ServerFuzz(RuleBasedStateMachine):
             start = self.length(data, cid)
             msg.kv_cache.CopyFrom(self.handle(data, cid, start))
         mask = data.draw(st.sampled_from(["none", "none", "ones", "random"]))
-        if mask == "ones":
+        if mask == "ones" or (mask == "random" and not self.wild):
             msg.attention_mask.extend([1] * len(tokens))
         elif mask == "random":
             msg.attention_mask.extend(data.draw(st.lists(st.one_of(st.just(1), U32), max_size=14)))
         positions = data.draw(st.sampled_from(["none", "none", "continue", "random"]))
-        if positions == "continue" and start + len(tokens) < 2**32:
-            msg.position_ids.extend(range(start, start + len(tokens)))
+        if (positions == "continue" or not self.wild) and start + len(tokens) < 2**32:
+            msg.position_ids.extend(range(start, start + len(tokens)) if positions != "none" else ())
         elif positions == "random":
             msg.position_ids.extend(data.draw(st.lists(U32, max_size=14)))
-        _set_metadata(msg.metadata, data.draw(METADATA))
-        _set_policy(msg, data.draw(POLICY))
+        self.metadata(data, msg.metadata)
+        self.policy(data, msg)
         return msg
 
     def decode_input(self, data, cache_id: str | None = None) -> pb.DecodeInput:
         msg = pb.DecodeInput()
-        if data.draw(st.integers(0, 9)):
-            msg.token_id = data.draw(st.one_of(st.integers(0, 255), st.integers(0, 255), ANY_TOKEN, U32))
-        if cache_id is not None or data.draw(st.integers(0, 9)):
+        if data.draw(st.integers(0, 9)) or not self.wild:
+            msg.token_id = data.draw(st.integers(0, 255) if not self.wild else st.one_of(
+                st.integers(0, 255), ANY_TOKEN, U32))
+        if cache_id is not None or data.draw(st.integers(0, 9)) or not self.wild:
             cid = cache_id if cache_id is not None else self.cache_id(data)
             length = self.length(data, cid)
             msg.kv_cache.CopyFrom(self.handle(data, cid, length))
             position = data.draw(st.sampled_from(["none", "none", "right", "random"]))
-            if position == "right":
+            if position == "right" or (position == "random" and not self.wild):
                 msg.position_id = length
             elif position == "random":
                 msg.position_id = data.draw(U32)
-        _set_metadata(msg.metadata, data.draw(METADATA))
-        _set_policy(msg, data.draw(POLICY))
+        self.metadata(data, msg.metadata)
+        self.policy(data, msg)
         return msg
 
     def unified_item(self, data, cache_id: str | None) -> pb.UnifiedBatchItem:
@@ -322,13 +390,15 @@ class ServerFuzz(RuleBasedStateMachine):
             item.seq_id = cache_id
             item.pos_offset = self.length(data, cache_id)
             item.q_tokens.extend(data.draw(st.one_of(st.lists(st.integers(0, 255), min_size=1, max_size=1),
-                                                     TOKENS)))
-        else:  # a new sequence, or a caller-chosen id at 0
+                                                     TOKENS if self.wild else SANE_TOKENS)))
+        elif self.wild:  # a new sequence, or a caller-chosen id at 0
             item.seq_id = data.draw(st.one_of(st.just(""), st.sampled_from(CALLER_IDS), WEIRD_IDS))
             item.pos_offset = data.draw(st.one_of(st.just(0), st.just(0), U32))
             item.q_tokens.extend(data.draw(TOKENS))
-        _set_metadata(item.metadata, data.draw(METADATA))
-        _set_policy(item, data.draw(POLICY))
+        else:
+            item.q_tokens.extend(data.draw(SANE_TOKENS))
+        self.metadata(data, item.metadata)
+        self.policy(data, item)
         return item
 
     def request(self, data, method: str):
@@ -339,52 +409,84 @@ class ServerFuzz(RuleBasedStateMachine):
             return pb.DecodeRequest(input=self.decode_input(data))
         if method == "BatchPrefill":
             return pb.BatchPrefillRequest(inputs=[self.prefill_input(data)
-                                                  for _ in range(data.draw(st.integers(0, 10)))])
+                                                  for _ in range(data.draw(st.integers(0 if self.wild else 1, 10)))])
         if method == "BatchDecode":
-            ids = data.draw(st.lists(st.sampled_from(sorted(self.live)), max_size=10)) if self.live else []
-            msgs = [self.decode_input(data, cid) for cid in ids]
-            msgs += [self.decode_input(data) for _ in range(data.draw(st.integers(0, 2)))]
-            return pb.BatchDecodeRequest(inputs=data.draw(st.permutations(msgs)))
+            msgs = [self.decode_input(data, cid) for cid in self.live_ids(data, 10)]
+            if self.wild:
+                msgs.insert(data.draw(INDEX) % (len(msgs) + 1), self.decode_input(data))
+                msgs = msgs[:data.draw(st.integers(0, len(msgs)))]
+            return pb.BatchDecodeRequest(inputs=msgs)
         if method == "UnifiedDecode":
-            ids = data.draw(st.lists(st.sampled_from(sorted(self.live)), max_size=8)) if self.live else []
-            items = [self.unified_item(data, cid) for cid in ids]
-            items += [self.unified_item(data, None) for _ in range(data.draw(st.integers(0, 3)))]
-            return pb.UnifiedDecodeRequest(batch=pb.UnifiedBatch(items=data.draw(st.permutations(items))))
+            items = [self.unified_item(data, cid) for cid in self.live_ids(data, 8)]
+            for _ in range(data.draw(st.integers(0 if items or self.wild else 1, 3))):
+                items.insert(data.draw(INDEX) % (len(items) + 1), self.unified_item(data, None))
+            return pb.UnifiedDecodeRequest(batch=pb.UnifiedBatch(items=items))
         if method == "Forward":
-            return pb.ForwardRequest(input_ids=data.draw(TOKENS), output=data.draw(ENUM), dtype=data.draw(ENUM))
+            if self.wild:
+                return pb.ForwardRequest(input_ids=self.tokens(data), output=data.draw(ENUM), dtype=data.draw(ENUM))
+            return pb.ForwardRequest(input_ids=self.tokens(data), output=data.draw(st.integers(0, 3)),
+                                     dtype=data.draw(st.integers(0, 3)))
         if method == "ForwardVerify":
-            req = pb.ForwardVerifyRequest(tokens=data.draw(TOKENS))
-            if data.draw(st.integers(0, 9)):
+            req = pb.ForwardVerifyRequest(tokens=self.tokens(data))
+            if data.draw(st.integers(0, 9)) or not self.wild:
                 cid = self.cache_id(data)
                 req.kv_cache.CopyFrom(self.handle(data, cid, self.length(data, cid)))
-            _set_policy(req, data.draw(POLICY))
+            self.policy(data, req)
             return req
         if method == "TruncateKv":
             cid = self.cache_id(data)
             n = self.live.get(cid, 0)
-            return pb.TruncateKvRequest(cache_id=cid, new_length=data.draw(st.one_of(
-                st.integers(0, n), st.integers(0, n), st.just(n + 1), U32)))
+            return pb.TruncateKvRequest(cache_id=cid, new_length=data.draw(
+                st.one_of(st.integers(0, n), st.integers(0, n), st.just(n + 1), U32) if self.wild
+                else st.integers(0, n)))
         if method == "ReleaseCache":
             return pb.ReleaseCacheRequest(cache_id=self.cache_id(data))
         if method == "Shutdown":
             return pb.ShutdownRequest(grace_seconds=data.draw(FLOAT32))
+        if method == "StepSession":
+            batch = self.request(data, "UnifiedDecode").batch
+            return pb.StepSessionRequest(step_id=data.draw(U64), batch=batch)
         return REQUEST[method]()  # the descriptive calls and Warmup take no fields
 
     # -- rules ----------------------------------------------------------------------------
     @rule(data=st.data())
     def prefill(self, data):
+        self.mode(data)
         self.send("Prefill", self.request(data, "Prefill"), data.draw(CALL_METADATA))
 
     @rule(data=st.data())
     def decode(self, data):
+        self.mode(data)
         self.send("Decode", self.request(data, "Decode"), data.draw(CALL_METADATA))
 
     @rule(data=st.data(), method=st.sampled_from(["BatchPrefill", "BatchDecode", "UnifiedDecode"]))
     def batch(self, data, method):
+        self.mode(data)
         self.send(method, self.request(data, method), data.draw(CALL_METADATA))
+
+    @rule(data=st.data())
+    def step_session(self, data):
+        """A few steps on one bidirectional stream, each answered (or refused) in order."""
+        ServerFuzz.sent += 1
+        self.mode(data)
+        steps = [self.request(data, "StepSession") for _ in range(data.draw(st.integers(1, 4)))]
+        call = self.channel.stream_stream(PREFIX + "StepSession",
+                                          request_serializer=pb.StepSessionRequest.SerializeToString,
+                                          response_deserializer=pb.StepSessionResponse.FromString)
+        answered = 0
+        try:
+            for resp in call(iter(steps), timeout=CALL_TIMEOUT, metadata=data.draw(CALL_METADATA)):
+                assert resp.step_id == steps[answered].step_id
+                self.track("StepSession", steps[answered], resp)
+                answered += 1
+        except grpc.RpcError as e:
+            assert e.code() in CALLER_MISTAKES, f"StepSession ended {e.code().name}: {e.details()!r}"
+        else:
+            assert answered == len(steps)
 
     @rule(data=st.data(), method=st.sampled_from(["Forward", "ForwardVerify", "TruncateKv", "ReleaseCache"]))
     def other(self, data, method):
+        self.mode(data)
         self.send(method, self.request(data, method), data.draw(CALL_METADATA))
 
     @rule(data=st.data(), method=st.sampled_from(["GetInfo", "GetCapabilities", "GetStatus", "GetCacheMetrics",
@@ -393,23 +495,26 @@ class ServerFuzz(RuleBasedStateMachine):
         self.send(method, self.request(data, method), data.draw(CALL_METADATA))
 
     @rule(method=st.sampled_from([*REQUEST, HEALTH_CHECK, PREFIX + "NoSuchMethod", "/no.such.Service/Call"]),
-          payload=st.one_of(st.binary(max_size=300), st.sampled_from([b"\xff", b"\x0a\xff\xff\xff\xff\x0f",
-                                                                       b"\x0a\x02\xff\xfe", b"\x08"])))
-    def raw_bytes(self, method, payload):
-        self.send(method, payload, raw=True)
+          payloads=st.lists(st.one_of(st.binary(max_size=300), st.sampled_from(
+              [b"\xff", b"\x0a\xff\xff\xff\xff\x0f", b"\x0a\x02\xff\xfe", b"\x08", b"\x0c"])), min_size=1, max_size=8))
+    def raw_bytes(self, method, payloads):
+        for payload in payloads:
+            self.send(method, payload, raw=True)
 
     @rule(data=st.data(), method=st.sampled_from(["Prefill", "Decode", "BatchPrefill", "BatchDecode",
-                                                  "UnifiedDecode", "ForwardVerify", "TruncateKv"]),
-          how=st.sampled_from(["truncate", "flip", "insert", "append"]), at=st.integers(0, 10_000),
-          junk=st.binary(min_size=1, max_size=12))
-    def mutated_bytes(self, data, method, how, at, junk):
+                                                  "UnifiedDecode", "ForwardVerify", "TruncateKv", "StepSession"]),
+          mutations=st.lists(st.tuples(st.sampled_from(["truncate", "flip", "insert", "append"]),
+                                       st.integers(0, 10_000), st.binary(min_size=1, max_size=12)),
+                             min_size=1, max_size=8))
+    def mutated_bytes(self, data, method, mutations):
+        self.mode(data)
         valid = self.request(data, method).SerializeToString()
-        self.send(method, _mutate(valid, how, at, junk), raw=True)
+        for how, at, junk in mutations:
+            self.send(method, _mutate(valid, how, at, junk), raw=True)
 
     # -- the checks -----------------------------------------------------------------------
     @invariant()
     def pool_accounting_is_exact(self):
-        self.steps += 1
         kv = self.send("GetStatus", pb.GetStatusRequest(), count=0).status.kv_pool
         assert kv.free_blocks + kv.used_blocks == kv.total_blocks == FUZZ_CONFIG.num_blocks
         assert kv.active_caches == len(self.live), (sorted(self.live), kv)
@@ -451,9 +556,14 @@ def assert_known_good_and_all_free(machine: ServerFuzz) -> None:
 
 @pytest.fixture(scope="module")
 def fuzz_server() -> Iterator[RunningServer]:
+    # With the client in the same process, torch's second intra-op thread spinning against
+    # gRPC's threads on 2 cores makes each forward ~20x slower; one thread keeps this quick.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     running = start_server(FUZZ_CONFIG)
     yield running
     running.stop()
+    torch.set_num_threads(threads)
 
 
 def test_fuzz_every_rpc_keeps_statuses_clean_and_the_pool_exact(fuzz_server):
@@ -462,8 +572,11 @@ def test_fuzz_every_rpc_keeps_statuses_clean_and_the_pool_exact(fuzz_server):
     started = time.monotonic()
     with grpc.insecure_channel(fuzz_server.address) as channel:
         ServerFuzz.channel = channel
-        run_state_machine_as_test(ServerFuzz, settings=settings(
-            max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)))
+        # Runs of 8 examples until 3000 messages or 25 s, whichever comes first: how many
+        # messages an example sends varies a lot.
+        while ServerFuzz.sent < 3000 and time.monotonic() - started < 25:
+            run_state_machine_as_test(ServerFuzz, settings=settings(
+                max_examples=8, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)))
         # The server still serves, and nothing is left behind.
         assert_known_good_and_all_free(ServerFuzz())
     elapsed = time.monotonic() - started
@@ -478,11 +591,15 @@ MALFORMED = [
     b"\x0a\xff\xff\xff\xff\x0f",  # a length prefix far past the end
     b"\x0a\x05\x01",  # a length prefix past the end
     b"\x0f",  # wire type 7 does not exist
-    b"\x0b\x0c",  # an end-group with no start
+    b"\x0c",  # an end-group with no start
+    b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",  # a varint longer than 10 bytes
 ]
 
 
-@pytest.mark.parametrize("method", [*(PREFIX + m for m in REQUEST), HEALTH_CHECK, "/grpc.health.v1.Health/Watch"])
+UNARY = [m.name for m in SERVICE.methods if not (m.client_streaming or m.server_streaming)]
+
+
+@pytest.mark.parametrize("method", [*(PREFIX + m for m in UNARY), HEALTH_CHECK, "/grpc.health.v1.Health/Watch"])
 def test_bytes_that_are_not_a_protobuf_get_invalid_argument(fuzz_server, method):
     with grpc.insecure_channel(fuzz_server.address) as channel:
         for payload in MALFORMED:
@@ -494,19 +611,21 @@ def test_bytes_that_are_not_a_protobuf_get_invalid_argument(fuzz_server, method)
             assert info.value.code() == C.INVALID_ARGUMENT, (method, payload, info.value.details())
 
 
-def test_reflection_refuses_bytes_that_are_not_a_protobuf(fuzz_server):
+def test_streams_refuse_bytes_that_are_not_a_protobuf(fuzz_server):
     with grpc.insecure_channel(fuzz_server.address) as channel:
-        call = channel.stream_stream(REFLECTION)
+        # A step session answers each undecodable step in the stream and stays open.
+        session = channel.stream_stream(PREFIX + "StepSession", response_deserializer=pb.StepSessionResponse.FromString)
+        answers = list(session(iter(MALFORMED), timeout=CALL_TIMEOUT))
+        assert [a.error.code for a in answers] == [C.INVALID_ARGUMENT.value[0]] * len(MALFORMED)
         with pytest.raises(grpc.RpcError) as info:
-            list(call(iter([MALFORMED[1]]), timeout=CALL_TIMEOUT))
-    assert info.value.code() == C.INVALID_ARGUMENT
+            list(channel.stream_stream(REFLECTION)(iter([MALFORMED[1]]), timeout=CALL_TIMEOUT))
+        assert info.value.code() == C.INVALID_ARGUMENT
 
 
 def test_invalid_utf8_in_a_string_field_is_invalid_argument(fuzz_server):
     # ReleaseCacheRequest.cache_id (field 1, length-delimited) holding bytes that are not UTF-8.
-    with grpc.insecure_channel(fuzz_server.address) as channel:
-        with pytest.raises(grpc.RpcError) as info:
-            channel.unary_unary(PREFIX + "ReleaseCache")(b"\x0a\x02\xff\xfe", timeout=CALL_TIMEOUT)
+    with grpc.insecure_channel(fuzz_server.address) as channel, pytest.raises(grpc.RpcError) as info:
+        channel.unary_unary(PREFIX + "ReleaseCache")(b"\x0a\x02\xff\xfe", timeout=CALL_TIMEOUT)
     assert info.value.code() == C.INVALID_ARGUMENT
 
 

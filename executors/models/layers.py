@@ -54,12 +54,33 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        # sin with the first half negated: rotate_half(x) * sin == swap_halves(x) * signed_sin.
+        half = config.head_dim // 2
+        signed = emb.sin()
+        signed[:, :half].neg_()
+        self.register_buffer("signed_sin", signed, persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [M, H, D], k [M, KVH, D], positions [M]."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin of the positions ([M, 1, D] each), looked up once per step.
+
+        float32 for float32 models (bit for bit the reference's phases); the activations'
+        dtype otherwise, as transformers computes a bfloat16 model's rotation (and ~1.8x
+        faster than promoting to float32 and back, bench/RESULTS.md)."""
+        cos, sin = self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+        return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """The same rotation as RotaryEmbedding in three ops: x*cos + swap_halves(x)*signed_sin."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

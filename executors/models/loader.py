@@ -76,5 +76,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         raise UnsupportedModel(f"{model_dir}: tensors the {config.architecture} config does not expect: {shown}")
     model.load_state_dict(state, assign=True, strict=True)
     model.rope = RotaryEmbedding(config).to(device)
+    model.fuse()  # the fast forward's fused q/k/v and gate/up weights; the parameters become views
     log.info("loaded %s (%s) in %.1f s", model_dir.name, config.architecture, time.perf_counter() - started)
     return model.eval()

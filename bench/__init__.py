@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench` (the performance suite), `python -m bench.accuracy`, `python -m bench.speculative`."""

@@ -1,0 +1,586 @@
+"""`python -m bench`: the performance suite (see `python -m bench --help` and bench/RESULTS.md).
+
+Parts, on the embedded SmolLM2-135M (fixed, seeded workloads):
+  prefill   batch_prefill of 32 prompts x 128 tokens as one call vs 32 prefill calls in a row
+  decode    decode tokens/s at batch 1, 8, 32, 64 through BatchDecode and UnifiedDecode (gRPC,
+            unix socket, ARGMAX), with the achieved memory bandwidth (weights + KV read per step)
+  grpc      the same decode step in-process and over gRPC (TCP loopback, unix socket) for the
+            logits policies FULL fp32, FULL bf16, ARGMAX and SAMPLE: overhead in ms and as a ratio
+  hf        ours vs transformers on the same weights: prefill and decode tokens/s at batch 1, 32
+            (transformers `generate` with its static cache)
+  gpu       bandwidth floor and a Qwen3-0.6B-shaped random model on CUDA ("skipped: no GPU" else)
+
+Writes bench/results/<date>-<host>.json and PNG plots (bench/results/plots/), prints a table.
+The service never imports this; transformers and matplotlib are bench/test dependencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from executors.llm import LlmExecutor, LlmExecutorConfig
+from executors.types import DecodeInput, LogitsKind, LogitsPolicy, PrefillInput
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
+RESULTS = Path(__file__).resolve().parent / "results"
+PARTS = ("prefill", "decode", "grpc", "hf", "gpu")
+SEED = 1234
+PROMPT_LEN = 128
+ARGMAX = LogitsPolicy(kind=LogitsKind.ARGMAX)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def prompts(n: int, length: int, vocab: int, seed: int = SEED) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab, size=(n, length)).tolist()
+
+
+def machine() -> dict[str, Any]:
+    model = platform.processor() or ""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {
+        "host": socket.gethostname(), "cpu": model, "cores": os.cpu_count(), "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "python": platform.python_version(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "loadavg_start": list(os.getloadavg()),
+    }
+
+
+def executor(dtype: str, num_blocks: int = 2048, device: str = "cpu", model_dir: Path = MODEL_DIR) -> LlmExecutor:
+    return LlmExecutor(LlmExecutorConfig(model_dir=str(model_dir), dtype=dtype, device=device,
+                                         num_blocks=num_blocks, max_batch_size=64))
+
+
+class Loop:
+    """An event loop on a thread: executor calls in-process, and optionally a gRPC server on it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 600):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def serve(loop: Loop, ex, **config):
+    from service.config import ServeConfig
+    from service.server import ExecutorServer
+
+    async def start():
+        server = ExecutorServer(ServeConfig(executor="llm", model=str(MODEL_DIR), warmup_on_start=False,
+                                            cache_ttl_seconds=0, **config), ex)
+        await server.start()
+        return server
+
+    return loop.run(start())
+
+
+def timed(fn, *args) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - t0, out
+
+
+def weight_bytes(ex: LlmExecutor) -> int:
+    return ex.parameter_bytes
+
+
+# -- (a) prefill: one batch_prefill call vs serial prefill calls -----------------------------
+def bench_prefill(args, dtypes) -> list[dict]:
+    rows = []
+    n = 8 if args.quick else 32
+    for dtype in dtypes:
+        ex = executor(dtype)
+        loop = Loop()
+        batch = [PrefillInput(input_ids=p, logits_policy=ARGMAX) for p in prompts(n, PROMPT_LEN, ex.vocab_size)]
+
+        async def one_call():
+            outs = await ex.batch_prefill(batch)
+            for o in outs:
+                await ex.release_cache(o.kv_cache.cache_id)
+
+        async def serial():
+            for b in batch:
+                o = await ex.prefill(b)
+                await ex.release_cache(o.kv_cache.cache_id)
+
+        loop.run(ex.warmup())
+        best_b, best_s = float("inf"), float("inf")
+        for _ in range(1 if args.quick else 2):  # interleaved, best of
+            best_b = min(best_b, timed(loop.run, one_call())[0])
+            best_s = min(best_s, timed(loop.run, serial())[0])
+        tokens = n * PROMPT_LEN
+        rows.append({"dtype": dtype, "prompts": n, "prompt_len": PROMPT_LEN, "batched_s": best_b, "serial_s": best_s,
+                     "batched_tok_s": tokens / best_b, "serial_tok_s": tokens / best_s, "ratio": best_s / best_b})
+        loop.close()
+        ex.worker.close()
+        print(f"  prefill {dtype}: batched {best_b:.2f} s, serial {best_s:.2f} s, ratio {best_s / best_b:.2f}x",
+              flush=True)
+    return rows
+
+
+# -- (b) decode throughput over gRPC (unix socket) -------------------------------------------
+def bench_decode(args, dtypes) -> list[dict]:
+    from client import DecodeInput as CDecode
+    from client import ExecutorClient, UnifiedBatchItem
+    from client import LogitsPolicy as CPolicy
+    from client import PrefillInput as CPrefill
+
+    rows = []
+    batches = [1, 8, 32] if args.quick else [1, 8, 32, 64]
+    steps = 3 if args.quick else 8
+    for dtype in dtypes:
+        ex = executor(dtype)
+        loop = Loop()
+        sock = tempfile.mktemp(prefix="modelexec-bench-", suffix=".sock")
+        server = serve(loop, ex, unix_socket=sock)
+        policy = CPolicy.argmax()
+        with ExecutorClient(server.address, timeout=600) as c:
+            c.warmup()
+            handles = []
+            for chunk in range(0, max(batches), 32):
+                k = min(32, max(batches) - chunk)
+                outs = c.batch_prefill([CPrefill(p, logits_policy=policy)
+                                        for p in prompts(k, PROMPT_LEN, ex.vocab_size, SEED + chunk)])
+                handles += [o.kv_cache for o in outs]
+            next_tok = [7] * len(handles)
+            for b in batches:
+                for rpc in ("BatchDecode", "UnifiedDecode"):
+                    times, exec_times = [], []
+                    for s in range(steps + 1):
+                        hs = handles[:b]
+                        t0 = time.perf_counter()
+                        if rpc == "BatchDecode":
+                            outs = c.batch_decode([CDecode(t, h, logits_policy=policy) for t, h in zip(next_tok, hs)])
+                            new = [o.kv_cache for o in outs]
+                            toks = [o.logits.token_id for o in outs]
+                        else:
+                            items = [UnifiedBatchItem(h.cache_id, [t], h.sequence_length, True, logits_policy=policy)
+                                     for t, h in zip(next_tok, hs)]
+                            res = c.unified_decode(items)
+                            new = [r.kv_cache for r in res]
+                            toks = [r.logits.token_id for r in res]
+                        elapsed = time.perf_counter() - t0
+                        handles[:b] = new
+                        next_tok[:b] = toks
+                        if s:  # the first step warms this shape up
+                            times.append(elapsed)
+                    step = statistics.median(times)
+                    context = statistics.mean(h.sequence_length for h in handles[:b])
+                    moved = weight_bytes(ex) + b * context * ex.pool.bytes_per_token
+                    rows.append({"dtype": dtype, "rpc": rpc, "batch": b, "context": context, "step_ms": step * 1e3,
+                                 "best_step_ms": min(times) * 1e3, "tok_s": b / step,
+                                 "bandwidth_gb_s": moved / step / 1e9, "bytes_per_step": moved})
+                    print(f"  decode {dtype} {rpc:13s} batch {b:2d}: {step * 1e3:8.1f} ms/step  {b / step:8.1f} tok/s"
+                          f"  {moved / step / 1e9:5.1f} GB/s", flush=True)
+        loop.run(server.stop(0))
+        loop.close()
+        ex.worker.close()
+    return rows
+
+
+# -- (c) the cost of gRPC --------------------------------------------------------------------
+def bench_grpc(args) -> list[dict]:
+    from client import DecodeInput as CDecode
+    from client import ExecutorClient
+    from client import LogitsPolicy as CPolicy
+    from client.types import KvCacheHandle as CHandle
+    from executors.types import DType
+    from executors.types import KvCacheHandle as DHandle
+
+    policies = {
+        "FULL fp32": (LogitsPolicy(), CPolicy.full("float32")),
+        "FULL bf16": (LogitsPolicy(full_dtype=DType.BFLOAT16), CPolicy.full("bfloat16")),
+        "ARGMAX": (ARGMAX, CPolicy.argmax()),
+        "SAMPLE": (LogitsPolicy(kind=LogitsKind.SAMPLE, temperature=0.8, top_p=0.95, seed=1),
+                   CPolicy.sample(0.8, top_p=0.95, seed=1)),
+    }
+    rows = []
+    ex = executor("float32")
+    rounds = {1: 5 if args.quick else 20, 32: 3 if args.quick else 8}
+    for transport in ("tcp", "unix"):
+        loop = Loop()
+        if transport == "tcp":
+            server = serve(loop, ex, host="127.0.0.1", port=0)
+        else:
+            server = serve(loop, ex, unix_socket=tempfile.mktemp(prefix="modelexec-bench-", suffix=".sock"))
+        with ExecutorClient(server.address, timeout=600) as c:
+            c.warmup()
+            for b in (1, 32):
+                outs = loop.run(ex.batch_prefill([PrefillInput(input_ids=p, logits_policy=ARGMAX)
+                                                  for p in prompts(b, PROMPT_LEN, ex.vocab_size)]))
+                lengths = {o.kv_cache.cache_id: o.kv_cache.sequence_length for o in outs}
+                ids = list(lengths)
+                for name, (dpol, cpol) in policies.items():
+                    # Paired within each call: its wall time minus the executor time it reports,
+                    # so the model step's own variance (other load on the machine) cancels out.
+                    inproc, remote, steps = [], [], []
+                    for r in range(rounds[b] + 1):
+                        dins = [DecodeInput(token_id=5, kv_cache=DHandle(cid, lengths[cid]), logits_policy=dpol)
+                                for cid in ids]
+                        outs, exec_ns, wall_ns = loop.run(_inproc_batch_decode(ex, dins))
+                        for o in outs:
+                            lengths[o.kv_cache.cache_id] = o.kv_cache.sequence_length
+                        cins = [CDecode(5, CHandle(cid, lengths[cid]), logits_policy=cpol) for cid in ids]
+                        t_rpc, couts = timed(c.batch_decode, cins)
+                        for o in couts:
+                            lengths[o.kv_cache.cache_id] = o.kv_cache.sequence_length
+                        if r:
+                            inproc.append((wall_ns - exec_ns) / 1e9)
+                            remote.append(t_rpc - couts[0].timing.executor_ns / 1e9)
+                            steps += [exec_ns / 1e9, couts[0].timing.executor_ns / 1e9]
+                    step = statistics.median(steps) + statistics.median(inproc)  # the in-process call
+                    over = statistics.median(remote) - statistics.median(inproc)
+                    rows.append({"transport": transport, "batch": b, "policy": name, "inproc_ms": step * 1e3,
+                                 "grpc_ms": (step + over) * 1e3, "overhead_ms": over * 1e3,
+                                 "overhead_ratio": over / step, "inproc_call_overhead_ms": statistics.median(inproc) * 1e3,
+                                 "rounds": rounds[b]})
+                    print(f"  grpc {transport:4s} batch {b:2d} {name:9s}: in-process {step * 1e3:7.2f} ms, "
+                          f"over gRPC +{over * 1e3:6.3f} ms ({100 * over / step:5.1f}%)", flush=True)
+                for cid in ids:
+                    loop.run(ex.release_cache(cid))
+        loop.run(server.stop(0))
+        loop.close()
+    ex.worker.close()
+    return rows
+
+
+async def _inproc_batch_decode(ex, inputs):
+    """batch_decode in-process: (outputs, executor ns as the service would report it, wall ns)."""
+    from executors.timing import CallTimer, current_call_timer
+
+    timer = CallTimer()
+    current_call_timer.set(timer)
+    t0 = time.perf_counter_ns()
+    outs = await ex.batch_decode(inputs)
+    return outs, timer.executor_ns, time.perf_counter_ns() - t0
+
+
+# -- (d) ours vs transformers ----------------------------------------------------------------
+def bench_hf(args, dtypes) -> list[dict]:
+    try:
+        import transformers
+    except ImportError:
+        return [{"skipped": "transformers is not installed (pip install -r requirements-test.txt)"}]
+    transformers.logging.set_verbosity_error()
+    rows = []
+    new_tokens = 8 if args.quick else 24
+    reps = 2 if args.quick else 3
+    for dtype in dtypes:
+        tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=tdt).eval()
+        hf.generation_config.eos_token_id = None
+        ex = executor(dtype)
+        loop = Loop()
+        loop.run(ex.warmup())
+        for b in (1, 32):
+            ps = prompts(b, PROMPT_LEN, ex.vocab_size, SEED + b)
+            ids = torch.tensor(ps)
+            mask = torch.ones_like(ids)
+
+            def gen(n):
+                with torch.inference_mode():
+                    return hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                       pad_token_id=0, cache_implementation="static")
+
+            gen(2)  # warm-up
+            # generate(1) is the prefill; generate(1 + n) - generate(1), paired, is n decode steps.
+            pairs = [(timed(gen, 1)[0], timed(gen, 1 + new_tokens)[0]) for _ in range(reps)]
+            t_pre = min(p for p, _ in pairs)
+            t_dec = statistics.median(a - p for p, a in pairs)
+            hf_prefill = b * PROMPT_LEN / t_pre
+            hf_decode = b * new_tokens / t_dec if t_dec > 0 else float("nan")
+
+            async def ours():
+                t0 = time.perf_counter()
+                outs = await ex.batch_prefill([PrefillInput(input_ids=p, logits_policy=ARGMAX) for p in ps])
+                t1 = time.perf_counter()
+                hs = [o.kv_cache for o in outs]
+                toks = [o.logits.token_id for o in outs]
+                for _ in range(new_tokens):
+                    steps = await ex.batch_decode([DecodeInput(token_id=t, kv_cache=h, logits_policy=ARGMAX)
+                                                   for t, h in zip(toks, hs)])
+                    hs, toks = [s.kv_cache for s in steps], [s.logits.token_id for s in steps]
+                t2 = time.perf_counter()
+                for h in hs:
+                    await ex.release_cache(h.cache_id)
+                return t1 - t0, t2 - t1
+
+            loop.run(ours())  # warm-up
+            pre, dec = zip(*(loop.run(ours()) for _ in range(reps)))
+            our_prefill, our_decode = b * PROMPT_LEN / min(pre), b * new_tokens / statistics.median(dec)
+            rows.append({"dtype": dtype, "batch": b, "prompt_len": PROMPT_LEN, "new_tokens": new_tokens,
+                         "hf_prefill_tok_s": hf_prefill, "ours_prefill_tok_s": our_prefill,
+                         "prefill_ratio": our_prefill / hf_prefill,
+                         "hf_decode_tok_s": hf_decode, "ours_decode_tok_s": our_decode,
+                         "decode_ratio": our_decode / hf_decode})
+            print(f"  vs transformers {dtype} batch {b:2d}: prefill {our_prefill:7.0f} vs {hf_prefill:7.0f} tok/s "
+                  f"({our_prefill / hf_prefill:.2f}x), decode {our_decode:6.1f} vs {hf_decode:6.1f} tok/s "
+                  f"({our_decode / hf_decode:.2f}x)", flush=True)
+        loop.close()
+        ex.worker.close()
+        del hf
+    return rows
+
+
+# -- (e) GPU-only parts ----------------------------------------------------------------------
+QWEN3_06B = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 1024,
+             "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+             "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+             "rope_theta": 1000000.0, "tie_word_embeddings": True, "dtype": "bfloat16"}
+
+
+def bench_gpu(args) -> list[dict]:
+    if not torch.cuda.is_available():
+        return [{"skipped": "no GPU"}]
+    from executors.models.config import DecoderConfig
+    from executors.models.decoder import DecoderLM
+
+    rows = []
+    # Bandwidth floor: a device-to-device copy of 1 GiB.
+    x = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    floor = 2 * x.numel() * 4 * 10 / (time.perf_counter() - t0) / 1e9
+    rows.append({"what": "copy bandwidth", "gb_s": floor, "device": torch.cuda.get_device_name(0)})
+    del x, y
+    # A Qwen3-0.6B-shaped model with random weights, bf16, served by our executor.
+    cfg = DecoderConfig.from_dict(QWEN3_06B)
+    with torch.device("cuda"):
+        model = DecoderLM(cfg).to(torch.bfloat16)
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    model.eval()
+    ex = LlmExecutor(LlmExecutorConfig(model_dir="qwen3-0.6b-random", dtype="bfloat16", device="cuda",
+                                       num_blocks=4096, max_batch_size=64), model)
+    loop = Loop()
+    for b in (1, 32):
+        outs = loop.run(ex.batch_prefill([PrefillInput(input_ids=p, logits_policy=ARGMAX)
+                                          for p in prompts(b, PROMPT_LEN, cfg.vocab_size)]))
+        hs = [o.kv_cache for o in outs]
+        times = []
+        for s in range(6 if args.quick else 21):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            steps = loop.run(ex.batch_decode([DecodeInput(token_id=1, kv_cache=h, logits_policy=ARGMAX) for h in hs]))
+            torch.cuda.synchronize()
+            hs = [st.kv_cache for st in steps]
+            if s:
+                times.append(time.perf_counter() - t0)
+        step = statistics.median(times)
+        moved = ex.parameter_bytes + b * hs[0].sequence_length * ex.pool.bytes_per_token
+        rows.append({"what": "qwen3-0.6b-shaped decode", "batch": b, "step_ms": step * 1e3, "tok_s": b / step,
+                     "bandwidth_gb_s": moved / step / 1e9, "fraction_of_floor": moved / step / 1e9 / floor})
+        for h in hs:
+            loop.run(ex.release_cache(h.cache_id))
+    loop.close()
+    ex.worker.close()
+    return rows
+
+
+# -- report ----------------------------------------------------------------------------------
+def table(results: dict) -> str:
+    out = []
+    r = results["results"]
+    if "prefill" in r:
+        out.append("(a) batch_prefill vs serial prefill")
+        for x in r["prefill"]:
+            out.append(f"    {x['dtype']:8s} {x['prompts']}x{x['prompt_len']}: one call {x['batched_s']:.2f} s "
+                       f"({x['batched_tok_s']:.0f} tok/s), serial {x['serial_s']:.2f} s: {x['ratio']:.2f}x "
+                       f"[target >= 2x: {'met' if x['ratio'] >= 2 else 'SHORT'}]")
+    if "decode" in r:
+        out.append("(b) decode throughput (gRPC unix socket, ARGMAX, context ~128)")
+        out.append(f"    {'dtype':8s} {'rpc':13s} {'batch':>5s} {'ms/step':>9s} {'tok/s':>8s} {'GB/s':>6s}")
+        for x in r["decode"]:
+            out.append(f"    {x['dtype']:8s} {x['rpc']:13s} {x['batch']:5d} {x['step_ms']:9.1f} {x['tok_s']:8.1f} "
+                       f"{x['bandwidth_gb_s']:6.1f}")
+    if "grpc" in r:
+        out.append("(c) gRPC overhead on one decode step (fp32, best of rounds)")
+        out.append(f"    {'transport':9s} {'batch':>5s} {'policy':10s} {'in-proc ms':>10s} {'+ms':>7s} {'ratio':>7s}")
+        for x in r["grpc"]:
+            out.append(f"    {x['transport']:9s} {x['batch']:5d} {x['policy']:10s} {x['inproc_ms']:10.2f} "
+                       f"{x['overhead_ms']:7.3f} {100 * x['overhead_ratio']:6.1f}%")
+    if "hf" in r:
+        out.append("(d) ours vs transformers (same weights, in-process)")
+        for x in r["hf"]:
+            if "skipped" in x:
+                out.append(f"    skipped: {x['skipped']}")
+                continue
+            out.append(f"    {x['dtype']:8s} batch {x['batch']:2d}: prefill {x['ours_prefill_tok_s']:7.0f} vs "
+                       f"{x['hf_prefill_tok_s']:7.0f} tok/s ({x['prefill_ratio']:.2f}x); decode "
+                       f"{x['ours_decode_tok_s']:6.1f} vs {x['hf_decode_tok_s']:6.1f} tok/s ({x['decode_ratio']:.2f}x)")
+    if "gpu" in r:
+        out.append("(e) GPU")
+        for x in r["gpu"]:
+            out.append(f"    {json.dumps(x)}" if "skipped" not in x else f"    skipped: {x['skipped']}")
+    return "\n".join(out)
+
+
+def plots(results: dict, stem: str) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("  (no plots: pip install -r bench/requirements.txt)", flush=True)
+        return []
+    written = []
+    plot_dir = RESULTS / "plots"
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    r = results["results"]
+    title = f"{results['machine']['cpu']} ({results['machine']['cores']} cores), SmolLM2-135M"
+
+    def save(fig, name):
+        for path in (RESULTS / f"{stem}-{name}.png", plot_dir / f"{name}.png"):
+            fig.savefig(path, dpi=110, bbox_inches="tight")
+            written.append(str(path.relative_to(ROOT)))
+        plt.close(fig)
+
+    if r.get("decode"):
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        for dtype in sorted({x["dtype"] for x in r["decode"]}):
+            for rpc, style in (("BatchDecode", "-o"), ("UnifiedDecode", "--s")):
+                xs = [x for x in r["decode"] if x["dtype"] == dtype and x["rpc"] == rpc]
+                ax1.plot([x["batch"] for x in xs], [x["tok_s"] for x in xs], style, label=f"{rpc} {dtype}")
+                ax2.plot([x["batch"] for x in xs], [x["bandwidth_gb_s"] for x in xs], style, label=f"{rpc} {dtype}")
+        for ax, label in ((ax1, "decode tokens/s"), (ax2, "achieved GB/s (weights + KV per step)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+        ax1.legend(fontsize=8)
+        fig.suptitle(f"Decode throughput (context ~128, gRPC unix socket) - {title}", fontsize=9)
+        save(fig, "decode")
+    if r.get("grpc"):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, b in zip(axes, (1, 32)):
+            xs = [x for x in r["grpc"] if x["batch"] == b]
+            names = list(dict.fromkeys(x["policy"] for x in xs))
+            for k, transport in enumerate(("tcp", "unix")):
+                vals = [next(x["overhead_ms"] for x in xs if x["policy"] == n and x["transport"] == transport)
+                        for n in names]
+                ax.bar(np.arange(len(names)) + k * 0.4, vals, 0.4, label=transport)
+            ax.set_xticks(np.arange(len(names)) + 0.2, names)
+            ax.set_ylabel("gRPC overhead per step (ms)")
+            ax.set_title(f"batch {b}", fontsize=9)
+            ax.grid(alpha=0.3, axis="y")
+            ax.legend()
+        fig.suptitle(f"Decode step over gRPC minus in-process - {title}", fontsize=9)
+        save(fig, "grpc")
+    hf = [x for x in r.get("hf", []) if "skipped" not in x]
+    if hf:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, what in zip(axes, ("prefill", "decode")):
+            labels = [f"{x['dtype']}\nbatch {x['batch']}" for x in hf]
+            ax.bar(np.arange(len(hf)) - 0.2, [x[f"ours_{what}_tok_s"] for x in hf], 0.4, label="modelexec")
+            ax.bar(np.arange(len(hf)) + 0.2, [x[f"hf_{what}_tok_s"] for x in hf], 0.4, label="transformers")
+            ax.set_xticks(np.arange(len(hf)), labels)
+            ax.set_ylabel(f"{what} tokens/s")
+            ax.grid(alpha=0.3, axis="y")
+            ax.legend()
+        fig.suptitle(f"Ours vs transformers (same weights) - {title}", fontsize=9)
+        save(fig, "vs_transformers")
+    if r.get("prefill"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        xs = r["prefill"]
+        ax.bar(np.arange(len(xs)) - 0.2, [x["batched_s"] for x in xs], 0.4, label="one batch_prefill call")
+        ax.bar(np.arange(len(xs)) + 0.2, [x["serial_s"] for x in xs], 0.4, label="prefill calls in a row")
+        ax.set_xticks(np.arange(len(xs)), [f"{x['dtype']}\n{x['ratio']:.2f}x" for x in xs])
+        ax.set_ylabel(f"seconds for {xs[0]['prompts']} x {xs[0]['prompt_len']} tokens")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend()
+        ax.set_title(title, fontsize=8)
+        save(fig, "prefill")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Parts:\n" + __doc__.split("Parts, on the embedded SmolLM2-135M (fixed, seeded "
+                                                                  "workloads):\n")[1].split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer prompts, steps and rounds (about a minute)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="dtypes for prefill, decode and hf")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>-<host>.json)")
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+    parts = [x for x in args.parts.split(",") if x]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        p.error(f"unknown parts: {', '.join(sorted(unknown))}")
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not MODEL_DIR.is_dir():
+        p.error(f"{MODEL_DIR} is missing: run `make model` first")
+    results: dict[str, Any] = {
+        "command": " ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])]),
+        "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": MODEL_DIR.name, "machine": machine(), "quick": args.quick, "results": {},
+    }
+    started = time.perf_counter()
+    for part in parts:
+        print(f"[{part}]", flush=True)
+        t0 = time.perf_counter()
+        if part == "prefill":
+            results["results"]["prefill"] = bench_prefill(args, dtypes)
+        elif part == "decode":
+            results["results"]["decode"] = bench_decode(args, dtypes)
+        elif part == "grpc":
+            results["results"]["grpc"] = bench_grpc(args)
+        elif part == "hf":
+            results["results"]["hf"] = bench_hf(args, dtypes)
+        elif part == "gpu":
+            results["results"]["gpu"] = bench_gpu(args)
+            for x in results["results"]["gpu"]:
+                if "skipped" in x:
+                    print(f"  skipped: {x['skipped']}", flush=True)
+        print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    results["seconds"] = time.perf_counter() - started
+    results["machine"]["loadavg_end"] = list(os.getloadavg())
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = f"{dt.date.today().isoformat()}-{socket.gethostname()}"
+    out = Path(args.out) if args.out else RESULTS / f"{stem}.json"
+    if not args.no_plots:
+        results["plots"] = plots(results, stem)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print("\n" + table(results))
+    print(f"\nwrote {out}" + (f" and {len(results.get('plots', []))} plots" if results.get("plots") else ""))
+    return 0

@@ -1,0 +1,258 @@
+"""The fast CPU paths against the plain reference computation (fp32, max abs diff <= 1e-4).
+
+Two LlmExecutors share one tiny random model: one runs the fast path (fused weights,
+planned attention over pool views and block gathers), the other the reference (per-layer
+modules, per-sequence slot gathers). Both receive the same calls, so their block tables
+are identical, and every output must agree. Each scenario runs under three attention
+policies: the defaults, everything through pool views (with log-sum-exp merges over
+fragmented blocks) and everything through the batched block gather.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+import executors.models.attention as attention
+from executors.llm import LlmExecutor, LlmExecutorConfig
+from executors.models.config import DecoderConfig
+from executors.models.decoder import DecoderLM
+from executors.types import DecodeInput, DType, ForwardKind, LogitsPolicy, PrefillInput, UnifiedBatchItem
+
+TOL = 1e-4
+VOCAB = 300
+BLOCK = 4
+
+FAMILIES = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": True,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": False},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "tie_word_embeddings": False, "head_dim": 32},
+}
+POLICIES = {
+    "default": {},
+    "views": {"VIEW_MIN_TOKENS": 0, "MAX_VIEW_RUNS": 1000},
+    "gather": {"MAX_VIEW_RUNS": 0},
+}
+
+
+def tiny_model(family: str, dtype: torch.dtype = torch.float32) -> DecoderLM:
+    cfg = DecoderConfig.from_dict(dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, **FAMILIES[family]))
+    torch.manual_seed(11)
+    model = DecoderLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.2)
+    return model.to(dtype).eval()
+
+
+class Pair:
+    """A fast and a reference executor over the same model, driven in lockstep."""
+
+    def __init__(self, family: str, num_blocks: int = 160) -> None:
+        model = tiny_model(family)
+        cfg = LlmExecutorConfig(model_dir=f"/nonexistent/{family}", block_size=BLOCK, num_blocks=num_blocks)
+        self.fast = LlmExecutor(cfg, model)
+        self.ref = LlmExecutor(cfg, model, reference=True)
+        self.loop = asyncio.new_event_loop()
+
+    def both(self, method: str, *args):
+        a = self.loop.run_until_complete(getattr(self.fast, method)(*args))
+        b = self.loop.run_until_complete(getattr(self.ref, method)(*args))
+        return a, b
+
+    def close(self) -> None:
+        self.fast.worker.close()
+        self.ref.worker.close()
+        self.loop.close()
+
+
+@pytest.fixture(params=list(POLICIES))
+def policy(request, monkeypatch):
+    for name, value in POLICIES[request.param].items():
+        monkeypatch.setattr(attention, name, value)
+    return request.param
+
+
+@pytest.fixture(params=list(FAMILIES))
+def pair(request):
+    p = Pair(request.param)
+    yield p
+    p.close()
+
+
+rng = np.random.default_rng(3)
+
+
+def tokens(n: int) -> list[int]:
+    return rng.integers(0, VOCAB, size=n).tolist()
+
+
+def same(a, b) -> None:
+    np.testing.assert_allclose(a.logits.logits.array, b.logits.logits.array, atol=TOL, rtol=0)
+
+
+def fragment(p: Pair, keep_free: int = 0) -> None:
+    """Fill the pool one block per cache, then free every other one: later caches get
+    non-contiguous blocks (the free list is FIFO, so the freed ones come next)."""
+    held = []
+    while (free := p.fast.kv.allocator.num_free - keep_free) > 0:
+        outs, _ = p.both("batch_prefill", [PrefillInput(input_ids=tokens(BLOCK)) for _ in range(min(free, 64))])
+        held.extend(o.kv_cache.cache_id for o in outs)
+    for cache_id in held[::2]:
+        p.both("release_cache", cache_id)
+
+
+def test_prefill_and_equal_length_batch_prefill(pair, policy):
+    a, b = pair.both("prefill", PrefillInput(input_ids=tokens(13)))
+    same(a, b)
+    outs = pair.both("batch_prefill", [PrefillInput(input_ids=tokens(9)) for _ in range(5)])
+    for x, y in zip(*outs):
+        same(x, y)
+    mixed = pair.both("batch_prefill", [PrefillInput(input_ids=tokens(n)) for n in (1, 7, 7, 16, 3)])
+    for x, y in zip(*mixed):
+        same(x, y)
+
+
+def test_chunked_prefill_over_contiguous_and_fragmented_blocks(pair, policy):
+    for fragmented in (False, True):
+        if fragmented:
+            fragment(pair)
+        seq = tokens(41)
+        handle = None
+        for lo, hi in [(0, 6), (6, 7), (7, 22), (22, 41)]:
+            a, b = pair.both("prefill", PrefillInput(input_ids=seq[lo:hi], kv_cache=handle))
+            same(a, b)
+            assert a.kv_cache == b.kv_cache
+            handle = a.kv_cache
+        if fragmented:
+            ids = handle.block_ids
+            assert any(y != x + 1 for x, y in zip(ids, ids[1:])), "blocks should be non-contiguous"
+
+
+@pytest.mark.parametrize("length", [1, 4, 5, 17, 64, 130])
+def test_decode_at_context_lengths_across_block_boundaries(pair, policy, length):
+    fragment(pair)
+    a, _ = pair.both("prefill", PrefillInput(input_ids=tokens(length)))
+    handle = a.kv_cache
+    for t in tokens(6):  # crosses at least one block boundary
+        a, b = pair.both("decode", DecodeInput(token_id=t, kv_cache=handle))
+        same(a, b)
+        handle = a.kv_cache
+
+
+def test_batch_decode_of_mixed_lengths_with_interleaved_blocks(pair, policy):
+    lengths = [1, 2, 5, 9, 16, 23, 40, 70]
+    outs, _ = pair.both("batch_prefill", [PrefillInput(input_ids=tokens(n)) for n in lengths])
+    handles = [o.kv_cache for o in outs]
+    for step in range(9):  # decoding together interleaves their new blocks
+        inputs = [DecodeInput(token_id=t, kv_cache=h) for t, h in zip(tokens(len(handles)), handles)]
+        if step % 3 == 2:
+            inputs = inputs[::-1]  # rows in another order than the pool's
+        a, b = pair.both("batch_decode", inputs)
+        for x, y in zip(a, b):
+            same(x, y)
+        handles = sorted((x.kv_cache for x in a), key=lambda h: h.cache_id)
+    assert any(any(y != x + 1 for x, y in zip(h.block_ids, h.block_ids[1:])) for h in handles)
+
+
+def test_unified_batches_mix_prompts_chunks_and_decodes(pair, policy):
+    fragment(pair)
+    dec, _ = pair.both("prefill", PrefillInput(input_ids=tokens(19)))
+    part, _ = pair.both("prefill", PrefillInput(input_ids=tokens(10)))
+    other, _ = pair.both("prefill", PrefillInput(input_ids=tokens(33)))
+    items = [
+        UnifiedBatchItem(seq_id="", q_tokens=tokens(12), pos_offset=0, is_final_chunk=True),
+        UnifiedBatchItem(seq_id=part.kv_cache.cache_id, q_tokens=tokens(8), pos_offset=10, is_final_chunk=True),
+        UnifiedBatchItem(seq_id=dec.kv_cache.cache_id, q_tokens=tokens(1), pos_offset=19, is_final_chunk=True),
+        UnifiedBatchItem(seq_id="", q_tokens=tokens(12), pos_offset=0, is_final_chunk=True),
+        UnifiedBatchItem(seq_id=other.kv_cache.cache_id, q_tokens=tokens(1), pos_offset=33, is_final_chunk=True),
+    ]
+    a, b = pair.both("unified_decode", items)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x.logits.logits.array, y.logits.logits.array, atol=TOL, rtol=0)
+
+
+def test_forward_verify_and_forward(pair, policy):
+    seq = tokens(30)
+    a, _ = pair.both("prefill", PrefillInput(input_ids=seq[:21]))
+    va, vb = pair.both("forward_verify", a.kv_cache, seq[21:], LogitsPolicy())
+    for x, y in zip(va.outputs, vb.outputs):
+        np.testing.assert_allclose(x.logits.array, y.logits.array, atol=TOL, rtol=0)
+    fa, fb = pair.both("forward", seq, ForwardKind.LOGITS, DType.FLOAT32)
+    np.testing.assert_allclose(fa.array, fb.array, atol=TOL, rtol=0)
+
+
+def test_stale_pool_contents_never_leak_into_the_fast_path(policy):
+    """A block's slots past a sequence's end may hold anything (here NaN): the fast path,
+    which reads whole blocks under a mask, must clear them before it reads them."""
+    p = Pair("llama")
+    try:
+        p.fast.pool._storage.fill_(float("nan"))
+        p.ref.pool._storage.fill_(float("nan"))
+        outs, _ = p.both("batch_prefill", [PrefillInput(input_ids=tokens(n)) for n in (3, 6, 9)])
+        handles = [o.kv_cache for o in outs]
+        for _ in range(6):
+            a, b = p.both("batch_decode", [DecodeInput(token_id=t, kv_cache=h) for t, h in zip(tokens(3), handles)])
+            for x, y in zip(a, b):
+                assert np.isfinite(x.logits.logits.array).all()
+                same(x, y)
+            handles = [x.kv_cache for x in a]
+    finally:
+        p.close()
+
+
+def test_runs_of_block_tables():
+    assert attention.runs_of([5], 1) == [(5, 1)]
+    assert attention.runs_of([3, 4, 5, 9, 10, 2], 6) == [(3, 3), (9, 2), (2, 1)]
+    assert attention.runs_of([3, 4, 5, 9, 10, 2], 4) == [(3, 3), (9, 1)]
+
+
+def test_fusing_keeps_parameters_and_their_count():
+    model = tiny_model("qwen2")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.fuse()
+    after = dict(model.named_parameters())
+    assert set(before) == set(after)
+    for n, p in after.items():
+        assert torch.equal(before[n], p), n
+    layer = model.model.layers[0].self_attn
+    assert layer.q_proj.weight.data_ptr() == model.fused[0].qkv.data_ptr(), "q_proj is a view of the fused weight"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bfloat16_fast_path_is_as_close_to_float32_as_the_bfloat16_reference(family):
+    """bfloat16 rounds differently on each path (oneDNN prepacked matmuls, bf16 SDPA on bf16
+    KV): the fast path's distance to float32 must stay that of the plain bf16 computation."""
+    seq = tokens(37)
+
+    def run(dtype: str, reference: bool) -> np.ndarray:
+        model = tiny_model(family, torch.float32 if dtype == "float32" else torch.bfloat16)
+        ex = LlmExecutor(LlmExecutorConfig(model_dir=f"/nonexistent/{family}", dtype=dtype, block_size=BLOCK,
+                                           num_blocks=64), model, reference=reference)
+        loop = asyncio.new_event_loop()
+        try:
+            out = loop.run_until_complete(ex.prefill(PrefillInput(input_ids=seq[:30])))
+            rows, handle = [out.logits.logits.array], out.kv_cache
+            for t in seq[30:]:
+                out = loop.run_until_complete(ex.decode(DecodeInput(token_id=t, kv_cache=handle)))
+                rows.append(out.logits.logits.array)
+                handle = out.kv_cache
+            return np.stack(rows)
+        finally:
+            ex.worker.close()
+            loop.close()
+
+    exact = run("float32", True)
+    fast_err = np.abs(run("bfloat16", False) - exact).max()
+    ref_err = np.abs(run("bfloat16", True) - exact).max()
+    assert fast_err <= 1.5 * ref_err + 0.05, (fast_err, ref_err)

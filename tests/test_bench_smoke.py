@@ -1,0 +1,41 @@
+"""The benchmark suite is not run here (it takes minutes); only that it starts and reports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import torch
+
+from bench import suite
+
+
+def test_help_lists_the_parts():
+    done = subprocess.run([sys.executable, "-m", "bench", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for part in suite.PARTS:
+        assert part in done.stdout
+
+
+def test_unknown_parts_are_refused():
+    done = subprocess.run([sys.executable, "-m", "bench", "--parts", "nonsense"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0 and "nonsense" in done.stderr
+
+
+def test_the_table_reports_every_part_and_the_targets():
+    results = {"results": {
+        "prefill": [{"dtype": "float32", "prompts": 32, "prompt_len": 128, "batched_s": 1.0, "batched_tok_s": 4096.0,
+                     "serial_s": 1.5, "ratio": 1.5}],
+        "decode": [{"dtype": "float32", "rpc": "BatchDecode", "batch": 1, "step_ms": 40.0, "tok_s": 25.0,
+                    "bandwidth_gb_s": 13.5}],
+        "grpc": [{"transport": "unix", "batch": 1, "policy": "ARGMAX", "inproc_ms": 40.0, "overhead_ms": 1.0,
+                  "overhead_ratio": 0.025}],
+        "hf": [{"skipped": "transformers is not installed"}],
+        "gpu": suite.bench_gpu(SimpleNamespace(quick=True)) if not torch.cuda.is_available() else [],
+    }}
+    text = suite.table(results)
+    assert "1.50x [target >= 2x: SHORT]" in text and "BatchDecode" in text and "ARGMAX" in text
+    if not torch.cuda.is_available():
+        assert "skipped: no GPU" in text
