@@ -43,10 +43,12 @@ def sampling_seed(seed: int | None, position: int) -> int:
 
 
 def _sample_row(row: torch.Tensor, logprobs: torch.Tensor, p: LogitsPolicy, position: int) -> LogitsResult:
-    if p.temperature == 0:
+    scaled = row / p.temperature if p.temperature > 0 else row
+    if p.temperature == 0 or not bool(torch.isfinite(scaled).all()):
+        # Temperature 0, or one so small that logits / temperature overflows: the limit of
+        # sampling as the temperature goes to 0 is the argmax.
         tok = int(torch.argmax(row))
         return LogitsResult(LogitsKind.SAMPLE, token_id=tok, logprob=float(logprobs[tok]), sampling_logprob=0.0)
-    scaled = row / p.temperature
     if 0 < p.top_k < scaled.numel():
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -56,12 +56,6 @@ CALL_TIMEOUT = 10.0  # a call that takes longer than this is a hang
 # UNAVAILABLE or CANCELLED: the server is up and nobody cancels.
 CALLER_MISTAKES = {C.INVALID_ARGUMENT, C.NOT_FOUND, C.FAILED_PRECONDITION, C.OUT_OF_RANGE,
                    C.RESOURCE_EXHAUSTED, C.ALREADY_EXISTS, C.PERMISSION_DENIED}
-# Known executor bug, kept visible by test_tiny_sampling_temperature_is_not_an_internal_error
-# below (xfail): a positive sampling temperature so small that logits / temperature
-# overflows to inf makes softmax NaN and torch.multinomial raise -> INTERNAL. The fuzzer
-# still sends such temperatures (the failure happens after the forward, so they exercise
-# the KV rollback path), tolerates exactly this answer, and counts it.
-KNOWN_BUG_TINY_TEMPERATURE = "probability tensor contains either `inf`, `nan` or element < 0"
 
 U32 = st.integers(0, 2**32 - 1)
 U64 = st.integers(0, 2**64 - 1)
@@ -186,11 +180,6 @@ def _set_policy(msg, policy: pb.LogitsPolicy | None) -> None:
         msg.logits_policy.CopyFrom(policy)
 
 
-def known_bug(message: str, request) -> bool:
-    """The tiny-temperature bug (see KNOWN_BUG_TINY_TEMPERATURE), and only that."""
-    return KNOWN_BUG_TINY_TEMPERATURE in message and "temperature" in str(request)
-
-
 def _blocks(length: int) -> int:
     return -(-length // BLOCK)
 
@@ -213,7 +202,6 @@ class ServerFuzz(RuleBasedStateMachine):
     running: RunningServer
     channel: grpc.Channel
     sent = 0  # messages sent, over all runs
-    known_bug_hits = 0
 
     def __init__(self) -> None:
         super().__init__()
@@ -241,9 +229,6 @@ class ServerFuzz(RuleBasedStateMachine):
             self.last_details = e.details()
             if code == C.UNIMPLEMENTED and method not in REQUEST and method != HEALTH_CHECK:
                 return None  # a method no service has
-            if code == C.INTERNAL and known_bug(e.details() or "", request):
-                ServerFuzz.known_bug_hits += 1
-                return None
             assert code in CALLER_MISTAKES, (
                 f"{method} answered {code.name}: {e.details()!r}\nrequest: {str(request)[:2000]!r}")
             return None
@@ -268,9 +253,8 @@ class ServerFuzz(RuleBasedStateMachine):
         elif method == "StepSession":  # a failed step answers with its status inside the stream
             if resp.HasField("error"):
                 code = CODE_BY_NUMBER.get(resp.error.code)
-                assert code in CALLER_MISTAKES or known_bug(resp.error.message, request), (
+                assert code in CALLER_MISTAKES, (
                     f"StepSession step answered {resp.error}\nrequest: {str(request)[:2000]!r}")
-                ServerFuzz.known_bug_hits += code not in CALLER_MISTAKES
             handles = [r.kv_cache for r in resp.results]
         elif method in ("ForwardVerify", "TruncateKv"):
             handles = [resp.kv_cache]
@@ -568,7 +552,7 @@ def fuzz_server() -> Iterator[RunningServer]:
 
 def test_fuzz_every_rpc_keeps_statuses_clean_and_the_pool_exact(fuzz_server):
     ServerFuzz.running = fuzz_server
-    ServerFuzz.sent = ServerFuzz.known_bug_hits = 0
+    ServerFuzz.sent = 0
     started = time.monotonic()
     with grpc.insecure_channel(fuzz_server.address) as channel:
         ServerFuzz.channel = channel
@@ -580,8 +564,7 @@ def test_fuzz_every_rpc_keeps_statuses_clean_and_the_pool_exact(fuzz_server):
         # The server still serves, and nothing is left behind.
         assert_known_good_and_all_free(ServerFuzz())
     elapsed = time.monotonic() - started
-    print(f"fuzz: {ServerFuzz.sent} messages in {elapsed:.1f} s; "
-          f"known tiny-temperature bug answered {ServerFuzz.known_bug_hits} times")
+    print(f"fuzz: {ServerFuzz.sent} messages in {elapsed:.1f} s")
     assert ServerFuzz.sent >= 2000, f"only {ServerFuzz.sent} messages sent"
 
 
@@ -629,10 +612,6 @@ def test_invalid_utf8_in_a_string_field_is_invalid_argument(fuzz_server):
     assert info.value.code() == C.INVALID_ARGUMENT
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "executors/logits.py _sample_row: logits / temperature overflows to inf for a tiny positive "
-    "temperature (validated only as finite and >= 0), softmax gives NaN, torch.multinomial raises, "
-    "the caller gets INTERNAL"))
 @pytest.mark.parametrize("temperature", [1e-45, 1e-40])
 def test_tiny_sampling_temperature_is_not_an_internal_error(fuzz_server, temperature):
     req = pb.PrefillRequest(input=pb.PrefillInput(
