@@ -114,6 +114,8 @@ class DecoderLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.fused: list[FusedLayer] | None = None
         self.packed_head: torch.Tensor | None = None
+        self.fused_fp32_packed: list[FusedLayer] | None = None  # float32: for PACKED_FP32_ROWS-row steps
+        self.packed_head_fp32: torch.Tensor | None = None
 
     def fuse(self) -> DecoderLM:
         """Build the fast forward's fused weights (idempotent; no extra memory, see the module doc)."""
@@ -135,14 +137,20 @@ class DecoderLM(nn.Module):
                 gate_up=gate_up, gate_up_bias=gate_up_bias,
                 down=mlp.down_proj.weight.detach(), down_bias=mlp.down_proj.bias.detach() if c.mlp_bias else None,
             ))
-        if _should_pack(self.model.embed_tokens.weight):
+        head = (self.model.embed_tokens.weight if c.tie_word_embeddings else self.lm_head.weight).detach()
+        if _should_pack(head, torch.bfloat16):
             # bfloat16 on CPU: oneDNN prepacked weights (AMX / avx512_bf16 layout) instead of
             # F.linear, which re-lays the weight out on every call: 1.3-1.5x faster matmuls
             # at M = 1..512 here (bench/RESULTS.md). A second copy of the matmul weights.
-            fused = [w._replace(qkv=_pack(w.qkv), o=_pack(w.o), gate_up=_pack(w.gate_up), down=_pack(w.down))
-                     for w in fused]
-            head = self.model.embed_tokens.weight if c.tie_word_embeddings else self.lm_head.weight
-            self.packed_head = _pack(head.detach())
+            fused = [_packed(w) for w in fused]
+            self.packed_head = _pack(head)
+        elif _should_pack(head, torch.float32) and sum(p.numel() for p in self.parameters()) * 4 <= PACK_FP32_MAX_BYTES:
+            # float32 on CPU: oneDNN prepacked copies for steps of PACKED_FP32_ROWS rows (batched
+            # decode), 1.25-1.4x faster than MKL's sgemm there; slower at 1 row and no better
+            # for prefill-sized steps, which keep F.linear. Doubles the weights' memory, so
+            # only for models up to PACK_FP32_MAX_BYTES.
+            self.fused_fp32_packed = [_packed(w) for w in fused]
+            self.packed_head_fp32 = _pack(head)
         self.fused = fused
         return self
 
@@ -164,7 +172,10 @@ class DecoderLM(nn.Module):
         m = input_ids.shape[0]
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         cos, sin = self.rope.tables(positions, x.dtype)
-        for i, w in enumerate(self.fused):
+        layers = self.fused
+        if self.fused_fp32_packed is not None and m in PACKED_FP32_ROWS:
+            layers = self.fused_fp32_packed
+        for i, w in enumerate(layers):
             h = F.rms_norm(x, norm_shape, w.input_norm, eps)
             qkv = _linear(h, w.qkv, w.qkv_bias)
             if w.q_norm is None:
@@ -187,18 +198,31 @@ class DecoderLM(nn.Module):
         """float32 logits of the given hidden rows; the lm_head runs only on these rows."""
         if self.packed_head is not None and not reference:
             return _linear(hidden.contiguous(), self.packed_head, None).float()
+        if self.packed_head_fp32 is not None and not reference and hidden.shape[0] in PACKED_FP32_ROWS:
+            return _linear(hidden.contiguous(), self.packed_head_fp32, None)
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()
 
 
-def _should_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+# float32 steps with this many rows use oneDNN prepacked weights (see DecoderLM.fuse).
+PACKED_FP32_ROWS = range(2, 49)
+PACK_FP32_MAX_BYTES = 1 << 30
+
+
+def _should_pack(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    if weight.device.type != "cpu" or weight.dtype != dtype or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
+
+
+def _packed(w: FusedLayer) -> FusedLayer:
+    return w._replace(qkv=_pack(w.qkv), o=_pack(w.o), gate_up=_pack(w.gate_up), down=_pack(w.down))
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
