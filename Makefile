@@ -37,7 +37,7 @@ model:
 protos:
 	$(PYTHON) -m generated
 
-# The performance suite (bench/suite.py; ~10 min, `make bench ARGS=--quick` ~2 min): a table,
+# The performance suite (bench/suite.py; ~7 min, `make bench ARGS=--quick` ~3-4 min): a table,
 # bench/results/<date>-<host>.json and plots. transformers (the comparison) comes with the
 # test requirements, matplotlib with bench/requirements.txt.
 bench: install model

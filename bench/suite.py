@@ -1,4 +1,4 @@
-"""`python -m bench`: the performance suite (see `python -m bench --help` and bench/RESULTS.md).
+"""`python -m bench`: the performance suite; results and how to read them: bench/RESULTS.md.
 
 Parts, on the embedded SmolLM2-135M (fixed, seeded workloads):
   prefill   batch_prefill of 32 prompts x 128 tokens as one call vs 32 prefill calls in a row
@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Parts:\n" + __doc__.split("Parts, on the embedded SmolLM2-135M (fixed, seeded "
                                                                   "workloads):\n")[1].split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer prompts, steps and rounds (about a minute)")
+    p.add_argument("--quick", action="store_true", help="fewer prompts, steps and rounds (3-4 minutes instead of ~7)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--dtypes", default="float32,bfloat16", help="dtypes for prefill, decode and hf")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")

@@ -70,7 +70,7 @@ class DecodeCoalescer:
         self.inner = executor
         self.window_s = window_s
         self.max_batch = max(1, max_batch)
-        self.stats = CoalescerStats()
+        self.coalescing = CoalescerStats()
         self._pending: list[_Waiter] = []
         self._in_flight = 0
         self._expected = 1  # callers expected back for the next round
@@ -80,6 +80,8 @@ class DecodeCoalescer:
 
     def __getattr__(self, name: str):
         # Everything but decode is the executor's own (only called for names not found here).
+        if name == "inner":
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     async def decode(self, inp: DecodeInput) -> DecodeOutput:
@@ -88,7 +90,7 @@ class DecodeCoalescer:
         loop = asyncio.get_running_loop()
         w = _Waiter(inp, current_identity.get(), loop.create_future(), loop.time(), time.perf_counter_ns(),
                     timer=current_call_timer.get())
-        self.stats.calls += 1
+        self.coalescing.calls += 1
         self._pending.append(w)
         self._flush(loop, arriving=w)
         try:
@@ -114,7 +116,7 @@ class DecodeCoalescer:
                 return
             batch = self._take()
             if arriving is not None and batch == [arriving]:
-                self.stats.immediate += 1
+                self.coalescing.immediate += 1
             self._dispatch(loop, batch)
 
     def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -148,7 +150,7 @@ class DecodeCoalescer:
         return batch
 
     def _dispatch(self, loop: asyncio.AbstractEventLoop, batch: list[_Waiter]) -> None:
-        s = self.stats
+        s = self.coalescing
         s.batches += 1
         s.max_batch = max(s.max_batch, len(batch))
         s.sizes[len(batch)] = s.sizes.get(len(batch), 0) + 1
@@ -178,7 +180,7 @@ class DecodeCoalescer:
                     outcomes = [(o, None) for o in outs]
                 except Exception as e:  # all or nothing: nothing changed, so run each alone
                     log.debug("coalesced batch of %d failed (%s); running its items one by one", len(batch), e)
-                    self.stats.fallbacks += 1
+                    self.coalescing.fallbacks += 1
                     outcomes = [await self._one(w) for w in batch]
         except asyncio.CancelledError:  # the server is stopping: every caller learns it
             outcomes = [(None, asyncio.CancelledError())] * len(batch)

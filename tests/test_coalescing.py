@@ -87,7 +87,7 @@ def test_concurrent_decodes_run_as_one_forward_with_the_logits_of_lone_decodes(s
         for t, h in zip(nxt, handles):
             alone.append(c.decode(DecodeInput(t, h)).logits.logits)
             c.truncate_kv(h, h.sequence_length)
-        assert running.server.coalescer.stats.immediate == N + 1, "lone decodes do not wait"
+        assert running.server.coalescer.coalescing.immediate == N + 1, "lone decodes do not wait"
         counted.forwards, counted.rows = 0, []
         counted.slow = 1  # the first decode holds the executor while the others arrive
         outs = run_concurrently(running.address, [DecodeInput(t, h) for t, h in zip(nxt, handles)])
@@ -96,7 +96,7 @@ def test_concurrent_decodes_run_as_one_forward_with_the_logits_of_lone_decodes(s
             np.testing.assert_allclose(out.logits.logits, want, atol=1e-5, rtol=0)
             assert out.kv_cache.sequence_length == h.sequence_length + 1
         assert counted.forwards == 2 and sorted(counted.rows) == [1, N], (counted.forwards, counted.rows)
-        stats = running.server.coalescer.stats
+        stats = running.server.coalescer.coalescing
         assert stats.max_batch == N and stats.fallbacks == 0
         for o in outs:
             c.release_cache(o.kv_cache)
@@ -122,7 +122,7 @@ def test_a_bad_item_gets_its_own_error_and_its_batch_mates_succeed(served):
         assert isinstance(err_stale, FailedPreconditionError) and err_stale.reason == "STALE_CACHE_HANDLE"
         assert isinstance(err_outside, InvalidArgumentError) and "input.token_id" in str(err_outside)
         assert isinstance(err_gone, NotFoundError) and err_gone.reason == "CACHE_RELEASED"
-        assert running.server.coalescer.stats.fallbacks >= 1
+        assert running.server.coalescer.coalescing.fallbacks >= 1
         # The good items advanced by exactly one token; the bad ones changed nothing.
         assert [o.kv_cache.sequence_length for o in outs[1:len(good) + 1]] == [
             h.sequence_length + 1 for h in handles[1:N - 1]]
@@ -141,7 +141,7 @@ def test_a_lone_caller_is_dispatched_without_waiting():
             for _ in range(10):
                 h = c.decode(DecodeInput(5, h)).kv_cache
             elapsed = time.perf_counter() - started
-        stats = running.server.coalescer.stats
+        stats = running.server.coalescer.coalescing
         assert stats.calls == 10 and stats.immediate == 10 and stats.max_batch == 1
         assert elapsed < 3.0, f"10 lone decodes took {elapsed:.2f} s: something waited for the 3 s window"
     finally:
@@ -202,7 +202,7 @@ def test_batches_never_mix_identities_or_repeat_a_cache():
         await asyncio.sleep(0.01)
         ex.gate.set()
         results = await asyncio.gather(first, *rest, return_exceptions=True)
-        return ex.batches, results, co.stats
+        return ex.batches, results, co.coalescing
 
     batches, results, stats = asyncio.run(go())
     assert batches[0] == ("alice", ["a0"])
