@@ -25,7 +25,7 @@ def test_readme_lists_every_rpc():
     lines = "\n".join(readme_grpcurl_lines())
     for rpc in ("GetInfo", "GetCapabilities", "GetStatus", "Prefill", "Decode", "BatchPrefill", "BatchDecode",
                 "UnifiedDecode", "Forward", "ForwardVerify", "TruncateKv", "ReleaseCache", "GetCacheMetrics",
-                "GetLoraMetrics", "Warmup", "Shutdown"):
+                "GetLoraMetrics", "Warmup", "Shutdown", "StepSession"):
         assert f"ModelExecutorService/{rpc}" in lines, rpc
 
 

@@ -71,3 +71,15 @@ def test_the_async_session_and_undecodable_steps(paged_server):
     assert responses[1].step_id == 9 and not responses[1].HasField("error")
     with ExecutorClient(paged_server.address) as c:
         c.release_cache("raw")
+
+
+def test_the_step_session_bench_runs():
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-m", "bench.step_session", "--steps", "3", "--batch", "2"],
+                          cwd=repo, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "unix" in done.stdout and "tcp" in done.stdout
