@@ -357,7 +357,7 @@ class KvCacheExecutor(ModelExecutor):
             self.kv.extend_many([(it.cache_id, it.start + len(it.tokens)) for _, it in work])
             try:
                 rows = self._forward_step([it for _, it in work]) if work else []
-                fresh = iter([self._finish(s, it, r, it.cache_id in created) for (s, it), r in zip(work, rows)])
+                fresh = [self._finish(s, it, r, it.cache_id in created) for (s, it), r in zip(work, rows)]
             except BaseException:
                 for _, it in work:
                     if it.cache_id not in created:
@@ -370,17 +370,18 @@ class KvCacheExecutor(ModelExecutor):
             self.stats.state = ExecutorState.READY
             self.stats.current_batch_size = 0
             raise
-        results = [r if isinstance(r, StepResult) else next(fresh) for r in resolved]
-        for (s, it), res in zip(work, (r for r, x in zip(results, resolved) if isinstance(x, StepItem))):
+        for (s, it), res in zip(work, fresh):
             self.caches.record(it.cache_id, it.start, it.tokens, (s.rows, s.policy), res)
+        computed = iter(fresh)
+        results = [r if isinstance(r, StepResult) else next(computed) for r in resolved]
         self.peak_used_bytes = max(self.peak_used_bytes, self._used_bytes())
-        specs = [s for s, _ in work]
-        decode_items = sum(s.is_decode for s in specs)
+        ran = [s for s, _ in work]  # replayed items cost nothing and are not counted
+        decode_items = sum(s.is_decode for s in ran)
         self.stats.end(
-            prefill_items=len(specs) - decode_items,
+            prefill_items=len(ran) - decode_items,
             decode_items=decode_items,
             elapsed_ns=time.perf_counter_ns() - started,
-            full_logits=any(s.policy.kind is LogitsKind.FULL for s in specs if s.rows is not Rows.NONE),
+            full_logits=any(s.policy.kind is LogitsKind.FULL for s in ran if s.rows is not Rows.NONE),
         )
         return results
 
