@@ -9,6 +9,9 @@ Parts, on the embedded SmolLM2-135M (fixed, seeded workloads):
   hf        ours vs transformers on the same weights: prefill and decode tokens/s at batch 1, 32
             (transformers `generate` with its static cache)
   gpu       bandwidth floor and a Qwen3-0.6B-shaped random model on CUDA ("skipped: no GPU" else)
+  prefix    prefill of a long shared system prompt + a question, with and without a prefix-cache hit
+
+Prefix caching is off in every part but `prefix`, so repeated workloads are computed each time.
 
 Writes bench/results/<date>-<host>.json and PNG plots (bench/results/plots/), prints a table.
 The service never imports this; transformers and matplotlib are bench/test dependencies.
@@ -41,7 +44,9 @@ from executors.types import DecodeInput, LogitsKind, LogitsPolicy, PrefillInput
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("prefill", "decode", "grpc", "hf", "gpu")
+PARTS = ("prefill", "decode", "grpc", "hf", "gpu", "prefix")
+SYSTEM_PROMPT_LEN = 1024
+QUESTION_LEN = 32
 SEED = 1234
 PROMPT_LEN = 128
 ARGMAX = LogitsPolicy(kind=LogitsKind.ARGMAX)
@@ -70,9 +75,10 @@ def machine() -> dict[str, Any]:
     }
 
 
-def executor(dtype: str, num_blocks: int = 2048, device: str = "cpu", model_dir: Path = MODEL_DIR) -> LlmExecutor:
+def executor(dtype: str, num_blocks: int = 2048, device: str = "cpu", model_dir: Path = MODEL_DIR,
+             prefix_caching: bool = False) -> LlmExecutor:
     return LlmExecutor(LlmExecutorConfig(model_dir=str(model_dir), dtype=dtype, device=device,
-                                         num_blocks=num_blocks, max_batch_size=64))
+                                         num_blocks=num_blocks, max_batch_size=64, prefix_caching=prefix_caching))
 
 
 class Loop:
@@ -412,6 +418,42 @@ def bench_gpu(args) -> list[dict]:
     return rows
 
 
+# -- (f) prefix caching: a long shared system prompt ----------------------------------------
+def bench_prefix(args, dtypes) -> list[dict]:
+    """Prefill system prompt + question: cold (prefix cache emptied first) vs a hit on the
+    system prompt cached by an earlier request. Same executor, interleaved, best of rounds."""
+    rows = []
+    rounds = 2 if args.quick else 4
+    for dtype in dtypes:
+        ex = executor(dtype, prefix_caching=True)
+        loop = Loop()
+        loop.run(ex.warmup())
+        system = prompts(1, SYSTEM_PROMPT_LEN, ex.vocab_size)[0]
+        questions = prompts(2 * rounds, QUESTION_LEN, ex.vocab_size, seed=SEED + 1)
+
+        async def prefill(tokens):
+            out = await ex.prefill(PrefillInput(input_ids=tokens, logits_policy=ARGMAX))
+            await ex.release_cache(out.kv_cache.cache_id)
+
+        cold, warm = [], []
+        for r in range(rounds):
+            loop.run(ex.worker.run(ex.kv.clear_prefix_cache))
+            cold.append(timed(loop.run, prefill(system + questions[2 * r]))[0])
+            saved = ex.kv.prefix_stats().saved_tokens
+            warm.append(timed(loop.run, prefill(system + questions[2 * r + 1]))[0])
+            reused = ex.kv.prefix_stats().saved_tokens - saved
+        best_cold, best_warm = min(cold), min(warm)
+        total = SYSTEM_PROMPT_LEN + QUESTION_LEN
+        rows.append({"dtype": dtype, "system_len": SYSTEM_PROMPT_LEN, "question_len": QUESTION_LEN,
+                     "reused_tokens": reused, "cold_ms": 1e3 * best_cold, "hit_ms": 1e3 * best_warm,
+                     "cold_tok_s": total / best_cold, "speedup": best_cold / best_warm})
+        loop.close()
+        ex.worker.close()
+        print(f"  prefix {dtype}: cold {1e3 * best_cold:.1f} ms, hit {1e3 * best_warm:.1f} ms "
+              f"({reused} of {total} tokens reused), {best_cold / best_warm:.1f}x", flush=True)
+    return rows
+
+
 # -- report ----------------------------------------------------------------------------------
 def table(results: dict) -> str:
     out = []
@@ -443,6 +485,11 @@ def table(results: dict) -> str:
             out.append(f"    {x['dtype']:8s} batch {x['batch']:2d}: prefill {x['ours_prefill_tok_s']:7.0f} vs "
                        f"{x['hf_prefill_tok_s']:7.0f} tok/s ({x['prefill_ratio']:.2f}x); decode "
                        f"{x['ours_decode_tok_s']:6.1f} vs {x['hf_decode_tok_s']:6.1f} tok/s ({x['decode_ratio']:.2f}x)")
+    if "prefix" in r:
+        out.append("(f) prefix caching: prefill of a shared system prompt + question (in-process)")
+        for x in r["prefix"]:
+            out.append(f"    {x['dtype']:8s} {x['system_len']}+{x['question_len']} tokens: cold {x['cold_ms']:.1f} ms, "
+                       f"prefix hit {x['hit_ms']:.1f} ms ({x['reused_tokens']} tokens reused): {x['speedup']:.1f}x")
     if "gpu" in r:
         out.append("(e) GPU")
         for x in r["gpu"]:
@@ -567,6 +614,8 @@ def main(argv: list[str] | None = None) -> int:
             results["results"]["grpc"] = bench_grpc(args)
         elif part == "hf":
             results["results"]["hf"] = bench_hf(args, dtypes)
+        elif part == "prefix":
+            results["results"]["prefix"] = bench_prefix(args, dtypes)
         elif part == "gpu":
             results["results"]["gpu"] = bench_gpu(args)
             for x in results["results"]["gpu"]:

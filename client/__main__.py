@@ -15,6 +15,7 @@ from google.protobuf.message import Message
 from client.blocking import ExecutorClient
 from client.errors import ExecutorError
 from client.limits import DEFAULT_TIMEOUT_S
+from generated.modelexec.v1 import executor_pb2 as pb
 
 Command = Callable[[ExecutorClient, argparse.Namespace], Message | None]
 
@@ -50,6 +51,33 @@ def cmd_lora_metrics(ex: ExecutorClient, args: argparse.Namespace) -> Message | 
 
 def cmd_health(ex: ExecutorClient, args: argparse.Namespace) -> Message | None:
     return ex.health()
+
+
+def cmd_lora_list(ex: ExecutorClient, args: argparse.Namespace) -> Message | None:
+    # Printed as the RPC's response shape ({"adapters": [...]}): one JSON object like the rest.
+    return pb.ListLoraAdaptersResponse(adapters=ex.list_lora_adapters())
+
+
+def cmd_lora_load(ex: ExecutorClient, args: argparse.Namespace) -> Message | None:
+    if args.path is not None:
+        return ex.load_lora_adapter(args.name, args.path)
+    return ex.upload_lora_adapter(args.name, args.upload)
+
+
+def _lora_load_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="the name requests give in metadata ferrum_lora_adapter")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--path", help="a PEFT adapter directory on the server, relative to its --lora-dir")
+    source.add_argument("--upload", metavar="DIR",
+                        help="a local PEFT adapter directory (adapter_config.json, adapter_model.safetensors)")
+
+
+def cmd_lora_unload(ex: ExecutorClient, args: argparse.Namespace) -> Message | None:
+    return ex.unload_lora_adapter(args.name)
+
+
+def _lora_unload_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="the adapter to unload")
 
 
 def cmd_generate(ex: ExecutorClient, args: argparse.Namespace) -> None:
@@ -111,10 +139,14 @@ _COMMANDS: dict[str, tuple[Command, str]] = {
     "cache-metrics": (cmd_cache_metrics, "KV reuse and decode batching metrics (null when none)"),
     "lora-metrics": (cmd_lora_metrics, "LoRA adapter metrics (null when none)"),
     "health": (cmd_health, "grpc.health.v1 status of the executor service"),
+    "lora-list": (cmd_lora_list, "the LoRA adapters loaded"),
+    "lora-load": (cmd_lora_load, "load a LoRA adapter from a server directory (--path) or a local one (--upload)"),
+    "lora-unload": (cmd_lora_unload, "unload a LoRA adapter (refused while caches are bound to it)"),
     "generate": (cmd_generate, "stream generated text from a prompt through the server"),
     "schedule": (cmd_schedule, "run a file of prompts through the continuous-batching scheduler"),
 }
-_EXTRA_ARGUMENTS = {"generate": _generate_arguments, "schedule": _schedule_arguments}
+_EXTRA_ARGUMENTS = {"generate": _generate_arguments, "schedule": _schedule_arguments,
+                    "lora-load": _lora_load_arguments, "lora-unload": _lora_unload_arguments}
 
 
 def build_parser() -> argparse.ArgumentParser:

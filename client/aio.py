@@ -7,6 +7,7 @@ event loop (e.g. before `asyncio.run`) still binds to the loop that uses it.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -148,6 +149,30 @@ class AsyncExecutorClient:
 
     async def shutdown(self, grace_seconds: float = 0.0, *, timeout: Timeout = USE_DEFAULT) -> pb.ShutdownResponse:
         return await self._call(self.stub.Shutdown, convert.shutdown_request(grace_seconds), timeout)
+
+    # -- LoRA adapters: generated messages -------------------------------------------------
+
+    async def load_lora_adapter(self, name: str, path: str, *, timeout: Timeout = USE_DEFAULT) -> pb.LoraAdapterInfo:
+        """Load the adapter in `path`, a directory relative to the server's --lora-dir."""
+        request = convert.load_lora_adapter_request(name, path)
+        return (await self._call(self.stub.LoadLoraAdapter, request, timeout)).adapter
+
+    async def upload_lora_adapter(
+        self, name: str, local_dir: str | os.PathLike[str], *, timeout: Timeout = USE_DEFAULT
+    ) -> pb.LoraAdapterInfo:
+        """Send a local PEFT adapter directory's two files; FileNotFoundError when one is missing."""
+        # Reading a large adapter must not stall the event loop.
+        request = await asyncio.to_thread(convert.upload_lora_adapter_request, name, local_dir)
+        return (await self._call(self.stub.LoadLoraAdapter, request, timeout)).adapter
+
+    async def unload_lora_adapter(self, name: str, *, timeout: Timeout = USE_DEFAULT) -> pb.LoraAdapterInfo:
+        """FailedPreconditionError while caches are bound to it; release them first."""
+        request = convert.unload_lora_adapter_request(name)
+        return (await self._call(self.stub.UnloadLoraAdapter, request, timeout)).adapter
+
+    async def list_lora_adapters(self, *, timeout: Timeout = USE_DEFAULT) -> list[pb.LoraAdapterInfo]:
+        resp = await self._call(self.stub.ListLoraAdapters, pb.ListLoraAdaptersRequest(), timeout)
+        return list(resp.adapters)
 
     # -- hot path: domain types ------------------------------------------------------------
 

@@ -5,6 +5,7 @@ Mirrors `client.aio.AsyncExecutorClient` method for method; both share `client.c
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -150,6 +151,28 @@ class ExecutorClient:
 
     def shutdown(self, grace_seconds: float = 0.0, *, timeout: Timeout = USE_DEFAULT) -> pb.ShutdownResponse:
         return self._call(self.stub.Shutdown, convert.shutdown_request(grace_seconds), timeout)
+
+    # -- LoRA adapters: generated messages -------------------------------------------------
+
+    def load_lora_adapter(self, name: str, path: str, *, timeout: Timeout = USE_DEFAULT) -> pb.LoraAdapterInfo:
+        """Load the adapter in `path`, a directory relative to the server's --lora-dir."""
+        request = convert.load_lora_adapter_request(name, path)
+        return self._call(self.stub.LoadLoraAdapter, request, timeout).adapter
+
+    def upload_lora_adapter(
+        self, name: str, local_dir: str | os.PathLike[str], *, timeout: Timeout = USE_DEFAULT
+    ) -> pb.LoraAdapterInfo:
+        """Send a local PEFT adapter directory's two files; FileNotFoundError when one is missing."""
+        request = convert.upload_lora_adapter_request(name, local_dir)
+        return self._call(self.stub.LoadLoraAdapter, request, timeout).adapter
+
+    def unload_lora_adapter(self, name: str, *, timeout: Timeout = USE_DEFAULT) -> pb.LoraAdapterInfo:
+        """FailedPreconditionError while caches are bound to it; release them first."""
+        request = convert.unload_lora_adapter_request(name)
+        return self._call(self.stub.UnloadLoraAdapter, request, timeout).adapter
+
+    def list_lora_adapters(self, *, timeout: Timeout = USE_DEFAULT) -> list[pb.LoraAdapterInfo]:
+        return list(self._call(self.stub.ListLoraAdapters, pb.ListLoraAdaptersRequest(), timeout).adapters)
 
     # -- hot path: domain types ------------------------------------------------------------
 

@@ -8,7 +8,9 @@ fakes can reuse the exact same encoding.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -184,6 +186,22 @@ def metadata_to_proto(metadata: Mapping[str, Any] | None, target: MutableMapping
         if not isinstance(key, str):
             raise TypeError(f"metadata keys must be str, got {type(key).__name__}")
         target[key].CopyFrom(python_to_value(value))
+
+
+LORA_ADAPTER_KEY = "ferrum_lora_adapter"
+
+
+def _item_metadata(
+    metadata: Mapping[str, Any] | None, lora_adapter: str | None, target: MutableMapping[str, Any]
+) -> None:
+    """An item's metadata, with its `lora_adapter` put under the key the server reads."""
+    metadata_to_proto(metadata, target)
+    if lora_adapter is None:
+        return
+    if metadata and metadata.get(LORA_ADAPTER_KEY, lora_adapter) != lora_adapter:
+        raise ValueError(f"lora_adapter {lora_adapter!r} contradicts metadata[{LORA_ADAPTER_KEY!r}] "
+                         f"{metadata[LORA_ADAPTER_KEY]!r}")
+    target[LORA_ADAPTER_KEY].string_value = lora_adapter
 
 
 def metadata_from_proto(source: Mapping[str, struct_pb2.Value]) -> dict[str, Any]:
@@ -365,7 +383,7 @@ def prefill_input_to_proto(item: PrefillInput) -> pb.PrefillInput:
         msg.position_ids.extend(token_list(item.position_ids, "position_ids"))
     if item.kv_cache is not None:
         msg.kv_cache.CopyFrom(handle_to_proto(item.kv_cache))
-    metadata_to_proto(item.metadata, msg.metadata)
+    _item_metadata(item.metadata, item.lora_adapter, msg.metadata)
     _set_policy(msg, item.logits_policy)
     return msg
 
@@ -375,7 +393,7 @@ def decode_input_to_proto(item: DecodeInput) -> pb.DecodeInput:
     msg = pb.DecodeInput(token_id=int(item.token_id), kv_cache=handle_to_proto(item.kv_cache))
     if item.position_id is not None:
         msg.position_id = int(item.position_id)
-    metadata_to_proto(item.metadata, msg.metadata)
+    _item_metadata(item.metadata, item.lora_adapter, msg.metadata)
     _set_policy(msg, item.logits_policy)
     return msg
 
@@ -388,7 +406,7 @@ def unified_item_to_proto(item: UnifiedBatchItem) -> pb.UnifiedBatchItem:
         pos_offset=int(item.pos_offset),
         is_final_chunk=bool(item.is_final_chunk),
     )
-    metadata_to_proto(item.metadata, msg.metadata)
+    _item_metadata(item.metadata, item.lora_adapter, msg.metadata)
     _set_policy(msg, item.logits_policy)
     return msg
 
@@ -449,6 +467,30 @@ def release_cache_request(cache: KvCacheHandle | str) -> pb.ReleaseCacheRequest:
 
 def shutdown_request(grace_seconds: float = 0.0) -> pb.ShutdownRequest:
     return pb.ShutdownRequest(grace_seconds=float(grace_seconds))
+
+
+def load_lora_adapter_request(name: str, path: str) -> pb.LoadLoraAdapterRequest:
+    """Load from a directory on the server, relative to its --lora-dir."""
+    return pb.LoadLoraAdapterRequest(name=name, path=path)
+
+
+# The two files of a PEFT adapter directory that LoadLoraAdapter takes inline.
+LORA_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def upload_lora_adapter_request(name: str, local_dir: str | os.PathLike[str]) -> pb.LoadLoraAdapterRequest:
+    """Load from a PEFT adapter directory on this machine: its two files travel inline."""
+    directory = Path(local_dir)
+    missing = [f for f in LORA_ADAPTER_FILES if not (directory / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{directory} is not a PEFT adapter directory: {', '.join(missing)} missing")
+    config, weights = (directory / f for f in LORA_ADAPTER_FILES)
+    return pb.LoadLoraAdapterRequest(name=name, inline=pb.InlineLoraAdapter(
+        adapter_config_json=config.read_bytes(), adapter_model_safetensors=weights.read_bytes()))
+
+
+def unload_lora_adapter_request(name: str) -> pb.UnloadLoraAdapterRequest:
+    return pb.UnloadLoraAdapterRequest(name=name)
 
 
 # ---------------------------------------------------------------------------------------

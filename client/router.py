@@ -23,6 +23,7 @@ on its replica, but parts on different replicas cannot be: when some fail,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import re
 import time
@@ -318,8 +319,7 @@ class AsyncExecutorRouter:
         handle = item.kv_cache
         if handle is None:
             cid = self.new_cache_id()
-            item = PrefillInput(item.input_ids, KvCacheHandle(cid, 0), item.position_ids, item.attention_mask,
-                                item.metadata, item.logits_policy)
+            item = dataclasses.replace(item, kv_cache=KvCacheHandle(cid, 0))
             replica, _ = self._place_new(cid)
             return item, replica, [cid]
         if handle.sequence_length == 0 and handle.cache_id not in self._owner:
@@ -360,8 +360,7 @@ class AsyncExecutorRouter:
         try:
             for i, it in enumerate(items):
                 if not it.seq_id:
-                    it = UnifiedBatchItem(self.new_cache_id(), it.q_tokens, it.pos_offset, it.is_final_chunk,
-                                          it.metadata, it.logits_policy)
+                    it = dataclasses.replace(it, seq_id=self.new_cache_id())
                 if it.pos_offset == 0 and it.seq_id not in self._owner:
                     r, pinned = self._place_new(it.seq_id)
                     if pinned:

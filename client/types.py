@@ -149,7 +149,11 @@ class LogitsOutput:
 
 @dataclass(slots=True)
 class PrefillInput:
-    """A prompt, or the next chunk of one; kv_cache=None asks for a new cache."""
+    """A prompt, or the next chunk of one; kv_cache=None asks for a new cache.
+
+    `lora_adapter` names a loaded LoRA adapter (sent as metadata "ferrum_lora_adapter");
+    a cache stays bound to the adapter it was created with.
+    """
 
     input_ids: TokenIds
     kv_cache: KvCacheHandle | None = None
@@ -157,6 +161,7 @@ class PrefillInput:
     attention_mask: TokenIds | None = None
     metadata: Metadata | None = None
     logits_policy: LogitsPolicy | None = None
+    lora_adapter: str | None = None
 
 
 @dataclass(slots=True)
@@ -170,13 +175,14 @@ class PrefillOutput:
 
 @dataclass(slots=True)
 class DecodeInput:
-    """One decode step: append `token_id` to `kv_cache`."""
+    """One decode step: append `token_id` to `kv_cache`; `lora_adapter` as in PrefillInput."""
 
     token_id: int
     kv_cache: KvCacheHandle
     position_id: int | None = None
     metadata: Metadata | None = None
     logits_policy: LogitsPolicy | None = None
+    lora_adapter: str | None = None
 
 
 @dataclass(slots=True)
@@ -190,7 +196,8 @@ class DecodeOutput:
 
 @dataclass(slots=True)
 class UnifiedBatchItem:
-    """One sequence's share of a unified step: a prefill chunk or a decode step."""
+    """One sequence's share of a unified step: a prefill chunk or a decode step;
+    `lora_adapter` as in PrefillInput."""
 
     seq_id: str
     q_tokens: TokenIds
@@ -198,6 +205,7 @@ class UnifiedBatchItem:
     is_final_chunk: bool
     metadata: Metadata | None = None
     logits_policy: LogitsPolicy | None = None
+    lora_adapter: str | None = None
 
 
 @dataclass(slots=True)

@@ -23,7 +23,9 @@ from executors.types import (
     HostTensor,
     KvCacheHandle,
     LogitsPolicy,
+    LoraAdapterInfo,
     LoraMetrics,
+    LoraSource,
     ModelInfo,
     PrefillInput,
     PrefillOutput,
@@ -99,6 +101,15 @@ class ModelExecutor(abc.ABC):
 
     def lora_metrics(self) -> LoraMetrics | None:
         return None
+
+    async def load_lora_adapter(self, name: str, source: LoraSource) -> LoraAdapterInfo:
+        raise Unsupported(f"the {self.name} executor has no LoRA support")
+
+    async def unload_lora_adapter(self, name: str) -> LoraAdapterInfo:
+        raise Unsupported(f"the {self.name} executor has no LoRA support")
+
+    def list_lora_adapters(self) -> list[LoraAdapterInfo]:
+        raise Unsupported(f"the {self.name} executor has no LoRA support")
 
     async def warmup(self) -> None:
         return None

@@ -1,6 +1,7 @@
 """Per-cache facts the executor keeps beside the block tables: owner, lease, last step.
 
 - owner: the identity that created the cache; nobody else may use it.
+- adapter: the LoRA adapter its K and V were computed with, for every later step.
 - last_used: when the cache was last touched; idle caches past their lease are reclaimed,
   so a client that vanished does not hold KV blocks forever.
 - last_step: what the latest append did and returned, so a retried step (same position,
@@ -28,6 +29,7 @@ class StepRecord:
 @dataclass(slots=True)
 class CacheState:
     owner: str | None
+    adapter: Any = None  # executors.lora.LoraAdapter | None
     last_used: float = field(default_factory=time.monotonic)
     last_step: StepRecord | None = None
 
@@ -37,8 +39,16 @@ class CacheRegistry:
         self._states: dict[str, CacheState] = {}
         self.leases_expired = 0
 
-    def add(self, cache_id: str, owner: str | None) -> None:
-        self._states[cache_id] = CacheState(owner)
+    def add(self, cache_id: str, owner: str | None, adapter: Any = None) -> None:
+        self._states[cache_id] = CacheState(owner, adapter)
+
+    def adapter_bindings(self) -> dict[str, int]:
+        """Live caches per LoRA adapter name."""
+        counts: dict[str, int] = {}
+        for state in list(self._states.values()):  # read from the event loop while the worker runs
+            if state.adapter is not None:
+                counts[state.adapter.name] = counts.get(state.adapter.name, 0) + 1
+        return counts
 
     def remove(self, cache_id: str) -> None:
         self._states.pop(cache_id, None)

@@ -41,6 +41,12 @@ class NotFound(ExecutorError):
     reason = "NOT_FOUND"
 
 
+class AlreadyExists(ExecutorError):
+    """A name (a LoRA adapter's) is already taken."""
+
+    reason = "ALREADY_EXISTS"
+
+
 class FailedPrecondition(ExecutorError):
     """The request does not fit the current state (a stale handle, a wrong position)."""
 

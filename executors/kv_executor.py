@@ -10,6 +10,7 @@ growth with rollback, logits policies, status, metrics and lifecycle.
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
 import enum
 import time
@@ -20,7 +21,7 @@ import torch
 
 from executors.base import ModelExecutor
 from executors.cache_state import CacheRegistry
-from executors.errors import FailedPrecondition, InvalidParameter, OutOfRange, Unavailable
+from executors.errors import FailedPrecondition, InvalidParameter, NotFound, OutOfRange, Unavailable, Unsupported
 from executors.identity import current_identity
 from executors.logits import apply_policies, to_host_tensor
 from executors.stats import ExecutorStats
@@ -40,6 +41,9 @@ from executors.types import (
     LogitsKind,
     LogitsPolicy,
     LogitsResult,
+    LoraAdapterInfo,
+    LoraMetrics,
+    LoraSource,
     MemoryUsage,
     PrefillInput,
     PrefillOutput,
@@ -50,6 +54,8 @@ from executors.types import (
     VerifyOutput,
 )
 from executors.worker import SerialWorker
+from executors.adapters import LoraRegistry
+from executors.lora import LoraAdapter
 from kvcache import BlockTable, KvCacheManager
 from kvcache.kv_pool import PagedKvPool
 
@@ -74,6 +80,7 @@ class ItemSpec:
     rows: Rows
     policy: LogitsPolicy
     is_decode: bool
+    adapter: str | None = None  # the LoRA adapter named in the request's metadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +100,8 @@ class StepItem:
     tokens: list[int]
     start: int
     rows: Rows
+    reused: int | None = None  # prompt tokens taken from the prefix cache; None: no lookup
+    adapter: LoraAdapter | None = None  # the cache's LoRA adapter
 
 
 class KvCacheExecutor(ModelExecutor):
@@ -109,17 +118,19 @@ class KvCacheExecutor(ModelExecutor):
         block_size: int,
         kv_dtype: torch.dtype = torch.float32,
         device: str = "cpu",
+        prefix_caching: bool = True,
     ) -> None:
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
         self.max_batch_size = max_batch_size
         self.device = device
-        self.kv = KvCacheManager(num_blocks, block_size)
+        self.kv = KvCacheManager(num_blocks, block_size, prefix_caching=prefix_caching)
         self.pool = PagedKvPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_dtype, device)
         self.worker = SerialWorker(self.name)
         self.caches = CacheRegistry()
         self.stats = ExecutorStats()
         self.peak_used_bytes = 0
+        self.loras: LoraRegistry | None = None  # set by executors that apply LoRA adapters
 
     # -- the model ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -202,6 +213,46 @@ class KvCacheExecutor(ModelExecutor):
     async def warmup(self) -> None:
         await self._run(self._warmup_now)
 
+    # -- LoRA adapters --------------------------------------------------------------------
+    async def load_lora_adapter(self, name: str, source: LoraSource) -> LoraAdapterInfo:
+        # Reading and validating stay off the worker, so steps keep running meanwhile.
+        adapter = await asyncio.to_thread(self._loras().read, name, source)
+        return await self._run(self._add_adapter_now, adapter)
+
+    async def unload_lora_adapter(self, name: str) -> LoraAdapterInfo:
+        return await self._run(self._remove_adapter_now, self._loras(), name)
+
+    def list_lora_adapters(self) -> list[LoraAdapterInfo]:
+        return self._loras().infos(self.caches.adapter_bindings())
+
+    def lora_metrics(self) -> LoraMetrics | None:
+        if self.loras is None:
+            return None
+        return LoraMetrics(
+            enabled=True,
+            adapter_count=len(self.loras),
+            active_cache_bindings=sum(self.caches.adapter_bindings().values()),
+            projection_applications=self.loras.projection_applications,
+            position="real-inference",
+            source="modelexec-multi-lora",
+        )
+
+    def _loras(self) -> LoraRegistry:
+        if self.loras is None:
+            raise Unsupported(f"the {self.name} executor has no LoRA support")
+        return self.loras
+
+    def _add_adapter_now(self, adapter: LoraAdapter) -> LoraAdapterInfo:
+        self.loras.add(adapter)
+        return self.loras.info(adapter.name, 0)
+
+    def _remove_adapter_now(self, loras: LoraRegistry, name: str) -> LoraAdapterInfo:
+        loras.get(name, "name")
+        bound = self.caches.adapter_bindings().get(name, 0)
+        info = loras.info(name, bound)
+        loras.remove(name, bound)
+        return info
+
     async def shutdown(self) -> int:
         released = await self._run(self._release_all_now)
         self.stats.state = ExecutorState.SHUTDOWN
@@ -235,21 +286,22 @@ class KvCacheExecutor(ModelExecutor):
                 block_allocations=kv.block_allocations,
                 allocation_failures=kv.allocation_failures,
                 leases_expired=self.caches.leases_expired,
+                cached_blocks=kv.cached_blocks,
             ),
         )
 
     def cache_metrics(self) -> CacheMetrics | None:
-        w = self.worker
+        w, prefix = self.worker, self.kv.prefix_stats()
         return CacheMetrics(
             position="real-kv-reuse",
-            source="paged-block-pool",
-            enabled=False,  # prefix reuse comes later; the counters below are exact meanwhile
-            hits=0,
-            misses=0,
-            evictions=0,
-            saved_prefill_tokens=0,
-            entries=0,
-            bytes=self.kv.stats().used_blocks * self.pool.bytes_per_block,
+            source="paged-block-prefix-cache",
+            enabled=prefix.enabled,
+            hits=prefix.hits,
+            misses=prefix.misses,
+            evictions=prefix.evictions,
+            saved_prefill_tokens=prefix.saved_tokens,
+            entries=prefix.entries,
+            bytes=prefix.entries * self.pool.bytes_per_block,
             block_size=self.kv.block_size,
             kv_dtype=DType(str(self.pool.dtype).removeprefix("torch.")),
             decode_batch=self.stats.decode_batch_metrics(),
@@ -293,9 +345,11 @@ class KvCacheExecutor(ModelExecutor):
                 raise FailedPrecondition(
                     f"{where}.position_ids must continue the cache: expected {start}..{start + len(tokens) - 1}",
                     field=f"{where}.position_ids", reason="POSITION_MISMATCH")
+        adapter = _adapter_name(inp.metadata, where)
         if handle is None:
-            return ItemSpec(where, None, 0, True, tokens, Rows.LAST, inp.logits_policy, False)
-        return ItemSpec(where, handle.cache_id, start, start == 0, tokens, Rows.LAST, inp.logits_policy, False)
+            return ItemSpec(where, None, 0, True, tokens, Rows.LAST, inp.logits_policy, False, adapter)
+        return ItemSpec(where, handle.cache_id, start, start == 0, tokens, Rows.LAST, inp.logits_policy, False,
+                        adapter)
 
     def _decode_spec(self, inp: DecodeInput, where: str) -> ItemSpec:
         tokens = self._check_tokens([inp.token_id], f"{where}.token_id")
@@ -305,7 +359,8 @@ class KvCacheExecutor(ModelExecutor):
             raise FailedPrecondition(
                 f"{where}.position_id {inp.position_id} does not continue the cache (length {length})",
                 field=f"{where}.position_id", reason="POSITION_MISMATCH")
-        return ItemSpec(where, inp.kv_cache.cache_id, length, False, tokens, Rows.LAST, inp.logits_policy, True)
+        return ItemSpec(where, inp.kv_cache.cache_id, length, False, tokens, Rows.LAST, inp.logits_policy, True,
+                        _adapter_name(inp.metadata, where))
 
     def _unified_spec(self, it: UnifiedBatchItem, where: str) -> ItemSpec:
         tokens = self._check_tokens(it.q_tokens, f"{where}.q_tokens")
@@ -316,7 +371,7 @@ class KvCacheExecutor(ModelExecutor):
         is_decode = it.pos_offset > 0 and len(tokens) == 1 and it.is_final_chunk
         rows = Rows.LAST if it.is_final_chunk else Rows.NONE
         return ItemSpec(where, it.seq_id or None, it.pos_offset, it.pos_offset == 0, tokens, rows,
-                        it.logits_policy, is_decode)
+                        it.logits_policy, is_decode, _adapter_name(it.metadata, where))
 
     def _check_batch(self, specs: list[ItemSpec], where: str) -> None:
         if not specs:
@@ -354,16 +409,16 @@ class KvCacheExecutor(ModelExecutor):
             for s in specs:
                 resolved.append(self._resolve(s, created, identity))
             work = [(s, it) for s, it in zip(specs, resolved) if isinstance(it, StepItem)]
-            self.kv.extend_many([(it.cache_id, it.start + len(it.tokens)) for _, it in work])
-            try:
-                rows = self._forward_step([it for _, it in work]) if work else []
-                fresh = [self._finish(s, it, r, it.cache_id in created) for (s, it), r in zip(work, rows)]
-            except BaseException:
-                for _, it in work:
-                    if it.cache_id not in created:
-                        self.kv.truncate(it.cache_id, it.start)
-                raise
+            copies = self.kv.extend_many([(it.cache_id, it.start + len(it.tokens)) for _, it in work])
+            self.pool.copy_blocks(copies)  # copy-on-write: before anything writes into them
+            rows = self._forward_step([it for _, it in work]) if work else []
+            fresh = [self._finish(s, it, r, it.cache_id in created) for (s, it), r in zip(work, rows)]
         except BaseException:
+            # Undo everything: caches this call created go, the others return to their
+            # length before it (dropping any prefix blocks they were given).
+            for s, it in zip(specs, resolved):
+                if isinstance(it, StepItem) and it.cache_id not in created and it.table.num_tokens > s.expected_length:
+                    self.kv.truncate(it.cache_id, s.expected_length)
             for cid in created:
                 self.kv.release(cid)
                 self.caches.remove(cid)
@@ -371,7 +426,10 @@ class KvCacheExecutor(ModelExecutor):
             self.stats.current_batch_size = 0
             raise
         for (s, it), res in zip(work, fresh):
-            self.caches.record(it.cache_id, it.start, it.tokens, (s.rows, s.policy), res)
+            self.kv.commit(it.cache_id, it.start, it.tokens)  # name the blocks filled, for reuse
+            if it.reused is not None:
+                self.kv.record_lookup(it.reused)
+            self.caches.record(it.cache_id, s.expected_length, s.tokens, (s.rows, s.policy), res)
         computed = iter(fresh)
         results = [r if isinstance(r, StepResult) else next(computed) for r in resolved]
         self.peak_used_bytes = max(self.peak_used_bytes, self._used_bytes())
@@ -388,7 +446,7 @@ class KvCacheExecutor(ModelExecutor):
     def _resolve(self, s: ItemSpec, created: list[str], identity: str | None) -> StepItem | StepResult:
         if s.cache_id is not None and s.cache_id in self.kv:
             table = self.kv.get(s.cache_id)
-            self.caches.touch(s.cache_id, identity, s.where)
+            adapter = self.caches.touch(s.cache_id, identity, s.where).adapter
             if table.num_tokens != s.expected_length:
                 replayed = self.caches.replay(s.cache_id, table.num_tokens, s.expected_length, s.tokens,
                                               (s.rows, s.policy))
@@ -399,19 +457,40 @@ class KvCacheExecutor(ModelExecutor):
                     f"continues it at {s.expected_length}; the caller's handle is stale",
                     field=s.where, reason="STALE_CACHE_HANDLE", cache_id=s.cache_id, cache_length=table.num_tokens)
             cache_id = s.cache_id
+            if s.adapter is not None and s.adapter != (adapter.name if adapter else None):
+                bound = f"LoRA adapter {adapter.name!r}" if adapter else "no LoRA adapter"
+                raise FailedPrecondition(
+                    f"{s.where}: cache {s.cache_id!r} was created with {bound}; its K and V cannot continue "
+                    f"under adapter {s.adapter!r}", field=f"{s.where}.metadata", reason="LORA_ADAPTER_MISMATCH",
+                    cache_id=s.cache_id)
         elif s.cache_id is not None and not s.may_create:
             self.kv.get(s.cache_id)  # raises CacheNotFound, saying whether it was released
             raise AssertionError("unreachable")
         else:
-            cache_id, table = self.kv.create(s.cache_id)
+            adapter = self._adapter(s.adapter, f"{s.where}.metadata")
+            cache_id, table = self.kv.create(s.cache_id, namespace=adapter.key if adapter else "")
             created.append(cache_id)
-            self.caches.add(cache_id, identity)
+            self.caches.add(cache_id, identity, adapter)
         end = s.expected_length + len(s.tokens)
         if end > self.max_sequence_length:
             raise OutOfRange(
                 f"{s.where}: {len(s.tokens)} tokens at position {s.expected_length} would reach {end}, "
                 f"past max_sequence_length {self.max_sequence_length}", field=s.where)
-        return StepItem(cache_id, table, s.tokens, s.expected_length, s.rows)
+        reused = None
+        if not s.is_decode and s.rows is not Rows.ALL:
+            # A prompt or chunk: take its leading full blocks from the prefix cache. The last
+            # token is always computed, so that its logits (and its K and V) exist.
+            reused = self.kv.match_prefix(cache_id, s.tokens, limit=len(s.tokens) - 1)
+        skip = reused or 0
+        return StepItem(cache_id, table, s.tokens[skip:], s.expected_length + skip, s.rows, reused, adapter)
+
+    def _adapter(self, name: str | None, where: str) -> LoraAdapter | None:
+        if name is None:
+            return None
+        if self.loras is None:
+            raise NotFound(f"{where}: no LoRA adapter named {name!r} is loaded: the {self.name} executor has no "
+                           "LoRA support", field=where, reason="LORA_ADAPTER_NOT_FOUND", adapter=name)
+        return self.loras.get(name, where)
 
     def _finish(self, s: ItemSpec, it: StepItem, rows: torch.Tensor | None, created: bool) -> StepResult:
         handle = self._handle(it.cache_id)
@@ -493,3 +572,17 @@ class KvCacheExecutor(ModelExecutor):
 
     def _used_bytes(self) -> int:
         return self.parameter_bytes + self.kv.stats().used_blocks * self.pool.bytes_per_block
+
+
+LORA_ADAPTER_KEY = "ferrum_lora_adapter"
+
+
+def _adapter_name(metadata: dict | None, where: str) -> str | None:
+    """The LoRA adapter a request names in its metadata, or None."""
+    name = (metadata or {}).get(LORA_ADAPTER_KEY)
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name:
+        raise InvalidParameter(f"{where}.metadata[{LORA_ADAPTER_KEY!r}] must be a non-empty string, got {name!r}",
+                               field=f"{where}.metadata.{LORA_ADAPTER_KEY}")
+    return name

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
+from executors.adapters import LoraLimits, LoraRegistry
 from executors.kv_executor import KvCacheExecutor, Rows, StepItem
+from executors.lora import LoraBatch, LoraTargets
 from executors.models.attention import Segment, StepContext
 from executors.models.decoder import DecoderLM
 from executors.models.loader import load_model
@@ -39,12 +41,22 @@ class LlmExecutorConfig:
     block_size: int = 16
     max_batch_size: int = 64
     max_sequence_length: int | None = None  # default: the model's max_position_embeddings
+    prefix_caching: bool = True
+    # LoRA: adapters loaded at start-up from the subdirectories of lora_dir (and by path
+    # under it at run time); at most max_loras at once, ranks up to max_lora_rank.
+    lora_dir: str | None = None
+    max_loras: int = 8
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras}, {self.max_lora_rank}")
+        if self.lora_dir is not None and not Path(self.lora_dir).is_dir():
+            raise ValueError(f"lora_dir {self.lora_dir!r} is not a directory")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -78,9 +90,15 @@ class LlmExecutor(KvCacheExecutor):
             block_size=config.block_size,
             kv_dtype=config.torch_dtype,
             device=config.device,
+            prefix_caching=config.prefix_caching,
         )
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self._param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.loras = LoraRegistry(LoraTargets.from_config(mc), LoraLimits(config.max_loras, config.max_lora_rank,
+                                                                         config.lora_dir),
+                                  config.torch_dtype, config.device)
+        if config.lora_dir is not None:
+            self.loras.load_directory(config.lora_dir)
 
     @property
     def parameter_bytes(self) -> int:
@@ -110,9 +128,13 @@ class LlmExecutor(KvCacheExecutor):
                 first = block_ids[(end - 1) // bs] * bs
                 stale.extend(range(first + end % bs, first + bs))
             segments.append(Segment(q_start=q_start, q_len=n, start=start, block_ids=block_ids))
+        lora = LoraBatch.build([(seg.q_start, seg.q_len, it.adapter) for it, seg in zip(items, segments)],
+                               len(ids), dev)
         ctx = StepContext(segments, self.pool, torch.tensor(slots, device=dev), reference=self.reference,
-                          zero_slots=torch.tensor(stale, device=dev) if stale else None)
+                          zero_slots=torch.tensor(stale, device=dev) if stale else None, lora=lora)
         hidden = self.model.hidden_states(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), ctx)
+        if lora is not None:
+            self.loras.projection_applications += lora.applications
         # The lm_head runs once, on the rows that need logits only.
         rows: list[int] = []
         spans: list[tuple[int, int] | None] = []
@@ -184,4 +206,7 @@ class LlmExecutor(KvCacheExecutor):
             supports_native_unified_decode=True,
             kv_block_size=self.kv.block_size,
             kv_total_blocks=self.kv.allocator.num_total,
+            supports_prefix_caching=self.kv.prefix_caching,
+            max_lora_adapters=self.config.max_loras,
+            max_lora_rank=self.config.max_lora_rank,
         )

@@ -40,6 +40,7 @@ class PagedExecutorConfig:
     block_size: int = 16
     num_blocks: int = 1024
     max_batch_size: int = 64
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -64,6 +65,7 @@ class PagedAttentionExecutor(KvCacheExecutor):
             max_batch_size=config.max_batch_size,
             num_blocks=config.num_blocks,
             block_size=config.block_size,
+            prefix_caching=config.prefix_caching,
         )
         c = config
         self.group = c.num_heads // c.num_kv_heads
@@ -165,4 +167,5 @@ class PagedAttentionExecutor(KvCacheExecutor):
             supports_native_unified_decode=True,
             kv_block_size=c.block_size,
             kv_total_blocks=c.num_blocks,
+            supports_prefix_caching=self.kv.prefix_caching,
         )

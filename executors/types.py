@@ -273,6 +273,9 @@ class ExecutorCapabilities:
     supports_native_unified_decode: bool
     kv_block_size: int
     kv_total_blocks: int
+    supports_prefix_caching: bool = False
+    max_lora_adapters: int = 0  # 0: no LoRA support
+    max_lora_rank: int = 0
 
 
 class ExecutorState(enum.Enum):
@@ -301,6 +304,7 @@ class KvPoolStatus:
     block_allocations: int
     allocation_failures: int
     leases_expired: int = 0
+    cached_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,3 +367,27 @@ class LoraMetrics:
     projection_applications: int
     position: str
     source: str
+
+
+@dataclass(frozen=True, slots=True)
+class LoraSource:
+    """Where LoadLoraAdapter finds a PEFT adapter: a directory under the server's adapter
+    directory, or the two files' contents sent inline. Exactly one is set."""
+
+    path: str | None = None
+    config_json: bytes | None = None
+    safetensors: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapterInfo:
+    name: str
+    rank: int
+    alpha: float
+    scaling: float
+    target_modules: tuple[str, ...]
+    source: str  # the directory, or "inline"
+    num_parameters: int
+    bytes: int
+    bound_caches: int
+    loaded_at_unix_s: float

@@ -1,4 +1,4 @@
-"""The paged KV cache: a block pool, per-sequence block tables, ref counts.
+"""The paged KV cache: a block pool, per-sequence block tables, ref counts, prefix reuse.
 
 Bookkeeping (block_allocator, block_table, manager) is plain Python and knows nothing of
 tensors; kv_pool holds the K and V tensors those block ids index.
@@ -15,7 +15,7 @@ from kvcache.errors import (
     KvCacheError,
     KvCacheExhausted,
 )
-from kvcache.manager import KvCacheManager, KvPoolStats
+from kvcache.manager import KvCacheManager, KvPoolStats, PrefixCacheStats
 
 __all__ = [
     "BlockAllocator",
@@ -29,4 +29,5 @@ __all__ = [
     "KvCacheExhausted",
     "KvCacheManager",
     "KvPoolStats",
+    "PrefixCacheStats",
 ]

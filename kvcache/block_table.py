@@ -12,11 +12,18 @@ class BlockTable:
     Token position p sits in block block_ids[p // block_size] at offset p % block_size,
     i.e. at flat slot block_ids[p // block_size] * block_size + p % block_size of a pool
     viewed as [num_blocks * block_size, ...].
+
+    For prefix reuse the table also knows its tokens (those committed after their K and V
+    were written; `tokens` may lag `num_tokens` only while a step is running) and the chain
+    hash of each full block (`block_hashes[i]` names blocks 0..i), under `namespace`.
     """
 
     block_size: int
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    namespace: str = ""
+    tokens: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def capacity(self) -> int:

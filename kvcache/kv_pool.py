@@ -60,6 +60,14 @@ class PagedKvPool:
         kf.index_copy_(0, slots, k.to(self.dtype))
         vf.index_copy_(0, slots, v.to(self.dtype))
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks, every layer's K and V: (source, destination) pairs (copy-on-write)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        self._storage.index_copy_(2, dst, self._storage.index_select(2, src))
+
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ([n, H, D]) at the given flat slots."""
         kf, vf = self.flat(layer)

@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvcache.block_allocator import BlockAllocator
+from kvcache.block_allocator import BlockAllocator, CachedBlock
 from kvcache.block_table import BlockTable
 from kvcache.errors import (
     CacheAlreadyExists,
@@ -17,6 +17,7 @@ from kvcache.errors import (
     InvalidLength,
     KvCacheExhausted,
 )
+from kvcache.prefix_hash import block_hash, root_hash
 
 CACHE_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 RELEASED_IDS_REMEMBERED = 4096
@@ -31,6 +32,21 @@ class KvPoolStats:
     active_caches: int
     block_allocations: int
     allocation_failures: int
+    cached_blocks: int  # free blocks that still hold a reusable prefix
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    enabled: bool
+    lookups: int  # prefills that could have reused at least one full block
+    hits: int  # lookups that reused at least one
+    saved_tokens: int  # prompt tokens whose K and V were reused instead of computed
+    entries: int  # blocks carrying a hash, held or free
+    evictions: int  # cached blocks whose memory was taken for new tokens
+
+    @property
+    def misses(self) -> int:
+        return self.lookups - self.hits
 
 
 class KvCacheManager:
@@ -39,13 +55,25 @@ class KvCacheManager:
     Growth is all-or-nothing across a whole batch (`extend_many`), so a batch that does not
     fit changes no cache. Ids of released caches are remembered (a bounded number) so a
     repeated release can succeed idempotently and a late decode can say "was released".
+
+    Prefix reuse (on unless `prefix_caching=False`): once a step's K and V are written, the
+    executor `commit`s its tokens, and every block they fill gets its chain hash
+    (prefix_hash.py). A prefill first calls `match_prefix`, which appends cached blocks
+    holding its leading tokens to the table (shared, ref-counted) so that only the rest is
+    computed. A write into a block that someone else also holds copies it first
+    (`extend_many` returns the (source, destination) block pairs the pool must copy before
+    the forward writes), so sharers never see each other's tokens.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self.allocator = BlockAllocator(num_blocks)
+        self.prefix_lookups = 0
+        self.prefix_hits = 0
+        self.prefix_saved_tokens = 0
         self._tables: dict[str, BlockTable] = {}
         self._released: OrderedDict[str, None] = OrderedDict()
         self._next_id = 0
@@ -67,24 +95,29 @@ class KvCacheManager:
             raise CacheNotFound(cache_id, released=cache_id in self._released) from None
 
     # -- lifecycle ------------------------------------------------------------------------
-    def create(self, cache_id: str | None = None) -> tuple[str, BlockTable]:
-        """Register an empty cache under cache_id, or under a fresh id when None."""
+    def create(self, cache_id: str | None = None, namespace: str = "") -> tuple[str, BlockTable]:
+        """Register an empty cache under cache_id, or under a fresh id when None.
+
+        `namespace` separates caches whose K and V differ for equal tokens (the LoRA
+        adapter): they never share blocks."""
         if cache_id is None:
             cache_id = self._fresh_id()
         elif not CACHE_ID_PATTERN.fullmatch(cache_id):
             raise InvalidCacheId(cache_id, "use 1 to 128 characters from [A-Za-z0-9._:-]")
         elif cache_id in self._tables:
             raise CacheAlreadyExists(cache_id)
-        table = BlockTable(self.block_size)
+        table = BlockTable(self.block_size, namespace=namespace)
         self._tables[cache_id] = table
         self._released.pop(cache_id, None)
         return cache_id, table
 
-    def extend_many(self, targets: Sequence[tuple[str, int]]) -> None:
+    def extend_many(self, targets: Sequence[tuple[str, int]]) -> list[tuple[int, int]]:
         """Grow each named cache to hold its target length and set its length to it.
 
         All or nothing: if the blocks needed by all targets together are not free, raise
-        KvCacheExhausted and change nothing. Each cache may appear once.
+        KvCacheExhausted and change nothing. Each cache may appear once. Returns the
+        (source, destination) blocks to copy before writing: a cache whose partly filled
+        last block is shared gets a private copy of it (copy-on-write).
         """
         seen: set[str] = set()
         for cid, _ in targets:
@@ -95,16 +128,94 @@ class KvCacheManager:
         for (cid, length), (table, _) in zip(targets, tables):
             if length < table.num_tokens:
                 raise InvalidLength(cid, length, table.num_tokens, action="extend")
-        needed = sum(t.blocks_missing(length) for t, length in tables)
+        writes_into_last = [length > t.num_tokens and t.num_tokens % self.block_size != 0 for t, length in tables]
+        copies_needed = sum(w and self.allocator.ref_count(t.block_ids[-1]) > 1
+                            for w, (t, _) in zip(writes_into_last, tables))
+        needed = sum(t.blocks_missing(length) for t, length in tables) + copies_needed
         if needed > self.allocator.num_free:
             self.allocator.allocation_failures += 1
             raise KvCacheExhausted(needed, self.allocator.num_free, self.allocator.num_total)
-        for table, length in tables:
+        copies: list[tuple[int, int]] = []
+        for writes, (table, length) in zip(writes_into_last, tables):
+            if writes:
+                last = table.block_ids[-1]
+                if self.allocator.ref_count(last) > 1:
+                    (private,) = self.allocator.allocate(1)
+                    copies.append((last, private))
+                    table.block_ids[-1] = private
+                    self.allocator.decref(last)
+                else:
+                    # Ours alone, but its hash describes tokens about to be overwritten.
+                    self.allocator.drop_hash(last)
             table.block_ids.extend(self.allocator.allocate(table.blocks_missing(length)))
             table.num_tokens = length
+        return copies
 
-    def extend(self, cache_id: str, length: int) -> None:
-        self.extend_many([(cache_id, length)])
+    def extend(self, cache_id: str, length: int) -> list[tuple[int, int]]:
+        return self.extend_many([(cache_id, length)])
+
+    # -- prefix reuse ---------------------------------------------------------------------
+    def match_prefix(self, cache_id: str, tokens: Sequence[int], limit: int) -> int | None:
+        """Append cached blocks that hold the leading tokens of `tokens`, which continue the
+        cache; returns how many tokens they cover (whole blocks, at most `limit`), or None
+        when no lookup is possible (prefix caching off, the cache ends mid-block or its
+        tokens are not all committed, or `limit` is under one block).
+        """
+        table = self.get(cache_id)
+        bs = self.block_size
+        if (not self.prefix_caching or limit < bs or table.num_tokens % bs
+                or len(table.tokens) != table.num_tokens or len(table.block_hashes) != table.num_tokens // bs):
+            return None
+        parent = table.block_hashes[-1] if table.block_hashes else root_hash(table.namespace)
+        matched = 0
+        while matched + bs <= min(limit, len(tokens)):
+            chunk = tuple(int(t) for t in tokens[matched:matched + bs])
+            h = block_hash(parent, chunk)
+            block = self.allocator.lookup(h, CachedBlock(parent, chunk))
+            if block is None:
+                break
+            self.allocator.share(block)
+            table.block_ids.append(block)
+            table.block_hashes.append(h)
+            table.tokens.extend(chunk)
+            table.num_tokens += bs
+            parent = h
+            matched += bs
+        return matched
+
+    def commit(self, cache_id: str, start: int, tokens: Sequence[int]) -> None:
+        """Record tokens whose K and V are now written at positions start.., and hash every
+        block they fill, so later prefills can reuse it."""
+        table = self.get(cache_id)
+        if len(table.tokens) != start or start + len(tokens) > table.num_tokens:
+            return  # earlier tokens unknown: this cache's blocks cannot be named
+        table.tokens.extend(int(t) for t in tokens)
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        while len(table.block_hashes) < len(table.tokens) // bs:
+            i = len(table.block_hashes)
+            parent = table.block_hashes[-1] if i else root_hash(table.namespace)
+            chunk = tuple(table.tokens[i * bs:(i + 1) * bs])
+            h = block_hash(parent, chunk)
+            table.block_hashes.append(h)
+            # False when an equal block is cached already (two caches computed the same
+            # prefix at once): this one stays private and nameless.
+            self.allocator.set_hash(table.block_ids[i], h, CachedBlock(parent, chunk))
+
+    def record_lookup(self, matched_tokens: int) -> None:
+        """Count a prefill that looked up the prefix cache, once it has run."""
+        self.prefix_lookups += 1
+        self.prefix_hits += matched_tokens > 0
+        self.prefix_saved_tokens += matched_tokens
+
+    def clear_prefix_cache(self) -> int:
+        """Forget every cached prefix (blocks and live caches keep their K and V); returns
+        how many blocks carried a hash."""
+        for table in self._tables.values():
+            table.block_hashes.clear()
+            table.tokens.clear()  # nothing of them can be named any more
+        return self.allocator.drop_all_hashes()
 
     def truncate(self, cache_id: str, length: int) -> int:
         """Shorten a cache to `length` tokens; returns the number of blocks freed."""
@@ -114,6 +225,9 @@ class KvCacheManager:
         keep = table.blocks_for(length)
         freed = self._drop_blocks(table.block_ids[keep:])
         del table.block_ids[keep:]
+        del table.tokens[length:]
+        # A cut block keeps its hash (its K and V are intact) until this cache writes into it.
+        del table.block_hashes[length // self.block_size:]
         table.num_tokens = length
         return freed
 
@@ -148,6 +262,17 @@ class KvCacheManager:
             active_caches=len(self._tables),
             block_allocations=a.block_allocations,
             allocation_failures=a.allocation_failures,
+            cached_blocks=a.num_cached_free,
+        )
+
+    def prefix_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            enabled=self.prefix_caching,
+            lookups=self.prefix_lookups,
+            hits=self.prefix_hits,
+            saved_tokens=self.prefix_saved_tokens,
+            entries=self.allocator.num_cached,
+            evictions=self.allocator.evictions,
         )
 
     def check_invariants(self) -> None:
@@ -158,6 +283,10 @@ class KvCacheManager:
             assert len(table.block_ids) == table.blocks_for(table.num_tokens), (
                 f"{cid}: {len(table.block_ids)} blocks for {table.num_tokens} tokens"
             )
+            assert len(table.tokens) <= table.num_tokens, f"{cid}: more tokens than positions"
+            assert len(table.block_hashes) <= len(table.tokens) // self.block_size, f"{cid}: hash of an unfilled block"
+            for b, h in zip(table.block_ids, table.block_hashes):
+                assert self.allocator.hash_of(b) in (None, h), f"{cid}: block {b} is cached under another prefix"
             for b in table.block_ids:
                 refs[b] = refs.get(b, 0) + 1
         for b in range(self.allocator.num_total):

@@ -28,6 +28,13 @@ class ServeConfig:
     device: str = "cpu"
     num_blocks: int = 1024
     block_size: int = 16
+    # Prefills reuse the K and V of cached prompt prefixes (kvcache/manager.py).
+    prefix_caching: bool = True
+    # LoRA adapters (executors/adapters.py): every subdirectory of lora_dir holding a PEFT
+    # adapter is loaded at start-up under its name; LoadLoraAdapter paths resolve under it.
+    lora_dir: str | None = None
+    max_loras: int = 8
+    max_lora_rank: int = 64
     # Limits, shown by GetCapabilities. Messages are capped on both ends: gRPC's default
     # of 4 MiB is below one 256-sequence step of full logits.
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -79,6 +86,10 @@ class ServeConfig:
             raise ValueError(f"coalesce_window_ms must be in [0, 10000], got {self.coalesce_window_ms}")
         if self.grace_seconds < 0:
             raise ValueError("grace_seconds must be >= 0")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras}, {self.max_lora_rank}")
+        if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
+            raise ValueError(f"lora_dir: {self.lora_dir!r} is not a directory")
         self._check_security_and_observability()
 
     def _check_security_and_observability(self) -> None:
@@ -134,6 +145,15 @@ def parse_args(argv: Sequence[str] | None = None) -> ServeConfig:
     p.add_argument("--device", default=defaults.device, help="cpu or cuda[:N]")
     p.add_argument("--num-blocks", type=int, default=defaults.num_blocks, help="KV blocks in the pool")
     p.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not reuse the K and V of cached prompt prefixes (on by default)")
+    p.add_argument("--lora-dir", default=None, metavar="DIR",
+                   help="load every PEFT LoRA adapter directory under DIR at start-up (named after its "
+                        "directory); LoadLoraAdapter paths resolve under DIR")
+    p.add_argument("--max-loras", type=int, default=defaults.max_loras,
+                   help="most LoRA adapters loaded at once (default %(default)s)")
+    p.add_argument("--max-lora-rank", type=int, default=defaults.max_lora_rank,
+                   help="largest LoRA rank accepted (default %(default)s)")
     p.add_argument("--max-message-bytes", type=int, default=defaults.max_message_bytes,
                    help="largest gRPC message sent or received (default 256 MiB)")
     p.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size, help="most items per batch call")

@@ -13,6 +13,7 @@ import numpy as np
 from google.protobuf import json_format, struct_pb2
 
 from executors import types as t
+from executors.adapters import ADAPTER_NAME
 from executors.errors import InvalidParameter
 from generated.modelexec.v1 import executor_pb2 as pb
 
@@ -105,9 +106,9 @@ def metadata(fields: Any, where: str) -> dict[str, Any]:
         if kind is not None and json_kind(value) != kind:
             wanted = "a whole number >= 0" if kind == "count" else f"a {kind}"
             raise InvalidParameter(f"{where}[{key!r}] must be {wanted}, got {value!r}", field=f"{where}.{key}")
-    if ("ferrum_lora_adapter" in values) != ("ferrum_lora_path" in values):
-        raise InvalidParameter(f"{where}: ferrum_lora_adapter and ferrum_lora_path come together or not at all",
-                               field=where)
+    if values.get("ferrum_lora_adapter") == "":
+        raise InvalidParameter(f"{where}['ferrum_lora_adapter'] must name a loaded adapter, got ''",
+                               field=f"{where}.ferrum_lora_adapter")
     return values
 
 
@@ -195,6 +196,29 @@ def cache_id(value: str) -> str:
     if not value:
         raise InvalidParameter("cache_id is required", field="cache_id")
     return value
+
+
+def lora_name(value: str) -> str:
+    if not ADAPTER_NAME.fullmatch(value):
+        raise InvalidParameter(f"name must be 1 to 128 characters from [A-Za-z0-9._:-], got {value!r}", field="name")
+    return value
+
+
+def lora_source(msg: pb.LoadLoraAdapterRequest) -> t.LoraSource:
+    lora_name(msg.name)
+    which = msg.WhichOneof("source")
+    if which is None:
+        raise InvalidParameter("a source is required: path (under the server's --lora-dir) or inline files",
+                               field="source")
+    if which == "path":
+        if not msg.path:
+            raise InvalidParameter("path must name a directory under the server's --lora-dir", field="path")
+        return t.LoraSource(path=msg.path)
+    for name in ("adapter_config_json", "adapter_model_safetensors"):
+        if not getattr(msg.inline, name):
+            raise InvalidParameter(f"inline.{name} is empty", field=f"inline.{name}")
+    return t.LoraSource(config_json=msg.inline.adapter_config_json,
+                        safetensors=msg.inline.adapter_model_safetensors)
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -301,6 +325,9 @@ def capabilities(c: t.ExecutorCapabilities, limits: pb.ServiceLimits) -> pb.Exec
         kv_block_size=c.kv_block_size,
         kv_total_blocks=c.kv_total_blocks,
         limits=limits,
+        supports_prefix_caching=c.supports_prefix_caching,
+        max_lora_adapters=c.max_lora_adapters,
+        max_lora_rank=c.max_lora_rank,
     )
     if c.kv_capacity is not None:
         out.kv_capacity = c.kv_capacity
@@ -332,6 +359,7 @@ def status(s: t.ExecutorStatus) -> pb.ExecutorStatus:
             block_allocations=kv.block_allocations,
             allocation_failures=kv.allocation_failures,
             leases_expired=kv.leases_expired,
+            cached_blocks=kv.cached_blocks,
         ),
     )
     if s.last_operation_unix_s is not None:
@@ -373,6 +401,22 @@ def cache_metrics(m: t.CacheMetrics) -> pb.CacheMetrics:
             avg_wait_time_ms=lock.avg_wait_time_ms,
         ),
     )
+
+
+def lora_adapter_info(i: t.LoraAdapterInfo) -> pb.LoraAdapterInfo:
+    out = pb.LoraAdapterInfo(
+        name=i.name,
+        rank=i.rank,
+        alpha=i.alpha,
+        scaling=i.scaling,
+        target_modules=i.target_modules,
+        source=i.source,
+        num_parameters=i.num_parameters,
+        bytes=i.bytes,
+        bound_caches=i.bound_caches,
+    )
+    out.loaded_at.FromNanoseconds(int(i.loaded_at_unix_s * 1e9))
+    return out
 
 
 def lora_metrics(m: t.LoraMetrics) -> pb.LoraMetrics:

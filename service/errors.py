@@ -31,6 +31,7 @@ EXECUTOR_CODES: dict[type[ex.ExecutorError], grpc.StatusCode] = {
     ex.InvalidParameter: grpc.StatusCode.INVALID_ARGUMENT,
     ex.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
     ex.NotFound: grpc.StatusCode.NOT_FOUND,
+    ex.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     ex.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     ex.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ex.Unsupported: grpc.StatusCode.UNIMPLEMENTED,

@@ -29,12 +29,14 @@ def build_executor(config: ServeConfig) -> ModelExecutor:
         from executors.paged import PagedAttentionExecutor, PagedExecutorConfig
 
         return PagedAttentionExecutor(PagedExecutorConfig(
-            num_blocks=config.num_blocks, block_size=config.block_size, max_batch_size=config.max_batch_size))
+            num_blocks=config.num_blocks, block_size=config.block_size, max_batch_size=config.max_batch_size,
+            prefix_caching=config.prefix_caching))
     from executors.llm import LlmExecutor, LlmExecutorConfig
 
     return LlmExecutor(LlmExecutorConfig(
         model_dir=config.model, dtype=config.dtype, device=config.device, num_blocks=config.num_blocks,
-        block_size=config.block_size, max_batch_size=config.max_batch_size))
+        block_size=config.block_size, max_batch_size=config.max_batch_size, prefix_caching=config.prefix_caching,
+        lora_dir=config.lora_dir, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank))
 
 
 def grpc_options(config: ServeConfig) -> list[tuple[str, int]]:

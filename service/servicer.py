@@ -185,6 +185,22 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         out = await self.executor.release_cache(convert.cache_id(request.cache_id))
         return pb.ReleaseCacheResponse(released=out.released, freed_blocks=out.freed_blocks, timing=call.timing())
 
+    # -- LoRA adapters --------------------------------------------------------------------
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context) -> pb.LoadLoraAdapterResponse:
+        call = _Call()
+        info = await self.executor.load_lora_adapter(request.name, convert.lora_source(request))
+        return pb.LoadLoraAdapterResponse(adapter=convert.lora_adapter_info(info), timing=call.timing())
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context) -> pb.UnloadLoraAdapterResponse:
+        call = _Call()
+        info = await self.executor.unload_lora_adapter(convert.lora_name(request.name))
+        return pb.UnloadLoraAdapterResponse(adapter=convert.lora_adapter_info(info), timing=call.timing())
+
+    async def ListLoraAdapters(self, request, context) -> pb.ListLoraAdaptersResponse:
+        call = _Call()
+        infos = self.executor.list_lora_adapters()
+        return pb.ListLoraAdaptersResponse(adapters=[convert.lora_adapter_info(i) for i in infos], timing=call.timing())
+
     # -- lifecycle ------------------------------------------------------------------------
     async def Warmup(self, request: pb.WarmupRequest, context) -> pb.WarmupResponse:
         call = _Call()

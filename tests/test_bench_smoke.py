@@ -33,9 +33,12 @@ def test_the_table_reports_every_part_and_the_targets():
         "grpc": [{"transport": "unix", "batch": 1, "policy": "ARGMAX", "inproc_ms": 40.0, "overhead_ms": 1.0,
                   "overhead_ratio": 0.025}],
         "hf": [{"skipped": "transformers is not installed"}],
+        "prefix": [{"dtype": "float32", "system_len": 1024, "question_len": 32, "reused_tokens": 1024,
+                    "cold_ms": 900.0, "hit_ms": 60.0, "cold_tok_s": 1173.0, "speedup": 15.0}],
         "gpu": suite.bench_gpu(SimpleNamespace(quick=True)) if not torch.cuda.is_available() else [],
     }}
     text = suite.table(results)
     assert "1.50x [target >= 2x: SHORT]" in text and "BatchDecode" in text and "ARGMAX" in text
+    assert "prefix hit 60.0 ms (1024 tokens reused): 15.0x" in text
     if not torch.cuda.is_available():
         assert "skipped: no GPU" in text

@@ -25,7 +25,8 @@ def test_readme_lists_every_rpc():
     lines = "\n".join(readme_grpcurl_lines())
     for rpc in ("GetInfo", "GetCapabilities", "GetStatus", "Prefill", "Decode", "BatchPrefill", "BatchDecode",
                 "UnifiedDecode", "Forward", "ForwardVerify", "TruncateKv", "ReleaseCache", "GetCacheMetrics",
-                "GetLoraMetrics", "Warmup", "Shutdown", "StepSession"):
+                "GetLoraMetrics", "Warmup", "Shutdown", "StepSession", "ListLoraAdapters", "LoadLoraAdapter",
+                "UnloadLoraAdapter"):
         assert f"ModelExecutorService/{rpc}" in lines, rpc
 
 

@@ -32,11 +32,15 @@ tokens, and per-sequence calls cost ~40 us each regardless of length; see bench/
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kvcache.kv_pool import PagedKvPool
+
+if TYPE_CHECKING:
+    from executors.lora import LoraBatch
 
 # A decode row reads its context through pool views when its blocks form at most
 # MAX_VIEW_RUNS contiguous runs and the runs average at least VIEW_MIN_TOKENS tokens
@@ -72,6 +76,7 @@ class StepContext:
     reference: bool = False  # run the plain reference computation instead of the fast path
     plan: AttentionPlan | None = None  # built once per step by the fast path
     zero_slots: torch.Tensor | None = None  # stale slots to clear (tails of newly entered blocks)
+    lora: LoraBatch | None = None  # which rows use which LoRA adapter (applied by the decoder)
 
 
 # -- the reference -----------------------------------------------------------------------

@@ -12,6 +12,13 @@ up into one [2 I, hidden] matmul, the residual adds folded into addmm, one fused
 op, the rotary tables looked up once per step, and the planned attention of attention.py.
 The fused weights are the storage: the modules' q_proj/k_proj/... parameters become views
 into them, so fusing costs no memory and parameter counts do not change.
+
+LoRA: when the step's context carries a LoraBatch (executors/lora.py), both forwards add
+each row's adapter delta to every adapted projection's output, in place. The fast one adds
+q/k/v deltas into the column slices of the fused qkv output and gate/up deltas into those
+of gate_up (before q/k norm, rope and the SiLU), and o/down deltas straight into the
+residual stream after its fused add. Without adapters it pays one `is not None` test per
+fused projection.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executors.lora import LoraBatch
 from executors.models.attention import StepContext, attend, attend_reference
 from executors.models.config import DecoderConfig
 from executors.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
@@ -42,14 +50,23 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: StepContext) -> torch.Tensor:
-        m = x.shape[0]
-        q = self.q_proj(x).view(m, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(m, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(m, self.num_kv_heads, self.head_dim)
+        m, lora = x.shape[0], ctx.lora
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if lora is not None:
+            lora.apply(self.layer, "q_proj", x, q)
+            lora.apply(self.layer, "k_proj", x, k)
+            lora.apply(self.layer, "v_proj", x, v)
+        q = q.view(m, self.num_heads, self.head_dim)
+        k = k.view(m, self.num_kv_heads, self.head_dim)
+        v = v.view(m, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, k, positions)
-        return self.o_proj(attend_reference(self.layer, q, k, v, ctx))
+        a = attend_reference(self.layer, q, k, v, ctx)
+        out = self.o_proj(a)
+        if lora is not None:
+            lora.apply(self.layer, "o_proj", a, out)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -62,7 +79,21 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: StepContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if ctx.lora is None:
+            return x + self.mlp(h)
+        return x + _mlp_with_lora(self.mlp, h, ctx.lora, self.self_attn.layer)
+
+
+def _mlp_with_lora(mlp: MLP, x: torch.Tensor, lora: LoraBatch, layer: int) -> torch.Tensor:
+    """MLP.forward with each projection's adapter deltas added to its output."""
+    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    lora.apply(layer, "gate_proj", x, gate)
+    lora.apply(layer, "up_proj", x, up)
+    act = F.silu(gate) * up
+    out = mlp.down_proj(act)
+    lora.apply(layer, "down_proj", act, out)
+    return out
 
 
 class DecoderModel(nn.Module):
@@ -172,12 +203,16 @@ class DecoderLM(nn.Module):
         m = input_ids.shape[0]
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         cos, sin = self.rope.tables(positions, x.dtype)
-        layers = self.fused
+        layers, lora = self.fused, ctx.lora
         if self.fused_fp32_packed is not None and m in PACKED_FP32_ROWS:
             layers = self.fused_fp32_packed
         for i, w in enumerate(layers):
             h = F.rms_norm(x, norm_shape, w.input_norm, eps)
             qkv = _linear(h, w.qkv, w.qkv_bias)
+            if lora is not None:  # deltas into the fused output's column slices, before q/k norm and rope
+                lora.apply(i, "q_proj", h, qkv[:, :hq])
+                lora.apply(i, "k_proj", h, qkv[:, hq:hq + hk])
+                lora.apply(i, "v_proj", h, qkv[:, hq + hk:])
             if w.q_norm is None:
                 qk = apply_rope(qkv[:, :hq + hk].view(m, heads + kv_heads, d), cos, sin)
                 q, k = qk[:, :heads], qk[:, heads:]
@@ -187,10 +222,17 @@ class DecoderLM(nn.Module):
             v = qkv[:, hq + hk:].view(m, kv_heads, d)
             a = attend(i, q, k, v, ctx)
             x = _residual_linear(x, a, w.o, w.o_bias)
+            if lora is not None:  # o_proj's delta straight into the residual stream
+                lora.apply(i, "o_proj", a, x)
             h = F.rms_norm(x, norm_shape, w.post_norm, eps)
             gu = _linear(h, w.gate_up, w.gate_up_bias)
+            if lora is not None:  # before the SiLU
+                lora.apply(i, "gate_proj", h, gu[:, :inter])
+                lora.apply(i, "up_proj", h, gu[:, inter:])
             act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
             x = _residual_linear(x, act, w.down, w.down_bias)
+            if lora is not None:
+                lora.apply(i, "down_proj", act, x)
         return F.rms_norm(x, norm_shape, self.model.norm.weight, eps)
 
     @torch.inference_mode()

@@ -230,6 +230,33 @@ def test_requests_accept_lists_and_ndarrays() -> None:
         convert.forward_request([1], "embeddings")
 
 
+def test_lora_adapter_goes_into_metadata() -> None:
+    handle = KvCacheHandle("c", 3)
+    key = "ferrum_lora_adapter"
+    prefill = convert.prefill_request(PrefillInput([1], lora_adapter="math", metadata={"a": 1})).input
+    assert convert.metadata_from_proto(prefill.metadata) == {"a": 1, key: "math"}
+    decode = convert.decode_request(DecodeInput(1, handle, lora_adapter="math")).input
+    item = convert.unified_item_to_proto(UnifiedBatchItem("s", [1], 0, True, lora_adapter="math"))
+    assert decode.metadata[key].string_value == item.metadata[key].string_value == "math"
+    assert key not in convert.prefill_request(PrefillInput([1])).input.metadata
+    # Naming it both ways is fine when they agree, an error when they do not.
+    assert convert.decode_request(DecodeInput(1, handle, metadata={key: "math"}, lora_adapter="math"))
+    with pytest.raises(ValueError, match="contradicts"):
+        convert.decode_request(DecodeInput(1, handle, metadata={key: "code"}, lora_adapter="math"))
+
+
+def test_lora_adapter_requests(tmp_path) -> None:
+    assert convert.load_lora_adapter_request("a", "dir/a") == pb.LoadLoraAdapterRequest(name="a", path="dir/a")
+    assert convert.unload_lora_adapter_request("a") == pb.UnloadLoraAdapterRequest(name="a")
+    (tmp_path / "adapter_config.json").write_bytes(b"{}")
+    with pytest.raises(FileNotFoundError, match="adapter_model.safetensors missing"):
+        convert.upload_lora_adapter_request("a", tmp_path)
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"\x01\x02")
+    upload = convert.upload_lora_adapter_request("a", str(tmp_path))
+    assert upload.WhichOneof("source") == "inline" and upload.name == "a"
+    assert (upload.inline.adapter_config_json, upload.inline.adapter_model_safetensors) == (b"{}", b"\x01\x02")
+
+
 def test_batch_and_unified_responses_share_call_timing() -> None:
     timing = pb.CallTiming(queue_ns=1, executor_ns=2, total_ns=4)
     out = pb.DecodeOutput(

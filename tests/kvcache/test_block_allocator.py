@@ -225,7 +225,7 @@ def test_check_invariants_detects_corruption() -> None:
         a.check_invariants()
 
     b = BlockAllocator(4)
-    b._free.append(0)  # a block twice on the free list
+    b._free_plain.append(0)  # a block twice on the free list
     with pytest.raises(AssertionError):
         b.check_invariants()
 

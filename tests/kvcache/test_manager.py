@@ -484,6 +484,7 @@ def test_stats_fresh() -> None:
         active_caches=0,
         block_allocations=0,
         allocation_failures=0,
+        cached_blocks=0,
     )
 
 
@@ -505,6 +506,7 @@ def test_stats_after_operations() -> None:
         active_caches=2,
         block_allocations=5,
         allocation_failures=1,
+        cached_blocks=0,
     )
     m.release(a)
     s = m.stats()

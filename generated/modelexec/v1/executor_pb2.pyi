@@ -567,7 +567,7 @@ class ServiceLimits(_message.Message):
     def __init__(self, max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., max_concurrent_rpcs: _Optional[int] = ..., cache_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class ExecutorCapabilities(_message.Message):
-    __slots__ = ("max_batch_size", "max_sequence_length", "attention_mechanisms", "supports_dynamic_batching", "supports_continuous_batching", "supports_speculative_decoding", "supports_tensor_parallelism", "supports_pipeline_parallelism", "supported_dtypes", "supported_devices", "memory_requirements", "kv_capacity", "supports_native_unified_decode", "kv_block_size", "kv_total_blocks", "limits")
+    __slots__ = ("max_batch_size", "max_sequence_length", "attention_mechanisms", "supports_dynamic_batching", "supports_continuous_batching", "supports_speculative_decoding", "supports_tensor_parallelism", "supports_pipeline_parallelism", "supported_dtypes", "supported_devices", "memory_requirements", "kv_capacity", "supports_native_unified_decode", "kv_block_size", "kv_total_blocks", "limits", "supports_prefix_caching", "max_lora_adapters", "max_lora_rank")
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MECHANISMS_FIELD_NUMBER: _ClassVar[int]
@@ -584,6 +584,9 @@ class ExecutorCapabilities(_message.Message):
     KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     max_batch_size: int
     max_sequence_length: int
     attention_mechanisms: _containers.RepeatedScalarFieldContainer[AttentionType]
@@ -600,7 +603,10 @@ class ExecutorCapabilities(_message.Message):
     kv_block_size: int
     kv_total_blocks: int
     limits: ServiceLimits
-    def __init__(self, max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., attention_mechanisms: _Optional[_Iterable[_Union[AttentionType, str]]] = ..., supports_dynamic_batching: _Optional[bool] = ..., supports_continuous_batching: _Optional[bool] = ..., supports_speculative_decoding: _Optional[bool] = ..., supports_tensor_parallelism: _Optional[bool] = ..., supports_pipeline_parallelism: _Optional[bool] = ..., supported_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., supported_devices: _Optional[_Iterable[_Union[DeviceType, str]]] = ..., memory_requirements: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., kv_capacity: _Optional[int] = ..., supports_native_unified_decode: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., limits: _Optional[_Union[ServiceLimits, _Mapping]] = ...) -> None: ...
+    supports_prefix_caching: bool
+    max_lora_adapters: int
+    max_lora_rank: int
+    def __init__(self, max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., attention_mechanisms: _Optional[_Iterable[_Union[AttentionType, str]]] = ..., supports_dynamic_batching: _Optional[bool] = ..., supports_continuous_batching: _Optional[bool] = ..., supports_speculative_decoding: _Optional[bool] = ..., supports_tensor_parallelism: _Optional[bool] = ..., supports_pipeline_parallelism: _Optional[bool] = ..., supported_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., supported_devices: _Optional[_Iterable[_Union[DeviceType, str]]] = ..., memory_requirements: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., kv_capacity: _Optional[int] = ..., supports_native_unified_decode: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., limits: _Optional[_Union[ServiceLimits, _Mapping]] = ..., supports_prefix_caching: _Optional[bool] = ..., max_lora_adapters: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
 
 class GetCapabilitiesRequest(_message.Message):
     __slots__ = ()
@@ -627,7 +633,7 @@ class MemoryUsage(_message.Message):
     def __init__(self, allocated_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., utilization_percent: _Optional[float] = ...) -> None: ...
 
 class KvPoolStatus(_message.Message):
-    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "block_size", "active_caches", "block_allocations", "allocation_failures", "leases_expired")
+    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "block_size", "active_caches", "block_allocations", "allocation_failures", "leases_expired", "cached_blocks")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -636,6 +642,7 @@ class KvPoolStatus(_message.Message):
     BLOCK_ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     ALLOCATION_FAILURES_FIELD_NUMBER: _ClassVar[int]
     LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     used_blocks: int
     free_blocks: int
@@ -644,7 +651,8 @@ class KvPoolStatus(_message.Message):
     block_allocations: int
     allocation_failures: int
     leases_expired: int
-    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., active_caches: _Optional[int] = ..., block_allocations: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., leases_expired: _Optional[int] = ...) -> None: ...
+    cached_blocks: int
+    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., active_caches: _Optional[int] = ..., block_allocations: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., leases_expired: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class ExecutorStatus(_message.Message):
     __slots__ = ("state", "is_ready", "current_batch_size", "prefill_operations", "decode_operations", "avg_prefill_time_ms", "avg_decode_time_ms", "memory_usage", "last_operation", "kv_pool")
@@ -807,6 +815,82 @@ class GetLoraMetricsResponse(_message.Message):
     metrics: LoraMetrics
     timing: CallTiming
     def __init__(self, metrics: _Optional[_Union[LoraMetrics, _Mapping]] = ..., timing: _Optional[_Union[CallTiming, _Mapping]] = ...) -> None: ...
+
+class LoraAdapterInfo(_message.Message):
+    __slots__ = ("name", "rank", "alpha", "scaling", "target_modules", "source", "num_parameters", "bytes", "bound_caches", "loaded_at")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    SCALING_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BOUND_CACHES_FIELD_NUMBER: _ClassVar[int]
+    LOADED_AT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rank: int
+    alpha: float
+    scaling: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    source: str
+    num_parameters: int
+    bytes: int
+    bound_caches: int
+    loaded_at: _timestamp_pb2.Timestamp
+    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., scaling: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., num_parameters: _Optional[int] = ..., bytes: _Optional[int] = ..., bound_caches: _Optional[int] = ..., loaded_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class InlineLoraAdapter(_message.Message):
+    __slots__ = ("adapter_config_json", "adapter_model_safetensors")
+    ADAPTER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_MODEL_SAFETENSORS_FIELD_NUMBER: _ClassVar[int]
+    adapter_config_json: bytes
+    adapter_model_safetensors: bytes
+    def __init__(self, adapter_config_json: _Optional[bytes] = ..., adapter_model_safetensors: _Optional[bytes] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name", "path", "inline")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    INLINE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    inline: InlineLoraAdapter
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., inline: _Optional[_Union[InlineLoraAdapter, _Mapping]] = ...) -> None: ...
+
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("adapter", "timing")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapterInfo
+    timing: CallTiming
+    def __init__(self, adapter: _Optional[_Union[LoraAdapterInfo, _Mapping]] = ..., timing: _Optional[_Union[CallTiming, _Mapping]] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterResponse(_message.Message):
+    __slots__ = ("adapter", "timing")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapterInfo
+    timing: CallTiming
+    def __init__(self, adapter: _Optional[_Union[LoraAdapterInfo, _Mapping]] = ..., timing: _Optional[_Union[CallTiming, _Mapping]] = ...) -> None: ...
+
+class ListLoraAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLoraAdaptersResponse(_message.Message):
+    __slots__ = ("adapters", "timing")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
+    timing: CallTiming
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., timing: _Optional[_Union[CallTiming, _Mapping]] = ...) -> None: ...
 
 class WarmupRequest(_message.Message):
     __slots__ = ()

@@ -121,6 +121,21 @@ class ModelExecutorServiceStub:
                 request_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.StepSessionRequest.SerializeToString,
                 response_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.StepSessionResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/modelexec.v1.ModelExecutorService/LoadLoraAdapter',
+                request_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/modelexec.v1.ModelExecutorService/UnloadLoraAdapter',
+                request_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/modelexec.v1.ModelExecutorService/ListLoraAdapters',
+                request_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class ModelExecutorServiceServicer:
@@ -255,6 +270,31 @@ class ModelExecutorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoadLoraAdapter loads a LoRA adapter in PEFT's layout, from a directory under the
+        server's adapter directory or from files sent inline. Requests then name it in their
+        metadata ("ferrum_lora_adapter"). ALREADY_EXISTS when the name is taken; adapters
+        whose rank or target modules do not fit the model get INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """UnloadLoraAdapter unloads an adapter. NOT_FOUND when it is not loaded;
+        FAILED_PRECONDITION while live caches are bound to it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """ListLoraAdapters lists the adapters loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelExecutorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -342,6 +382,21 @@ def add_ModelExecutorServiceServicer_to_server(servicer, server):
                     servicer.StepSession,
                     request_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.StepSessionRequest.FromString,
                     response_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.StepSessionResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -805,6 +860,87 @@ class ModelExecutorService:
             '/modelexec.v1.ModelExecutorService/StepSession',
             generated_dot_modelexec_dot_v1_dot_executor__pb2.StepSessionRequest.SerializeToString,
             generated_dot_modelexec_dot_v1_dot_executor__pb2.StepSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/modelexec.v1.ModelExecutorService/LoadLoraAdapter',
+            generated_dot_modelexec_dot_v1_dot_executor__pb2.LoadLoraAdapterRequest.SerializeToString,
+            generated_dot_modelexec_dot_v1_dot_executor__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/modelexec.v1.ModelExecutorService/UnloadLoraAdapter',
+            generated_dot_modelexec_dot_v1_dot_executor__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            generated_dot_modelexec_dot_v1_dot_executor__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/modelexec.v1.ModelExecutorService/ListLoraAdapters',
+            generated_dot_modelexec_dot_v1_dot_executor__pb2.ListLoraAdaptersRequest.SerializeToString,
+            generated_dot_modelexec_dot_v1_dot_executor__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

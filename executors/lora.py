@@ -1,0 +1,358 @@
+"""LoRA adapters in PEFT's layout, applied per row of a flat batch (multi-LoRA).
+
+One base model serves many fine-tunes: a step's flat batch mixes sequences of several
+adapters and of none, and every adapted projection adds, for the rows of each adapter,
+the low-rank delta (x @ A.T) @ B_scaled.T to the base output. That is what PEFT's
+lora.Linear adds in eval mode (dropout is the identity then), with its scaling (alpha / r,
+or alpha / sqrt(r) with use_rslora) folded into B once at load instead of once per call.
+
+Adapters are read from a `save_pretrained` directory or from uploaded bytes and checked
+once, at load, against the model: anything PEFT would compute differently from that plain
+delta on q/k/v/o/gate/up/down (DoRA and the other variants, trained biases, fully trained
+extra modules, per-module rank or alpha patterns...) is refused with a LoraAdapterError
+naming it, rather than served wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
+from executors.models.config import DecoderConfig
+
+
+class LoraAdapterError(ValueError):
+    """An adapter refused at load; the message says precisely what does not fit (module, layer, shape, rank...)."""
+
+
+Refuse = Callable[[str], LoraAdapterError]  # a problem -> the error that names the adapter
+
+
+# The adaptable projections and the submodule of a decoder layer that holds each
+# (Hugging Face names, which PEFT's tensor names and target_modules use).
+MODULE_PARENTS = {
+    "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+    "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+}
+TENSOR_PREFIX = "base_model.model."  # PeftModel wrapping the CausalLM, as save_pretrained names tensors
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight")
+CONFIG_FILE, WEIGHTS_FILE, PICKLE_FILE = "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"
+
+# Options under which PEFT computes something other than the plain delta on the seven
+# projections (a variant's forward, other modules changed, per-module ranks...): refused.
+UNSUPPORTED_OPTIONS = {
+    "use_dora": "DoRA (use_dora)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "arrow_config": "Arrow routing (arrow_config)",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora)",
+    "velora_config": "VeLoRA (velora_config)",
+    "monteclora_config": "MonteCLoRA (monteclora_config)",
+    "kasa_config": "KaSA (kasa_config)",
+    "lora_bias": "a bias on lora_B (lora_bias)",
+    "fan_in_fan_out": "fan_in_fan_out (transposed, Conv1D-style weights)",
+    "modules_to_save": "modules_to_save (fully trained copies of other modules)",
+    "trainable_token_indices": "trainable_token_indices (retrained embedding rows)",
+    "layer_replication": "layer_replication (a rearranged layer stack)",
+    "target_parameters": "target_parameters (LoRA on bare parameters)",
+    "rank_pattern": "per-module ranks (rank_pattern)",
+    "alpha_pattern": "per-module alphas (alpha_pattern)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LoraTargets:
+    """What a model offers to adapters: its layer count and each projection's (in_features, out_features)."""
+
+    num_layers: int
+    shapes: dict[str, tuple[int, int]]  # "q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"
+
+    @classmethod
+    def from_config(cls, config: DecoderConfig) -> LoraTargets:
+        hidden, inter = config.hidden_size, config.intermediate_size
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        return cls(config.num_layers, {
+            "q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
+        })
+
+
+@dataclass(slots=True)
+class LoraAdapter:
+    name: str
+    key: str  # unique per load (e.g. f"{name}@{serial}"), used to tell KV computed under different loads apart
+    rank: int  # largest r over its modules
+    alpha: float
+    target_modules: tuple[str, ...]  # sorted
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, module) -> (A [r, in], B_scaled [out, r])
+    scaling: float  # alpha / r, or alpha / sqrt(r) with use_rslora
+    num_parameters: int
+    nbytes: int
+    source: str  # directory path, or "inline"
+
+
+def read_peft_dir(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """adapter_config.json + adapter_model.safetensors of a PEFT save_pretrained directory."""
+    path = Path(path)
+    if not path.is_dir():
+        raise LoraAdapterError(f"{path}: not a directory (expected a PEFT save_pretrained directory)")
+    config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
+    if not config_path.is_file():
+        raise LoraAdapterError(f"{path}: no {CONFIG_FILE}")
+    if not weights_path.is_file():
+        if (path / PICKLE_FILE).is_file():
+            # A pickle can run code when loaded; PEFT has saved safetensors by default for years.
+            raise LoraAdapterError(f"{path}: only {PICKLE_FILE} (a pickle), which is never loaded; "
+                                   f"re-save the adapter with safe_serialization=True to get {WEIGHTS_FILE}")
+        raise LoraAdapterError(f"{path}: no {WEIGHTS_FILE}")
+    return read_peft_bytes(config_path.read_bytes(), weights_path.read_bytes())
+
+
+def read_peft_bytes(config_json: bytes, safetensors_bytes: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The same from in-memory bytes (an adapter uploaded over gRPC)."""
+    try:
+        config = json.loads(config_json)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoraAdapterError(f"{CONFIG_FILE} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise LoraAdapterError(f"{CONFIG_FILE} is not a JSON object but {type(config).__name__}")
+    try:
+        tensors = load_safetensors(safetensors_bytes)
+    except SafetensorError as e:
+        raise LoraAdapterError(f"{WEIGHTS_FILE} is not a valid safetensors file: {e}") from None
+    return config, tensors
+
+
+def build_adapter(name: str, key: str, config: dict, tensors: dict[str, torch.Tensor], targets: LoraTargets,
+                  *, dtype: torch.dtype, device: str | torch.device, max_rank: int, source: str) -> LoraAdapter:
+    """Validate an adapter against the model and convert it (weights in the model's dtype and device)."""
+    def refuse(problem: str) -> LoraAdapterError:
+        return LoraAdapterError(f"adapter {name!r}: {problem}")
+
+    if config.get("peft_type") != "LORA":
+        raise refuse(f"peft_type is {config.get('peft_type')!r}, only 'LORA' adapters are supported")
+    for option, what in UNSUPPORTED_OPTIONS.items():
+        if config.get(option):
+            raise refuse(f"{what} is not supported; only plain LoRA on {_supported(targets)}")
+    if config.get("bias", "none") != "none":
+        raise refuse(f"bias={config['bias']!r} (trained base biases) is not supported; only bias='none'")
+    rank, alpha = config.get("r", 8), config.get("lora_alpha", 8)  # PEFT's LoraConfig defaults
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise refuse(f"r={rank!r}: the rank must be a positive integer")
+    if rank > max_rank:
+        raise refuse(f"r={rank} exceeds this executor's max_rank {max_rank}")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+        raise refuse(f"lora_alpha={alpha!r} is not a number")
+
+    expected = _targeted(config, targets, refuse)
+    pairs = _pairs(tensors, targets, refuse)
+    undeclared = sorted(set(pairs) - expected)
+    if undeclared:
+        raise refuse(f"has tensors for {_where(undeclared)}, which its target_modules "
+                     f"{config.get('target_modules')!r} (with layers_to_transform/exclude_modules) do not target")
+    missing = sorted(expected - set(pairs))
+    if missing:
+        absent = sorted({m for _, m in expected} - {m for _, m in pairs})
+        if absent:
+            raise refuse(f"has no tensors at all for declared target {', '.join(absent)}")
+        raise refuse(f"has no tensors for {_where(missing)}, which its target_modules target")
+
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), ab in sorted(pairs.items()):
+        for half in "AB":
+            if half not in ab:
+                raise refuse(f"incomplete pair: {_tensor_name(layer, module, half)} is missing "
+                             f"(its lora_{'B' if half == 'A' else 'A'} is present)")
+        in_features, out_features = targets.shapes[module]
+        for half, shape in (("A", (rank, in_features)), ("B", (out_features, rank))):
+            got = tuple(ab[half].shape)
+            if got != shape:
+                raise refuse(f"tensor {_tensor_name(layer, module, half)} has shape {got}, expected {shape} "
+                             f"(r={rank}, {module} maps {in_features} -> {out_features} features)")
+        # B times the scaling in float32, then one rounding to the model's dtype.
+        b_scaled = ab["B"].to(device=device, dtype=torch.float32) * scaling
+        weights[(layer, module)] = (ab["A"].to(device=device, dtype=dtype), b_scaled.to(dtype))
+    flat = [t for pair in weights.values() for t in pair]
+    return LoraAdapter(
+        name=name, key=key, rank=rank, alpha=float(alpha),
+        target_modules=tuple(sorted({m for _, m in weights})),
+        weights=weights, scaling=scaling,
+        num_parameters=sum(t.numel() for t in flat),
+        nbytes=sum(t.numel() * t.element_size() for t in flat),
+        source=source,
+    )
+
+
+def _supported(targets: LoraTargets) -> str:
+    return ", ".join(targets.shapes)
+
+
+def _module_path(layer: int, module: str) -> str:
+    return f"model.layers.{layer}.{MODULE_PARENTS[module]}.{module}"
+
+
+def _tensor_name(layer: int, module: str, half: str) -> str:
+    return f"{TENSOR_PREFIX}{_module_path(layer, module)}.lora_{half}.weight"
+
+
+def _where(pairs: list[tuple[int, str]]) -> str:
+    shown = ", ".join(f"layer {layer} {module}" for layer, module in pairs[:6])
+    return shown + (f" and {len(pairs) - 6} more" if len(pairs) > 6 else "")
+
+
+def _targeted(config: dict, targets: LoraTargets, refuse: Refuse) -> set[tuple[int, str]]:
+    """The (layer, module) pairs the config targets, resolved against the model's module paths
+    the way PEFT's check_target_module_exists resolves them against the base model's."""
+    paths = {_module_path(layer, module): (layer, module)
+             for layer in range(targets.num_layers) for module in targets.shapes}
+    declared = config.get("target_modules")
+    if isinstance(declared, str):
+        if declared.lower() == "all-linear":  # PEFT's shorthand: every linear layer but the output head
+            chosen = set(paths)
+        else:
+            try:
+                chosen = {p for p in paths if re.fullmatch(declared, p)}
+            except re.error as e:
+                raise refuse(f"target_modules {declared!r} is not a valid regular expression: {e}") from None
+            if not chosen:
+                raise refuse(f"target_modules regex {declared!r} matches none of the model's projections "
+                             f"(module paths like {_module_path(0, 'q_proj')}; supported: {_supported(targets)})")
+        # PEFT ignores layers_to_transform when target_modules is a regex: the regex says it all.
+    elif isinstance(declared, list | tuple) and declared and all(isinstance(t, str) for t in declared):
+        chosen = set()
+        for target in declared:
+            matched = {p for p in paths if p == target or p.endswith(f".{target}")}
+            if not matched:
+                raise refuse(f"target module {target!r} is not one this executor can adapt; "
+                             f"supported: {_supported(targets)}")
+            chosen |= matched
+        chosen = _restrict_layers(chosen, config, paths, refuse)
+    else:
+        raise refuse(f"target_modules must be a non-empty list of module names or a regex string, "
+                     f"not {declared!r}")
+    excluded = config.get("exclude_modules")
+    if excluded:
+        if isinstance(excluded, str):
+            chosen = {p for p in chosen if not re.fullmatch(excluded, p)}
+        else:
+            chosen = {p for p in chosen if p not in excluded and not any(p.endswith(f".{e}") for e in excluded)}
+    if not chosen:
+        raise refuse("targets none of the model's projections once layers_to_transform/exclude_modules apply")
+    return {paths[p] for p in chosen}
+
+
+def _restrict_layers(chosen: set[str], config: dict, paths: dict[str, tuple[int, str]], refuse: Refuse) -> set[str]:
+    """PEFT's layers_to_transform (an index or a list) and layers_pattern, for list target_modules."""
+    layers = config.get("layers_to_transform")
+    if layers is None or layers == []:
+        return chosen
+    pattern = config.get("layers_pattern")
+    patterns = [pattern] if isinstance(pattern, str) else list(pattern or [])
+    if patterns and "layers" not in patterns:
+        # PEFT would find no layer index under these names and adapt nothing.
+        raise refuse(f"layers_pattern {pattern!r} does not name this model's layer list ('layers')")
+    wanted = {layers} if isinstance(layers, int) else set(layers)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in wanted):
+        raise refuse(f"layers_to_transform {layers!r} must be a layer index or a list of them")
+    return {p for p in chosen if paths[p][0] in wanted}
+
+
+def _pairs(tensors: dict[str, torch.Tensor], targets: LoraTargets,
+           refuse: Refuse) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """PEFT tensor names -> {(layer, module): {"A": tensor, "B": tensor}}, refusing any other tensor."""
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for tensor_name, tensor in tensors.items():
+        found = None
+        if tensor_name.startswith(TENSOR_PREFIX):
+            found = _LAYER_TENSOR.fullmatch(tensor_name[len(TENSOR_PREFIX):])
+        if found is None:
+            raise refuse(_unexpected_tensor(tensor_name, targets))
+        layer, parent, module, half = int(found[1]), found[2], found[3], found[4]
+        if module not in targets.shapes:
+            raise refuse(f"tensor {tensor_name} targets module {module!r}, which this executor cannot adapt; "
+                         f"supported: {_supported(targets)}")
+        if parent != MODULE_PARENTS[module]:
+            raise refuse(f"tensor {tensor_name}: the model has no {parent}.{module} "
+                         f"({module} is under {MODULE_PARENTS[module]})")
+        if layer >= targets.num_layers:
+            raise refuse(f"tensor {tensor_name}: layer {layer} is out of range (the model has "
+                         f"{targets.num_layers} layers, 0..{targets.num_layers - 1})")
+        pairs.setdefault((layer, module), {})[half] = tensor
+    if not pairs:
+        raise refuse("has no LoRA tensors")
+    return pairs
+
+
+def _unexpected_tensor(tensor_name: str, targets: LoraTargets) -> str:
+    """Why a tensor outside the decoder layers' lora_A/lora_B weights is refused, as precisely as its name allows."""
+    path, lora_part, rest = tensor_name.removeprefix(TENSOR_PREFIX).partition(".lora_")
+    if not lora_part:
+        return (f"tensor {tensor_name} is not a LoRA weight (a fully trained base tensor: modules_to_save "
+                f"or bias training?); only lora_A/lora_B weights are supported")
+    module = path.rsplit(".", 1)[-1]
+    if module in targets.shapes and rest.endswith(".bias"):
+        return f"tensor {tensor_name} is a LoRA bias (lora_bias), which is not supported"
+    return (f"tensor {tensor_name} targets module {module!r}, which this executor cannot adapt; "
+            f"supported: {_supported(targets)}")
+
+
+@dataclass(slots=True)
+class _Group:
+    """One adapter's rows of the flat batch: a slice when contiguous (views, no gather), else indices."""
+
+    adapter: LoraAdapter
+    rows: slice | torch.Tensor
+
+
+class LoraBatch:
+    """Which rows of a flat batch use which adapter, built once per step and used by every layer."""
+
+    __slots__ = ("applications", "groups")
+
+    def __init__(self, groups: list[_Group]) -> None:
+        self.groups = groups
+        self.applications = 0  # (adapter, layer, module) deltas applied by this batch so far
+
+    @staticmethod
+    def build(row_ranges: Sequence[tuple[int, int, LoraAdapter | None]], num_rows: int, device) -> LoraBatch | None:
+        """row_ranges: (first_row, row_count, adapter or None) per sequence of the flat batch. None when no row has an adapter."""
+        by_key: dict[str, tuple[LoraAdapter, list[tuple[int, int]]]] = {}
+        for first, count, adapter in row_ranges:
+            if adapter is not None and count > 0:
+                by_key.setdefault(adapter.key, (adapter, []))[1].append((first, count))
+        if not by_key:
+            return None
+        groups = []
+        for adapter, ranges in by_key.values():
+            ranges.sort()
+            if all(a + n == b for (a, n), (b, _) in pairwise(ranges)):
+                rows = slice(ranges[0][0], ranges[-1][0] + ranges[-1][1])  # the whole batch, or one run of it
+            else:
+                rows = torch.tensor([r for a, n in ranges for r in range(a, a + n)], device=device)
+            groups.append(_Group(adapter, rows))
+        return LoraBatch(groups)
+
+    def apply(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out += (x[rows] @ A.T) @ B_scaled.T for the rows of each adapter that targets (layer, module).
+
+        x is [M, in]; out is [M, out], possibly a column slice (a view) of a fused output: added in place."""
+        for group in self.groups:
+            pair = group.adapter.weights.get((layer, module))
+            if pair is None:
+                continue
+            a, b_scaled = pair
+            rows = group.rows
+            if isinstance(rows, slice):
+                out[rows].addmm_(x[rows] @ a.t(), b_scaled.t())
+            else:
+                out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b_scaled.t())
+            self.applications += 1
