@@ -29,6 +29,7 @@ import grpc
 from executors.identity import current_identity
 from service.config import ServeConfig
 from service.errors import StatusError, rich_status
+from service.handlers import Handler, wrap_handler
 
 DEFAULT_IDENTITY = "default"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -129,23 +130,6 @@ def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> bytes | None:
 
 
 # -- the interceptor -----------------------------------------------------------------------
-Handler = grpc.RpcMethodHandler
-
-
-def wrap_handler(handler: Handler, around: Callable[[Any], Any], request_deserializer: Any = ...) -> Handler:
-    """The same kind of handler, its behaviour function replaced by `around(behaviour)`."""
-    deserializer = handler.request_deserializer if request_deserializer is ... else request_deserializer
-    for kind, factory in (("unary_unary", grpc.unary_unary_rpc_method_handler),
-                          ("unary_stream", grpc.unary_stream_rpc_method_handler),
-                          ("stream_unary", grpc.stream_unary_rpc_method_handler),
-                          ("stream_stream", grpc.stream_stream_rpc_method_handler)):
-        behaviour = getattr(handler, kind)
-        if behaviour is not None:
-            return factory(around(behaviour), request_deserializer=deserializer,
-                           response_serializer=handler.response_serializer)
-    return handler
-
-
 def with_setup(behaviour: Any, setup: Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]) -> Any:
     """`behaviour` preceded by `await setup(request_or_iterator, context)` in the handler's own task."""
     if inspect.isasyncgenfunction(behaviour):

@@ -22,6 +22,7 @@ from grpc_status import rpc_status
 
 import kvcache
 from executors import errors as ex
+from service.handlers import WrappedHandlers
 
 log = logging.getLogger(__name__)
 DOMAIN = "modelexec.v1"
@@ -164,17 +165,24 @@ def _guarded_stream(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every unary handler of ModelExecutorService with the exception mapping."""
 
+    def __init__(self) -> None:
+        self.handlers = WrappedHandlers(self._wrap)
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is not None and not details.method.startswith(SERVICE_PREFIX):
+        return handler if handler is None else self.handlers.get(details.method, handler)
+
+    @staticmethod
+    def _wrap(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        if not method.startswith(SERVICE_PREFIX):
             return _refusing_undecodable(handler)
-        if handler is not None and handler.stream_stream is not None:
+        if handler.stream_stream is not None:
             return _guarded_stream(handler)
-        if handler is None or handler.unary_unary is None:
+        if handler.unary_unary is None:
             return handler
         inner = handler.unary_unary
 

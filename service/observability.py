@@ -47,7 +47,7 @@ from prometheus_client.registry import Collector
 
 from executors.base import ModelExecutor
 from executors.identity import current_identity
-from service.auth import wrap_handler
+from service.handlers import WrappedHandlers, wrap_handler
 
 REQUEST_ID = "x-request-id"
 _VALID_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
@@ -234,6 +234,7 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self.metrics = metrics
+        self.handlers = WrappedHandlers(self._wrap)
 
     async def intercept_service(
         self,
@@ -241,10 +242,9 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None:
-            return handler
-        method = details.method
-        rid = request_id(details.invocation_metadata)
+        return handler if handler is None else self.handlers.get(details.method, handler)
+
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         work = method.removeprefix(SERVICE_PREFIX) if method.startswith(SERVICE_PREFIX) else None
         step_work = STREAMED_STEPS.get(work) if handler.stream_stream is not None else None
 
@@ -252,6 +252,7 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
             if inspect.isasyncgenfunction(behaviour):
                 async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
                     started = self._begin()
+                    rid = request_id(context.invocation_metadata())
                     error: BaseException | None = None
                     try:
                         await context.send_initial_metadata(((REQUEST_ID, rid),))
@@ -276,6 +277,7 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
 
             async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 started = self._begin()
+                rid = request_id(context.invocation_metadata())
                 error: BaseException | None = None
                 try:
                     await context.send_initial_metadata(((REQUEST_ID, rid),))
