@@ -52,6 +52,11 @@ class LoraRegistry:
     def __len__(self) -> int:
         return len(self._adapters)
 
+    @property
+    def nbytes(self) -> int:
+        """Device memory held by the loaded adapters' weights."""
+        return sum(x.adapter.nbytes for x in list(self._adapters.values()))
+
     def get(self, name: str, where: str) -> LoraAdapter:
         loaded = self._adapters.get(name)
         if loaded is None:

@@ -109,6 +109,11 @@ def metadata(fields: Any, where: str) -> dict[str, Any]:
     if values.get("ferrum_lora_adapter") == "":
         raise InvalidParameter(f"{where}['ferrum_lora_adapter'] must name a loaded adapter, got ''",
                                field=f"{where}.ferrum_lora_adapter")
+    # ferrum sends the adapter's name and path together; adapters are loaded by name here
+    # (LoadLoraAdapter, --lora-dir), so a path alone names nothing.
+    if "ferrum_lora_path" in values and "ferrum_lora_adapter" not in values:
+        raise InvalidParameter(f"{where}['ferrum_lora_path'] needs ferrum_lora_adapter, the loaded adapter's name",
+                               field=f"{where}.ferrum_lora_path")
     return values
 
 

@@ -226,10 +226,12 @@ def test_server_still_serves_and_pool_is_exact_after_all_that(client):
         ({"ferrum_kv_capacity_hint": -3}, "input.metadata.ferrum_kv_capacity_hint"),
         ({"ferrum_kv_capacity_hint": 2.5}, "input.metadata.ferrum_kv_capacity_hint"),
         ({"ferrum_lora_adapter": ""}, "input.metadata.ferrum_lora_adapter"),
+        ({"ferrum_lora_path": "/adapters/a"}, "input.metadata.ferrum_lora_path"),
         ({f"k{i}": i for i in range(65)}, "input.metadata"),
         ({"x" * 129: 1}, "input.metadata"),
     ],
-    ids=["bool_as_string", "negative_hint", "fractional_hint", "lora_empty_name", "too_many", "long_key"],
+    ids=["bool_as_string", "negative_hint", "fractional_hint", "lora_empty_name", "lora_path_alone", "too_many",
+         "long_key"],
 )
 def test_metadata_types_are_checked(client, meta, field):
     err = expect(C.INVALID_ARGUMENT, client.prefill, PrefillInput([1], metadata=meta))

@@ -122,12 +122,17 @@ def _metadata(values: dict) -> dict:
     return convert.metadata(msg.metadata, "input.metadata")
 
 
-def test_adapter_name_alone_is_accepted_and_an_empty_one_refused():
+def test_adapter_name_alone_is_accepted_and_an_empty_one_or_a_bare_path_refused():
     assert _metadata({"ferrum_lora_adapter": "a"}) == {"ferrum_lora_adapter": "a"}
-    assert _metadata({"ferrum_lora_path": "p"}) == {"ferrum_lora_path": "p"}
+    both = {"ferrum_lora_adapter": "a", "ferrum_lora_path": "p"}
+    assert _metadata(both) == both
     with pytest.raises(InvalidParameter) as info:
         _metadata({"ferrum_lora_adapter": ""})
     assert info.value.field == "input.metadata.ferrum_lora_adapter"
+    # A path without a name would silently run on the base model.
+    with pytest.raises(InvalidParameter) as info:
+        _metadata({"ferrum_lora_path": "p"})
+    assert info.value.field == "input.metadata.ferrum_lora_path"
 
 
 def test_a_request_naming_an_unknown_adapter_gets_not_found(client):

@@ -172,8 +172,10 @@ def test_load_unload_cycle_and_refusals_at_load(served, tmp_path):
     from peft import LoraConfig, get_peft_model
 
     c = served.client
+    allocated = c.status().memory_usage.allocated_bytes
     info = c.unload_lora_adapter("narrow")
     assert info.name == "narrow" and info.rank == 4 and info.source == "inline"
+    assert c.status().memory_usage.allocated_bytes == allocated - info.bytes > 0
     # Rank 16 > --max-lora-rank 8.
     big = get_peft_model(build("qwen3", tmp_path / "m"), LoraConfig(r=16, target_modules=["q_proj"]))
     big.save_pretrained(tmp_path / "big")
