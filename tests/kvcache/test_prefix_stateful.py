@@ -1,0 +1,148 @@
+"""Prefix reuse under random prefills, appends, truncations and releases, against a simulated pool.
+
+The machine drives KvCacheManager the way the executor does (match_prefix, extend with
+copy-on-write, write the K/V of the computed tokens, commit; truncate back on failure) and
+keeps what every pool slot holds. After each step every cache must read back exactly its
+own tokens through its block table, and every named block must hold the tokens its name
+says: a reused block with the wrong K/V, a write that leaks into a sharer, or a name that
+outlives its contents all fail here. A three-token alphabet makes shared prefixes common.
+"""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvcache import KvCacheExhausted, KvCacheManager
+
+NUM_BLOCKS = 16
+BLOCK_SIZE = 4
+TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=18)
+INDEX = st.integers(0, 63)
+
+
+class PrefixMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = KvCacheManager(NUM_BLOCKS, BLOCK_SIZE)
+        self.slots: dict[int, tuple[str, int]] = {}  # flat slot -> (namespace, token) whose K/V it holds
+        self.model: dict[str, list[int]] = {}  # live cache -> its tokens
+        self.namespace: dict[str, str] = {}
+        self.reused_total = 0
+
+    def pick(self, index: int) -> str | None:
+        ids = sorted(self.model)
+        return ids[index % len(ids)] if ids else None
+
+    def _step(self, cid: str, tokens: list[int], reuse: bool, created: bool) -> None:
+        """One prefill or append of `tokens` to cid, as KvCacheExecutor._step_now runs it."""
+        table = self.m.get(cid)
+        start = table.num_tokens
+        reused = self.m.match_prefix(cid, tokens, limit=len(tokens) - 1) if reuse else None
+        skip = reused or 0
+        try:
+            copies = self.m.extend(cid, start + len(tokens))
+        except KvCacheExhausted:
+            if created:
+                self.m.release(cid)
+                del self.namespace[cid]
+            elif table.num_tokens > start:
+                self.m.truncate(cid, start)  # drop the prefix blocks it was given
+            return
+        for src, dst in copies:  # the pool copies before the forward writes
+            for off in range(BLOCK_SIZE):
+                if src * BLOCK_SIZE + off in self.slots:
+                    self.slots[dst * BLOCK_SIZE + off] = self.slots[src * BLOCK_SIZE + off]
+        ns = self.namespace[cid]
+        for slot, tok in zip(table.slots(start + skip, start + len(tokens)), tokens[skip:], strict=True):
+            self.slots[slot] = (ns, tok)
+        self.m.commit(cid, start + skip, tokens[skip:])
+        if reused is not None:
+            self.m.record_lookup(reused)
+            self.reused_total += reused
+        self.model[cid] = self.model.get(cid, []) + tokens
+
+    @rule(tokens=TOKENS, namespace=st.sampled_from(["", "adapter-a"]))
+    def prefill(self, tokens: list[int], namespace: str) -> None:
+        cid, _ = self.m.create(namespace=namespace)
+        self.namespace[cid] = namespace
+        self._step(cid, tokens, reuse=True, created=True)
+
+    @rule(index=INDEX, keep=st.integers(1, 24), extra=st.lists(st.integers(0, 2), max_size=5),
+          rewrite=st.none() | st.tuples(st.booleans(), st.integers(1, 20), st.integers(0, 2)))
+    def fork(self, index: int, keep: int, extra: list[int], rewrite: tuple[bool, int, int] | None) -> None:
+        """A prompt that starts like a live cache, so it shares that cache's full blocks;
+        then, maybe, one of the two rolls back into a shared block and writes there."""
+        src = self.pick(index)
+        if src is None or not self.model[src][:keep] + extra:
+            return
+        cid, _ = self.m.create(namespace=self.namespace[src])
+        self.namespace[cid] = self.namespace[src]
+        self._step(cid, self.model[src][:keep] + extra, reuse=True, created=True)
+        if rewrite is not None and cid in self.model:
+            use_source, at, token = rewrite
+            target = src if use_source else cid
+            self._rewrite(target, at % (len(self.model[target]) + 1), token)
+
+    def _rewrite(self, cid: str, length: int, token: int) -> None:
+        self.m.truncate(cid, length)
+        del self.model[cid][length:]
+        self._step(cid, [token], reuse=False, created=False)
+
+    @rule(index=INDEX, back=st.integers(1, 2 * BLOCK_SIZE), token=st.integers(0, 2))
+    def rewrite(self, index: int, back: int, token: int) -> None:
+        """Roll back into a block (possibly a shared one) and write another token there."""
+        cid = self.pick(index)
+        if cid is not None:
+            self._rewrite(cid, max(0, len(self.model[cid]) - back), token)
+
+    @rule(index=INDEX, tokens=TOKENS, chunk=st.booleans())
+    def append(self, index: int, tokens: list[int], chunk: bool) -> None:
+        cid = self.pick(index)
+        if cid is not None:
+            # A prefill chunk looks the prefix cache up again; a decode step does not.
+            self._step(cid, tokens if chunk else tokens[:1], reuse=chunk, created=False)
+
+    @rule(index=INDEX, cut=st.integers(0, 20))
+    def truncate(self, index: int, cut: int) -> None:
+        cid = self.pick(index)
+        if cid is not None:
+            length = max(0, len(self.model[cid]) - cut)
+            self.m.truncate(cid, length)
+            del self.model[cid][length:]
+
+    @rule(index=INDEX)
+    def release(self, index: int) -> None:
+        cid = self.pick(index)
+        if cid is not None:
+            self.m.release(cid)
+            del self.model[cid], self.namespace[cid]
+
+    @invariant()
+    def every_cache_reads_its_own_tokens(self) -> None:
+        self.m.check_invariants()
+        assert set(self.m.cache_ids()) == set(self.model)
+        for cid, tokens in self.model.items():
+            table = self.m.get(cid)
+            assert table.num_tokens == len(tokens) and table.tokens == tokens
+            ns = self.namespace[cid]
+            assert [self.slots[s] for s in table.slots(0, len(tokens))] == [(ns, t) for t in tokens], cid
+
+    @invariant()
+    def every_named_block_holds_what_its_name_says(self) -> None:
+        a = self.m.allocator
+        for block, entry in a._entries.items():
+            held = [self.slots.get(block * BLOCK_SIZE + off) for off in range(BLOCK_SIZE)]
+            assert [tok for _, tok in held] == list(entry.tokens), block
+        assert self.m.prefix_stats().saved_tokens == self.reused_total
+        assert a.num_used == len({b for cid in self.model for b in self.m.get(cid).block_ids})
+
+    def teardown(self) -> None:
+        self.m.release_all()
+        assert self.m.allocator.num_free == NUM_BLOCKS
+        self.m.check_invariants()
+
+
+PrefixMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+TestPrefixMachine = PrefixMachine.TestCase
