@@ -10,6 +10,8 @@ Parts, on the embedded SmolLM2-135M (fixed, seeded workloads):
             (transformers `generate` with its static cache)
   gpu       bandwidth floor and a Qwen3-0.6B-shaped random model on CUDA ("skipped: no GPU" else)
   prefix    prefill of a long shared system prompt + a question, with and without a prefix-cache hit
+  lora      decode step time with no adapter, one rank-16 adapter on every row, and rows mixed over
+            four adapters and the base model (in-process)
 
 Prefix caching is off in every part but `prefix`, so repeated workloads are computed each time.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import itertools
 import json
 import os
 import platform
@@ -39,12 +42,12 @@ import numpy as np
 import torch
 
 from executors.llm import LlmExecutor, LlmExecutorConfig
-from executors.types import DecodeInput, LogitsKind, LogitsPolicy, PrefillInput
+from executors.types import DecodeInput, LogitsKind, LogitsPolicy, LoraSource, PrefillInput
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("prefill", "decode", "grpc", "hf", "gpu", "prefix")
+PARTS = ("prefill", "decode", "grpc", "hf", "gpu", "prefix", "lora")
 SYSTEM_PROMPT_LEN = 1024
 QUESTION_LEN = 32
 SEED = 1234
@@ -454,6 +457,78 @@ def bench_prefix(args, dtypes) -> list[dict]:
     return rows
 
 
+# -- (g) multi-LoRA: what adapters cost a decode step ----------------------------------------
+LORA_RANK = 16
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def random_lora_source(ex: LlmExecutor, seed: int) -> LoraSource:
+    """A rank-16 adapter on all seven projections of every layer, in PEFT's file layout."""
+    from safetensors.torch import save
+
+    from executors.lora import MODULE_PARENTS, TENSOR_PREFIX
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(ex.model_config.num_layers):
+        for module, (fan_in, fan_out) in ex.loras.targets.shapes.items():
+            path = f"{TENSOR_PREFIX}model.layers.{layer}.{MODULE_PARENTS[module]}.{module}"
+            tensors[f"{path}.lora_A.weight"] = torch.randn(LORA_RANK, fan_in, generator=gen) / fan_in ** 0.5
+            tensors[f"{path}.lora_B.weight"] = torch.randn(fan_out, LORA_RANK, generator=gen) / LORA_RANK
+    config = {"peft_type": "LORA", "r": LORA_RANK, "lora_alpha": 2 * LORA_RANK, "target_modules": list(LORA_MODULES)}
+    return LoraSource(config_json=json.dumps(config).encode(), safetensors=save(tensors))
+
+
+def bench_lora(args, dtypes) -> list[dict]:
+    """Decode steps of the same batch under three adapter mixes, interleaved, best of rounds."""
+    rows = []
+    batches = [1, 8] if args.quick else [1, 8, 32]
+    steps = 3 if args.quick else 6
+    mixes = ("base", "one adapter", "4 adapters + base")
+    for dtype in dtypes:
+        ex = executor(dtype)
+        loop = Loop()
+        loop.run(ex.warmup())
+        names = [f"bench-{i}" for i in range(4)]
+        for i, name in enumerate(names):
+            loop.run(ex.load_lora_adapter(name, random_lora_source(ex, SEED + i)))
+
+        def adapter(mix: str, row: int) -> str | None:
+            if mix == "base":
+                return None
+            if mix == "one adapter":
+                return names[0]
+            return (names + [None])[row % 5]
+
+        async def start(b: int, mix: str):
+            outs = await ex.batch_prefill([
+                PrefillInput(input_ids=p, logits_policy=ARGMAX, metadata={"ferrum_lora_adapter": adapter(mix, i)}
+                             if adapter(mix, i) else None)
+                for i, p in enumerate(prompts(b, PROMPT_LEN, ex.vocab_size))])
+            return [o.kv_cache for o in outs]
+
+        async def step(handles):
+            outs = await ex.batch_decode([DecodeInput(token_id=7, kv_cache=h, logits_policy=ARGMAX) for h in handles])
+            return [o.kv_cache for o in outs]
+
+        for b in batches:
+            handles = {mix: loop.run(start(b, mix)) for mix in mixes}
+            best = dict.fromkeys(mixes, float("inf"))
+            for _ in range(steps):  # interleaved: each round steps every mix once
+                for mix in mixes:
+                    elapsed, handles[mix] = timed(loop.run, step(handles[mix]))
+                    best[mix] = min(best[mix], elapsed)
+            for mix in mixes:
+                for h in handles[mix]:
+                    loop.run(ex.release_cache(h.cache_id))
+                rows.append({"dtype": dtype, "batch": b, "mix": mix, "rank": LORA_RANK, "step_ms": 1e3 * best[mix],
+                             "vs_base": best[mix] / best["base"]})
+            print(f"  lora {dtype} batch {b}: " + ", ".join(f"{m} {1e3 * best[m]:.1f} ms" for m in mixes), flush=True)
+        loop.close()
+        ex.worker.close()
+    return rows
+
+
 # -- report ----------------------------------------------------------------------------------
 def table(results: dict) -> str:
     out = []
@@ -490,6 +565,11 @@ def table(results: dict) -> str:
         for x in r["prefix"]:
             out.append(f"    {x['dtype']:8s} {x['system_len']}+{x['question_len']} tokens: cold {x['cold_ms']:.1f} ms, "
                        f"prefix hit {x['hit_ms']:.1f} ms ({x['reused_tokens']} tokens reused): {x['speedup']:.1f}x")
+    if "lora" in r:
+        out.append(f"(g) multi-LoRA: decode step, rank {LORA_RANK} on all seven projections (in-process, context ~128)")
+        for x in r["lora"]:
+            out.append(f"    {x['dtype']:8s} batch {x['batch']:2d} {x['mix']:18s} {x['step_ms']:8.1f} ms "
+                       f"({x['vs_base']:.2f}x base)")
     if "gpu" in r:
         out.append("(e) GPU")
         for x in r["gpu"]:
@@ -616,6 +696,8 @@ def main(argv: list[str] | None = None) -> int:
             results["results"]["hf"] = bench_hf(args, dtypes)
         elif part == "prefix":
             results["results"]["prefix"] = bench_prefix(args, dtypes)
+        elif part == "lora":
+            results["results"]["lora"] = bench_lora(args, dtypes)
         elif part == "gpu":
             results["results"]["gpu"] = bench_gpu(args)
             for x in results["results"]["gpu"]:
@@ -626,6 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     results["machine"]["loadavg_end"] = list(os.getloadavg())
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"{dt.date.today().isoformat()}-{socket.gethostname()}"
+    if not args.out and (RESULTS / f"{stem}.json").exists():  # never overwrite an earlier run of the day
+        stem = next(f"{stem}-{n}" for n in itertools.count(2) if not (RESULTS / f"{stem}-{n}.json").exists())
     out = Path(args.out) if args.out else RESULTS / f"{stem}.json"
     if not args.no_plots:
         results["plots"] = plots(results, stem)

@@ -35,10 +35,27 @@ def test_the_table_reports_every_part_and_the_targets():
         "hf": [{"skipped": "transformers is not installed"}],
         "prefix": [{"dtype": "float32", "system_len": 1024, "question_len": 32, "reused_tokens": 1024,
                     "cold_ms": 900.0, "hit_ms": 60.0, "cold_tok_s": 1173.0, "speedup": 15.0}],
+        "lora": [{"dtype": "float32", "batch": 8, "mix": "4 adapters + base", "rank": 16, "step_ms": 75.0,
+                  "vs_base": 1.25}],
         "gpu": suite.bench_gpu(SimpleNamespace(quick=True)) if not torch.cuda.is_available() else [],
     }}
     text = suite.table(results)
     assert "1.50x [target >= 2x: SHORT]" in text and "BatchDecode" in text and "ARGMAX" in text
     assert "prefix hit 60.0 ms (1024 tokens reused): 15.0x" in text
+    assert "batch  8 4 adapters + base      75.0 ms (1.25x base)" in text
     if not torch.cuda.is_available():
         assert "skipped: no GPU" in text
+
+
+def test_the_lora_part_builds_adapters_the_executor_accepts(tmp_path):
+    from executors.llm import LlmExecutor, LlmExecutorConfig
+    from tests.models.tiny_models import build
+
+    build("qwen3", tmp_path)
+    ex = LlmExecutor(LlmExecutorConfig(model_dir=str(tmp_path), num_blocks=8))
+    try:
+        adapter = ex.loras.read("bench", suite.random_lora_source(ex, seed=1))
+        assert adapter.rank == suite.LORA_RANK and adapter.target_modules == tuple(sorted(suite.LORA_MODULES))
+        assert len(adapter.weights) == 7 * ex.model_config.num_layers
+    finally:
+        ex.worker.close()
