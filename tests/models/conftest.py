@@ -1,4 +1,5 @@
-"""Fixtures shared by the real-weights tests: transformers' reading of the embedded GGUF."""
+"""Fixtures shared by the model tests: a clean pool after each test, transformers' reading of the
+embedded GGUF."""
 
 from __future__ import annotations
 
@@ -6,6 +7,21 @@ from pathlib import Path
 
 import pytest
 
+
+@pytest.fixture(autouse=True)
+def pool_is_clean(request):
+    """After each test of a module whose `served` fixture is a server with a client: every
+    test released what it made, so no cache is left, every block is free (cached prefixes
+    count as free) and no cache is bound to a LoRA adapter."""
+    yield
+    if "served" not in request.fixturenames:
+        return
+    client = getattr(request.getfixturevalue("served"), "client", None)
+    if client is not None:
+        kv = client.status().kv_pool
+        assert kv.active_caches == 0 and kv.free_blocks == kv.total_blocks, kv
+        lora = client.lora_metrics()
+        assert lora is None or lora.active_cache_bindings == 0, lora
 
 
 @pytest.fixture(scope="session")

@@ -63,13 +63,6 @@ def served(tmp_path_factory):
     s.close()
 
 
-@pytest.fixture(autouse=True)
-def pool_is_clean(request):
-    yield
-    if "served" in request.fixturenames:
-        kv = request.getfixturevalue("served").client.status().kv_pool
-        assert kv.active_caches == 0 and kv.free_blocks == kv.total_blocks
-
 
 def metrics(c: ExecutorClient):
     m = c.cache_metrics()
