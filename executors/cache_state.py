@@ -13,9 +13,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from executors.errors import PermissionDenied
+
+if TYPE_CHECKING:
+    from executors.lora import LoraAdapter
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +32,7 @@ class StepRecord:
 @dataclass(slots=True)
 class CacheState:
     owner: str | None
-    adapter: Any = None  # executors.lora.LoraAdapter | None
+    adapter: LoraAdapter | None = None
     last_used: float = field(default_factory=time.monotonic)
     last_step: StepRecord | None = None
 
@@ -39,7 +42,7 @@ class CacheRegistry:
         self._states: dict[str, CacheState] = {}
         self.leases_expired = 0
 
-    def add(self, cache_id: str, owner: str | None, adapter: Any = None) -> None:
+    def add(self, cache_id: str, owner: str | None, adapter: LoraAdapter | None = None) -> None:
         self._states[cache_id] = CacheState(owner, adapter)
 
     def adapter_bindings(self) -> dict[str, int]:

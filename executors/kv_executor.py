@@ -19,11 +19,20 @@ from dataclasses import dataclass
 
 import torch
 
+from executors.adapters import LoraRegistry
 from executors.base import ModelExecutor
 from executors.cache_state import CacheRegistry
-from executors.errors import FailedPrecondition, InvalidParameter, NotFound, OutOfRange, Unavailable, Unsupported
+from executors.errors import (
+    FailedPrecondition,
+    InvalidParameter,
+    NotFound,
+    OutOfRange,
+    Unavailable,
+    Unsupported,
+)
 from executors.identity import current_identity
 from executors.logits import apply_policies, to_host_tensor
+from executors.lora import LoraAdapter
 from executors.stats import ExecutorStats
 from executors.types import (
     FLOAT_OUTPUT_DTYPES,
@@ -54,8 +63,6 @@ from executors.types import (
     VerifyOutput,
 )
 from executors.worker import SerialWorker
-from executors.adapters import LoraRegistry
-from executors.lora import LoraAdapter
 from kvcache import BlockTable, KvCacheManager
 from kvcache.kv_pool import PagedKvPool
 
