@@ -493,17 +493,14 @@ def bench_lora(args, dtypes) -> list[dict]:
         for i, name in enumerate(names):
             loop.run(ex.load_lora_adapter(name, random_lora_source(ex, SEED + i)))
 
-        def adapter(mix: str, row: int) -> str | None:
-            if mix == "base":
-                return None
-            if mix == "one adapter":
-                return names[0]
-            return (names + [None])[row % 5]
+        def metadata(mix: str, row: int) -> dict | None:
+            """The request metadata naming row's adapter under `mix`; None for the base model."""
+            name = {"base": None, "one adapter": names[0]}.get(mix, (names + [None])[row % 5])
+            return None if name is None else {"ferrum_lora_adapter": name}
 
         async def start(b: int, mix: str):
             outs = await ex.batch_prefill([
-                PrefillInput(input_ids=p, logits_policy=ARGMAX, metadata={"ferrum_lora_adapter": adapter(mix, i)}
-                             if adapter(mix, i) else None)
+                PrefillInput(input_ids=p, logits_policy=ARGMAX, metadata=metadata(mix, i))
                 for i, p in enumerate(prompts(b, PROMPT_LEN, ex.vocab_size))])
             return [o.kv_cache for o in outs]
 
