@@ -2,8 +2,10 @@
 
 Times `executors.logits.apply_policies` on seeded float32 logits rows of SmolLM2's
 vocabulary (49152) for ARGMAX and SAMPLE (temperature 0.8 with top-p 0.95, or with
-top-k 50), at batch 1 and 32; median of --rounds. To compare with another version of the
-code, run the same command with PYTHONPATH pointing at a checkout of it.
+top-k 50), at batch 1 and 32; median of --rounds. At batch 32 it also times the rows one
+call per row, as the executor applied them (item by item) before it ran one call per step.
+To compare with another version of the code, run the same command with PYTHONPATH pointing
+at a checkout of it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ def main(argv: list[str] | None = None) -> int:
                 apply_policies(rows[:batch], [policy] * batch, list(range(batch)))
                 times.append(time.perf_counter() - started)
             print(f"{name:24s} batch {batch:2d}: {statistics.median(times) * 1e3:8.2f} ms", flush=True)
+        per_row = []
+        for _ in range(args.rounds):
+            started = time.perf_counter()
+            for r in range(32):
+                apply_policies(rows[r:r + 1], [policy], [r])
+            per_row.append(time.perf_counter() - started)
+        print(f"{name:24s} batch 32, one call per row: {statistics.median(per_row) * 1e3:8.2f} ms", flush=True)
     return 0
 
 

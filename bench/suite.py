@@ -8,7 +8,9 @@ Parts, on the embedded SmolLM2-135M (fixed, seeded workloads):
             logits policies FULL fp32, FULL bf16, ARGMAX and SAMPLE: overhead in ms and as a ratio
   hf        ours vs transformers on the same weights: prefill and decode tokens/s at batch 1, 32
             (transformers `generate` with its static cache)
-  gpu       bandwidth floor and a Qwen3-0.6B-shaped random model on CUDA ("skipped: no GPU" else)
+  gpu       on CUDA ("skipped: no GPU" else), a Qwen3-0.6B-shaped random model in bf16: decode
+            steps through sdpa, triton and triton + CUDA graphs against the bandwidth floor,
+            batch_prefill(32) vs serial, decode vs transformers on the same weights
   prefix    prefill of a long shared system prompt + a question, with and without a prefix-cache hit
   lora      decode step time with no adapter, one rank-16 adapter on every row, and rows mixed over
             four adapters and the base model (in-process)
@@ -369,13 +371,19 @@ QWEN3_06B = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidde
 
 
 def bench_gpu(args) -> list[dict]:
+    """On CUDA: the copy bandwidth (the floor), then a Qwen3-0.6B-shaped random model in bf16:
+    decode steps through sdpa, triton and triton + CUDA graphs side by side against the floor,
+    batch_prefill(32) against 32 prefills, and decode against transformers on the same weights."""
     if not torch.cuda.is_available():
         return [{"skipped": "no GPU"}]
+    import transformers
+
     from executors.models.config import DecoderConfig
     from executors.models.decoder import DecoderLM
+    from executors.models.layers import RotaryEmbedding
 
     rows = []
-    # Bandwidth floor: a device-to-device copy of 1 GiB.
+    # Bandwidth floor: a device-to-device copy of 1 GiB (read + write).
     x = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
     y = torch.empty_like(x)
     y.copy_(x)
@@ -387,37 +395,104 @@ def bench_gpu(args) -> list[dict]:
     floor = 2 * x.numel() * 4 * 10 / (time.perf_counter() - t0) / 1e9
     rows.append({"what": "copy bandwidth", "gb_s": floor, "device": torch.cuda.get_device_name(0)})
     del x, y
-    # A Qwen3-0.6B-shaped model with random weights, bf16, served by our executor.
+    # A Qwen3-0.6B-shaped model with random weights, built by transformers (the comparison)
+    # and loaded into ours: the same weights on both sides.
+    torch.manual_seed(SEED)
+    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3_06B)).to("cuda", torch.bfloat16).eval()
+    hf.generation_config.eos_token_id = None
     cfg = DecoderConfig.from_dict(QWEN3_06B)
     with torch.device("cuda"):
         model = DecoderLM(cfg).to(torch.bfloat16)
-    for p in model.parameters():
-        p.data.normal_(0, 0.02)
+    own = dict(model.named_parameters())
+    model.load_state_dict({k: v for k, v in hf.state_dict().items() if k in own}, strict=True)
+    model.rope = RotaryEmbedding(cfg).to("cuda")  # float32 tables, as the loader builds them
     model.eval()
-    ex = LlmExecutor(LlmExecutorConfig(model_dir="qwen3-0.6b-random", dtype="bfloat16", device="cuda",
-                                       num_blocks=4096, max_batch_size=64), model)
     loop = Loop()
+    reps = 6 if args.quick else 21
+    variants = [("sdpa", False), ("triton", False), ("triton", True)]
+    step_ms: dict[tuple[str, bool, int], float] = {}
+    for backend, graphs in variants:
+        ex = LlmExecutor(LlmExecutorConfig(model_dir="qwen3-0.6b-random", dtype="bfloat16", device="cuda",
+                                           num_blocks=4096, max_batch_size=64, max_sequence_length=4096,
+                                           prefix_caching=False, attention_backend=backend, cuda_graphs=graphs),
+                         model)
+        name = backend + (" + graphs" if graphs else "")
+        for b in (1, 32):
+            outs = loop.run(ex.batch_prefill([PrefillInput(input_ids=p, logits_policy=ARGMAX)
+                                              for p in prompts(b, PROMPT_LEN, cfg.vocab_size)]))
+            hs = [o.kv_cache for o in outs]
+            times = []
+            for s in range(reps):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                steps = loop.run(ex.batch_decode([DecodeInput(token_id=1, kv_cache=h, logits_policy=ARGMAX)
+                                                  for h in hs]))
+                torch.cuda.synchronize()
+                hs = [st.kv_cache for st in steps]
+                if s:
+                    times.append(time.perf_counter() - t0)
+            step = statistics.median(times)
+            step_ms[(backend, graphs, b)] = step * 1e3
+            moved = ex.parameter_bytes + b * hs[0].sequence_length * ex.pool.bytes_per_token
+            floor_ms = moved / (floor * 1e9) * 1e3
+            rows.append({"what": "qwen3-0.6b-shaped decode", "attention": name, "batch": b, "step_ms": step * 1e3,
+                         "tok_s": b / step, "bandwidth_gb_s": moved / step / 1e9, "floor_ms": floor_ms,
+                         "x_floor": step * 1e3 / floor_ms})
+            print(f"  gpu decode {name:16s} batch {b:2d}: {step * 1e3:6.2f} ms/step, {b / step:8.0f} tok/s, "
+                  f"{moved / step / 1e9:6.0f} GB/s, {step * 1e3 / floor_ms:.2f}x the floor", flush=True)
+            for h in hs:
+                loop.run(ex.release_cache(h.cache_id))
+        if backend == "triton" and graphs:
+            ps = prompts(32, PROMPT_LEN, cfg.vocab_size, SEED + 7)
+
+            async def one_call():
+                outs = await ex.batch_prefill([PrefillInput(input_ids=p, logits_policy=ARGMAX) for p in ps])
+                for o in outs:
+                    await ex.release_cache(o.kv_cache.cache_id)
+
+            async def serial():
+                for p in ps:
+                    out = await ex.prefill(PrefillInput(input_ids=p, logits_policy=ARGMAX))
+                    await ex.release_cache(out.kv_cache.cache_id)
+
+            def cuda_timed(coro_fn):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                loop.run(coro_fn())
+                torch.cuda.synchronize()
+                return time.perf_counter() - t0
+
+            cuda_timed(one_call), cuda_timed(serial)  # warm-up
+            batched = min(cuda_timed(one_call) for _ in range(3))
+            one_by_one = min(cuda_timed(serial) for _ in range(3))
+            rows.append({"what": "qwen3-0.6b-shaped batch_prefill 32x128", "batched_ms": batched * 1e3,
+                         "serial_ms": one_by_one * 1e3, "ratio": one_by_one / batched})
+            print(f"  gpu batch_prefill 32x128: {batched * 1e3:.1f} ms vs serial {one_by_one * 1e3:.1f} ms "
+                  f"({one_by_one / batched:.1f}x)", flush=True)
+        ex.worker.close()
+        ex = None  # its pool and graphs go before the next variant's
+        torch.cuda.empty_cache()
+    # transformers' generate with its static cache on the same weights: decode tokens/s.
+    new_tokens = 8 if args.quick else 32
     for b in (1, 32):
-        outs = loop.run(ex.batch_prefill([PrefillInput(input_ids=p, logits_policy=ARGMAX)
-                                          for p in prompts(b, PROMPT_LEN, cfg.vocab_size)]))
-        hs = [o.kv_cache for o in outs]
-        times = []
-        for s in range(6 if args.quick else 21):
+        ids = torch.tensor(prompts(b, PROMPT_LEN, cfg.vocab_size), device="cuda")
+
+        def gen(n):
+            with torch.inference_mode():
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=0, cache_implementation="static")
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            steps = loop.run(ex.batch_decode([DecodeInput(token_id=1, kv_cache=h, logits_policy=ARGMAX) for h in hs]))
-            torch.cuda.synchronize()
-            hs = [st.kv_cache for st in steps]
-            if s:
-                times.append(time.perf_counter() - t0)
-        step = statistics.median(times)
-        moved = ex.parameter_bytes + b * hs[0].sequence_length * ex.pool.bytes_per_token
-        rows.append({"what": "qwen3-0.6b-shaped decode", "batch": b, "step_ms": step * 1e3, "tok_s": b / step,
-                     "bandwidth_gb_s": moved / step / 1e9, "fraction_of_floor": moved / step / 1e9 / floor})
-        for h in hs:
-            loop.run(ex.release_cache(h.cache_id))
+            return out
+
+        gen(2)
+        pairs = [(timed(gen, 1)[0], timed(gen, 1 + new_tokens)[0]) for _ in range(3)]
+        hf_step = statistics.median(a - p for p, a in pairs) / new_tokens
+        ours = step_ms[("triton", True, b)] / 1e3
+        rows.append({"what": "decode vs transformers", "batch": b, "hf_step_ms": hf_step * 1e3,
+                     "ours_step_ms": ours * 1e3, "ratio": hf_step / ours})
+        print(f"  gpu decode vs transformers batch {b:2d}: {ours * 1e3:.2f} vs {hf_step * 1e3:.2f} ms/step "
+              f"({hf_step / ours:.1f}x)", flush=True)
     loop.close()
-    ex.worker.close()
     return rows
 
 

@@ -16,6 +16,7 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -98,6 +99,13 @@ class StepResult:
     created: bool = False  # this step created the cache
 
 
+class StepLogits(NamedTuple):
+    """The logits of one forward: policies then run over all of its rows at once."""
+
+    logits: torch.Tensor | None  # [rows, vocab], float32: every row some item needs
+    spans: list[tuple[int, int] | None]  # per item: (first row, rows) in logits; None for Rows.NONE
+
+
 @dataclass(slots=True)
 class StepItem:
     """One cache's share of a forward: tokens at positions start..start+len-1."""
@@ -126,13 +134,15 @@ class KvCacheExecutor(ModelExecutor):
         kv_dtype: torch.dtype = torch.float32,
         device: str = "cpu",
         prefix_caching: bool = True,
+        scratch_blocks: int = 0,
     ) -> None:
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
         self.max_batch_size = max_batch_size
         self.device = device
         self.kv = KvCacheManager(num_blocks, block_size, prefix_caching=prefix_caching)
-        self.pool = PagedKvPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_dtype, device)
+        self.pool = PagedKvPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_dtype, device,
+                                scratch_blocks)
         self.worker = SerialWorker(self.name)
         self.caches = CacheRegistry()
         self.stats = ExecutorStats()
@@ -141,11 +151,12 @@ class KvCacheExecutor(ModelExecutor):
 
     # -- the model ------------------------------------------------------------------------
     @abc.abstractmethod
-    def _forward_step(self, items: list[StepItem]) -> list[torch.Tensor | None]:
+    def _forward_step(self, items: list[StepItem]) -> StepLogits:
         """Run the items as one forward; K and V of their tokens go into the pool.
 
-        Returns per item its logits rows ([1, vocab] for Rows.LAST, [len, vocab] for
-        Rows.ALL) or None for Rows.NONE.
+        Returns the logits rows of every item that needs them, in one tensor, and per
+        item where its rows are (one for Rows.LAST, len(tokens) for Rows.ALL, None for
+        Rows.NONE).
         """
 
     @abc.abstractmethod
@@ -418,8 +429,8 @@ class KvCacheExecutor(ModelExecutor):
             work = [(s, it) for s, it in zip(specs, resolved) if isinstance(it, StepItem)]
             copies = self.kv.extend_many([(it.cache_id, it.start + len(it.tokens)) for _, it in work])
             self.pool.copy_blocks(copies)  # copy-on-write: before anything writes into them
-            rows = self._forward_step([it for _, it in work]) if work else []
-            fresh = [self._finish(s, it, r, it.cache_id in created) for (s, it), r in zip(work, rows)]
+            outputs = self._outputs(work, self._forward_step([it for _, it in work])) if work else []
+            fresh = [self._finish(it, out, it.cache_id in created) for (_, it), out in zip(work, outputs)]
         except BaseException:
             # Undo everything: caches this call created go, the others return to their
             # length before it (dropping any prefix blocks they were given).
@@ -499,14 +510,27 @@ class KvCacheExecutor(ModelExecutor):
                            "LoRA support", field=where, reason="LORA_ADAPTER_NOT_FOUND", adapter=name)
         return self.loras.get(name, where)
 
-    def _finish(self, s: ItemSpec, it: StepItem, rows: torch.Tensor | None, created: bool) -> StepResult:
-        handle = self._handle(it.cache_id)
-        if rows is None:
-            return StepResult(it.cache_id, None, handle, created)
-        # Row r predicts the token at position first_predicted + r; it seeds sampling.
-        first_predicted = it.start + len(it.tokens) - rows.shape[0] + 1
-        positions = range(first_predicted, first_predicted + rows.shape[0])
-        return StepResult(it.cache_id, apply_policies(rows, [s.policy] * rows.shape[0], positions), handle, created)
+    @staticmethod
+    def _outputs(work: list[tuple[ItemSpec, StepItem]], step: StepLogits) -> list[list[LogitsResult] | None]:
+        """Every item's logits policy over its rows, all rows at once: one argmax (or top-k,
+        or draw) over the step's rows, and one copy of the ids to the host, whatever the
+        batch size."""
+        if step.logits is None:
+            return [None] * len(work)
+        policies: list[LogitsPolicy | None] = [None] * step.logits.shape[0]
+        positions = [0] * step.logits.shape[0]
+        for (s, it), span in zip(work, step.spans):
+            if span is not None:
+                first, n = span
+                # Row r predicts the token at position first_predicted + r; it seeds sampling.
+                first_predicted = it.start + len(it.tokens) - n + 1
+                policies[first:first + n] = [s.policy] * n
+                positions[first:first + n] = range(first_predicted, first_predicted + n)
+        results = apply_policies(step.logits, policies, positions)
+        return [None if span is None else results[span[0]:span[0] + span[1]] for span in step.spans]
+
+    def _finish(self, it: StepItem, outputs: list[LogitsResult] | None, created: bool) -> StepResult:
+        return StepResult(it.cache_id, outputs, self._handle(it.cache_id), created)
 
     def _handle(self, cache_id: str) -> KvCacheHandle:
         t, p = self.kv.get(cache_id), self.pool

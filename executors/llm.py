@@ -8,13 +8,15 @@ per sequence and the lm_head run only on the rows that need logits.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from executors.adapters import LoraLimits, LoraRegistry
-from executors.kv_executor import KvCacheExecutor, Rows, StepItem
+from executors.kv_executor import KvCacheExecutor, Rows, StepItem, StepLogits
+from executors.kv_sizing import MemoryProbe, auto_num_blocks, lora_reserve_bytes
 from executors.lora import LoraBatch, LoraTargets
 from executors.models.attention import Segment, StepContext
 from executors.models.decoder import DecoderLM
@@ -37,7 +39,14 @@ class LlmExecutorConfig:
     model_dir: str
     dtype: str = "auto"  # float32, bfloat16, float16; auto: float32 on CPU, bfloat16 on CUDA
     device: str = "cpu"
-    num_blocks: int = 1024
+    # KV blocks in the pool. None ("auto"): on CUDA, sized from device memory after a warm-up
+    # forward (executors/kv_sizing.py); on CPU, 1024: host memory is shared with everything
+    # else on the machine and has no allocator to ask, so there is nothing sound to size from.
+    num_blocks: int | None = None
+    # The share of the device's total memory this process may fill with weights, activations
+    # and KV when num_blocks is auto (vLLM's gpu_memory_utilization). Memory other processes
+    # hold counts against it: the pool must fit in what is actually free.
+    kv_memory_fraction: float = 0.90
     block_size: int = 16
     max_batch_size: int = 64
     max_sequence_length: int | None = None  # default: the model's max_position_embeddings
@@ -47,12 +56,25 @@ class LlmExecutorConfig:
     lora_dir: str | None = None
     max_loras: int = 8
     max_lora_rank: int = 64
+    # Attention: "sdpa" (torch's scaled_dot_product_attention over pool views and block
+    # gathers), "triton" (paged kernels that read K and V through the block tables), or
+    # "auto": triton on CUDA when the triton package is importable, sdpa otherwise.
+    attention_backend: str = "auto"
+    # On CUDA with the triton backend: replay decode steps from CUDA graphs captured at
+    # start-up for batch-size buckets (executors/decode_graphs.py).
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1 (or None: sized automatically), got {self.num_blocks}")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.attention_backend not in ("auto", "sdpa", "triton"):
+            raise ValueError(f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}")
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras}, {self.max_lora_rank}")
         if self.lora_dir is not None and not Path(self.lora_dir).is_dir():
@@ -65,33 +87,74 @@ class LlmExecutorConfig:
         return TORCH_DTYPES[self.dtype]
 
 
+def _attention_backend(config: LlmExecutorConfig) -> str:
+    cuda = config.device.startswith("cuda")
+    if config.attention_backend == "auto":
+        return "triton" if cuda and importlib.util.find_spec("triton") is not None else "sdpa"
+    if config.attention_backend == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("attention_backend triton needs the triton package, which is not installed")
+        if not cuda:
+            from executors.models import triton_attention
+
+            if not triton_attention.interpreted():
+                raise ValueError("attention_backend triton runs on CUDA; on a CPU only in Triton's interpreter "
+                                 "(TRITON_INTERPRET=1 before triton is imported; slow, for tests)")
+    return config.attention_backend
+
+
 class LlmExecutor(KvCacheExecutor):
     name = "llm"
 
-    def __init__(self, config: LlmExecutorConfig, model: DecoderLM | None = None, *, reference: bool = False) -> None:
+    def __init__(self, config: LlmExecutorConfig, model: DecoderLM | None = None, *, reference: bool = False,
+                 memory_probe: MemoryProbe | None = None, decode_graphs: bool | None = None) -> None:
         """`reference`: run the plain reference computation (per-layer modules, per-sequence
-        slot gathers) instead of the fast path; the tests compare the two."""
+        slot gathers) instead of the fast path; the tests compare the two. `memory_probe`: what
+        sizes an auto pool (num_blocks None) instead of the CUDA allocator; tests pass a fake.
+        `decode_graphs`: None lets the config decide (CUDA graphs on CUDA with the triton
+        backend); True on a CPU runs the same fixed-shape decode step eagerly, for tests."""
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
         self.config = config
         self.reference = reference
+        self.attention_backend = _attention_backend(config)
+        cuda = config.device.startswith("cuda")
+        if decode_graphs is None:
+            decode_graphs = cuda and config.cuda_graphs and self.attention_backend == "triton" and not reference
+        if decode_graphs and self.attention_backend != "triton":
+            raise ValueError("decode graphs need the triton attention backend")
         self.model = (model or load_model(config.model_dir, config.torch_dtype, config.device)).fuse()
         mc = self.model.config
         self.model_config = mc
+        max_sequence_length = min(config.max_sequence_length or mc.max_position_embeddings, mc.max_position_embeddings)
+        num_blocks = config.num_blocks
+        if num_blocks is None:  # auto: after the weights, before the pool claims its memory
+            num_blocks = auto_num_blocks(
+                self.model, device=config.device, kv_dtype=config.torch_dtype, block_size=config.block_size,
+                max_batch_size=config.max_batch_size, max_sequence_length=max_sequence_length,
+                memory_fraction=config.kv_memory_fraction, probe=memory_probe, reference=reference,
+                reserved_bytes=lora_reserve_bytes(LoraTargets.from_config(mc), config.max_loras,
+                                                  config.max_lora_rank, config.torch_dtype))
         super().__init__(
             num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
             vocab_size=mc.vocab_size,
-            max_sequence_length=min(config.max_sequence_length or mc.max_position_embeddings,
-                                    mc.max_position_embeddings),
+            max_sequence_length=max_sequence_length,
             max_batch_size=config.max_batch_size,
-            num_blocks=config.num_blocks,
+            num_blocks=num_blocks,
             block_size=config.block_size,
             kv_dtype=config.torch_dtype,
             device=config.device,
             prefix_caching=config.prefix_caching,
+            scratch_blocks=1 if decode_graphs else 0,  # where a graph's padding rows write
         )
+        self.graphs = None
+        if decode_graphs:
+            from executors.decode_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.pool, config.max_batch_size, max_sequence_length,
+                                       capture=cuda)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self._param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.loras = LoraRegistry(LoraTargets.from_config(mc), LoraLimits(config.max_loras, config.max_lora_rank,
@@ -105,21 +168,35 @@ class LlmExecutor(KvCacheExecutor):
         return self._param_bytes + self.loras.nbytes  # base weights and the adapters loaded
 
     # -- the forward ----------------------------------------------------------------------
-    def _forward_step(self, items: list[StepItem]) -> list[torch.Tensor | None]:
+    def _forward_step(self, items: list[StepItem]) -> StepLogits:
         if any(it.adapter is not None for it in items):
             # Lay the flat batch out adapter by adapter, so each adapter's rows are one
             # contiguous run: its deltas then take two matmuls on views instead of a gather
-            # and a scatter per projection (LoraBatch). Results go back in the callers' order.
+            # and a scatter per projection (LoraBatch). Spans go back in the callers' order.
             order = sorted(range(len(items)), key=lambda i: "" if items[i].adapter is None else items[i].adapter.key)
-            out: list[torch.Tensor | None] = [None] * len(items)
-            for i, rows in zip(order, self._forward_flat([items[i] for i in order])):
-                out[i] = rows
-            return out
+            step = self._forward_flat([items[i] for i in order])
+            spans: list[tuple[int, int] | None] = [None] * len(items)
+            for i, span in zip(order, step.spans):
+                spans[i] = span
+            return StepLogits(step.logits, spans)
+        if self.graphs is not None and len(items) <= self.graphs.max_batch and all(
+                len(it.tokens) == 1 and it.start > 0 and it.rows is Rows.LAST for it in items):
+            return self._decode_graphed(items)
         return self._forward_flat(items)
 
-    def _forward_flat(self, items: list[StepItem]) -> list[torch.Tensor | None]:
+    def _decode_graphed(self, items: list[StepItem]) -> StepLogits:
+        """A decode step through the fixed-shape graphs (executors/decode_graphs.py)."""
+        logits = self.graphs.run([it.tokens[0] for it in items], [it.start for it in items],
+                                 [it.table.slots(it.start, it.start + 1)[0] for it in items],
+                                 [it.table.block_ids for it in items])
+        return StepLogits(logits, [(i, 1) for i in range(len(items))])
+
+    def _forward_flat(self, items: list[StepItem]) -> StepLogits:
         dev = self.config.device
         bs = self.pool.block_size
+        # The triton kernels never load past a sequence's length; the sdpa path reads whole
+        # blocks under a mask, so stale slots in a block's tail must be cleared for it.
+        clear_stale = self.attention_backend == "sdpa" and not self.reference
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -133,7 +210,7 @@ class LlmExecutor(KvCacheExecutor):
             positions.extend(range(start, end))
             slots.extend(it.table.slots(start, end))
             block_ids = list(it.table.block_ids)
-            if end % bs and (start == 0 or (end - 1) // bs > (start - 1) // bs):
+            if clear_stale and end % bs and (start == 0 or (end - 1) // bs > (start - 1) // bs):
                 # This step enters the block holding position end-1: clear its slots past the
                 # sequence's end, which may hold a previous owner's K/V. The fast attention
                 # reads (masked) whole blocks, and a masked NaN would still poison its row.
@@ -143,7 +220,8 @@ class LlmExecutor(KvCacheExecutor):
         lora = LoraBatch.build([(seg.q_start, seg.q_len, it.adapter) for it, seg in zip(items, segments)],
                                len(ids), dev)
         ctx = StepContext(segments, self.pool, torch.tensor(slots, device=dev), reference=self.reference,
-                          zero_slots=torch.tensor(stale, device=dev) if stale else None, lora=lora)
+                          zero_slots=torch.tensor(stale, device=dev) if stale else None, lora=lora,
+                          backend=self.attention_backend)
         hidden = self.model.hidden_states(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), ctx)
         if lora is not None:
             self.loras.projection_applications += lora.applications
@@ -158,12 +236,11 @@ class LlmExecutor(KvCacheExecutor):
             spans.append((len(rows), seg.q_start + seg.q_len - first))
             rows.extend(range(first, seg.q_start + seg.q_len))
         if not rows:
-            logits = None
-        else:
-            # Every row (decode steps): no gather.
-            picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=dev)]
-            logits = self.model.logits(picked, reference=True) if self.reference else self.model.logits(picked)
-        return [None if s is None else logits[s[0]:s[0] + s[1]] for s in spans]
+            return StepLogits(None, spans)
+        # Every row (decode steps): no gather.
+        picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=dev)]
+        logits = self.model.logits(picked, reference=True) if self.reference else self.model.logits(picked)
+        return StepLogits(logits, spans)
 
     def _forward_sequence(self, tokens: list[int], hidden: bool) -> torch.Tensor:
         dev = self.config.device

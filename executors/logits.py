@@ -105,7 +105,9 @@ def _logprob_at(x: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
 
 def _argmax(x: torch.Tensor) -> tuple[list[int], list[float]]:
     tok = torch.argmax(x, dim=-1)
-    return tok.tolist(), _logprob_at(x, tok).tolist()
+    # One copy to the host for ids and log-probabilities (ids < 2^53 are exact in float64).
+    both = torch.stack((tok.double(), _logprob_at(x, tok).double())).tolist()
+    return [int(t) for t in both[0]], both[1]
 
 
 def _top_k(x: torch.Tensor, k: int) -> list[LogitsResult]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executors.kv_executor import KvCacheExecutor, Rows, StepItem
+from executors.kv_executor import KvCacheExecutor, Rows, StepItem, StepLogits
 from executors.types import (
     AttentionType,
     DType,
@@ -97,8 +97,9 @@ class PagedAttentionExecutor(KvCacheExecutor):
         logits = torch.zeros(hidden.shape[0], self.config.vocab_size)
         return logits.index_add_(1, self.vocab_index, hidden)
 
-    def _forward_step(self, items: list[StepItem]) -> list[torch.Tensor | None]:
-        out: list[torch.Tensor | None] = []
+    def _forward_step(self, items: list[StepItem]) -> StepLogits:
+        rows: list[torch.Tensor] = []
+        spans: list[tuple[int, int] | None] = []
         for it in items:
             end = it.start + len(it.tokens)
             emb = self._embed(it.tokens)
@@ -111,10 +112,11 @@ class PagedAttentionExecutor(KvCacheExecutor):
                 hidden += self._attend(emb, k, v, it.start)
             hidden /= self.config.num_layers
             if it.rows is Rows.NONE:
-                out.append(None)
+                spans.append(None)
             else:
-                out.append(self._logits(hidden if it.rows is Rows.ALL else hidden[-1:]))
-        return out
+                rows.append(self._logits(hidden if it.rows is Rows.ALL else hidden[-1:]))
+                spans.append((sum(map(len, rows[:-1])), len(rows[-1])))
+        return StepLogits(torch.cat(rows) if rows else None, spans)
 
     def _forward_sequence(self, tokens: list[int], hidden: bool) -> torch.Tensor:
         emb = self._embed(tokens)

@@ -11,6 +11,10 @@ class PagedKvPool:
     One allocation backs all layers (k and v are views into it), so the pool's memory is
     claimed once at start-up and never fragments. Slots are flat indices
     block_id * block_size + offset, as BlockTable.slots() produces them.
+
+    `scratch_blocks` extra blocks follow the num_blocks the allocator hands out: padding
+    rows of a fixed-shape step (a CUDA graph's bucket) write their K and V there, where no
+    sequence reads. The first is `scratch_block`.
     """
 
     def __init__(
@@ -22,6 +26,7 @@ class PagedKvPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        scratch_blocks: int = 0,
     ) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -30,8 +35,9 @@ class PagedKvPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        self.scratch_block = num_blocks if scratch_blocks else None
         self._storage = torch.zeros(
-            2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+            2, num_layers, num_blocks + scratch_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
         )
         self.key = list(self._storage[0])  # key[layer]: [num_blocks, block_size, H, D]
         self.value = list(self._storage[1])

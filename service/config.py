@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 EXECUTORS = ("llm", "paged")
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 # Where the set-up (`make model`) converts the embedded SmolLM2-135M-Instruct.
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 REFLECTION_MODES = ("on", "off", "authenticated")
@@ -26,10 +27,17 @@ class ServeConfig:
     model: str = DEFAULT_MODEL_DIR
     dtype: str = "auto"
     device: str = "cpu"
-    num_blocks: int = 1024
+    # KV blocks in the pool; None: sized from free GPU memory on CUDA (after a warm-up forward,
+    # within kv_memory_fraction of the device), 1024 on CPU and for the paged executor.
+    num_blocks: int | None = None
+    kv_memory_fraction: float = 0.90
     block_size: int = 16
     # Prefills reuse the K and V of cached prompt prefixes (kvcache/manager.py).
     prefix_caching: bool = True
+    # Attention (executors/llm.py): auto is the Triton paged kernels on CUDA, torch SDPA on
+    # CPU; decode steps on CUDA replay CUDA graphs unless cuda_graphs is off.
+    attention_backend: str = "auto"
+    cuda_graphs: bool = True
     # LoRA adapters (executors/adapters.py): every subdirectory of lora_dir holding a PEFT
     # adapter is loaded at start-up under its name; LoadLoraAdapter paths resolve under it.
     lora_dir: str | None = None
@@ -69,9 +77,15 @@ class ServeConfig:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("num_blocks", "block_size", "max_batch_size", "max_tokens_per_request"):
+        for name in ("block_size", "max_batch_size", "max_tokens_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1 (or unset: sized automatically), got {self.num_blocks}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if not 1024 <= self.max_message_bytes <= 2**31 - 1:
             raise ValueError("max_message_bytes must be in [1024, 2**31 - 1] (protobuf caps messages at 2 GiB)")
         if self.max_concurrent_rpcs is not None and self.max_concurrent_rpcs < 1:
@@ -143,10 +157,19 @@ def parse_args(argv: Sequence[str] | None = None) -> ServeConfig:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=defaults.dtype,
                    help="weights and KV dtype; auto is float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--device", default=defaults.device, help="cpu or cuda[:N]")
-    p.add_argument("--num-blocks", type=int, default=defaults.num_blocks, help="KV blocks in the pool")
+    p.add_argument("--num-blocks", type=int, default=defaults.num_blocks,
+                   help="KV blocks in the pool; default: sized from free GPU memory on CUDA, 1024 on CPU")
+    p.add_argument("--kv-memory-fraction", type=float, default=defaults.kv_memory_fraction,
+                   help="share of the GPU's total memory for weights, activations and the KV pool when "
+                        "--num-blocks is not given; memory other processes hold counts against it "
+                        "(default %(default)s)")
     p.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not reuse the K and V of cached prompt prefixes (on by default)")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=defaults.attention_backend,
+                   help="auto: Triton paged-attention kernels on CUDA, torch SDPA on CPU")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode steps eagerly on CUDA instead of replaying captured CUDA graphs")
     p.add_argument("--lora-dir", default=None, metavar="DIR",
                    help="load every PEFT LoRA adapter directory under DIR at start-up (named after its "
                         "directory); LoadLoraAdapter paths resolve under DIR")

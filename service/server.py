@@ -28,13 +28,17 @@ def build_executor(config: ServeConfig) -> ModelExecutor:
     if config.executor == "paged":
         from executors.paged import PagedAttentionExecutor, PagedExecutorConfig
 
+        # The weight-free reference has no device memory to size from: unset keeps its default.
+        blocks = {} if config.num_blocks is None else {"num_blocks": config.num_blocks}
         return PagedAttentionExecutor(PagedExecutorConfig(
-            num_blocks=config.num_blocks, block_size=config.block_size, max_batch_size=config.max_batch_size,
-            prefix_caching=config.prefix_caching))
+            block_size=config.block_size, max_batch_size=config.max_batch_size,
+            prefix_caching=config.prefix_caching, **blocks))
     from executors.llm import LlmExecutor, LlmExecutorConfig
 
     return LlmExecutor(LlmExecutorConfig(
         model_dir=config.model, dtype=config.dtype, device=config.device, num_blocks=config.num_blocks,
+        kv_memory_fraction=config.kv_memory_fraction, attention_backend=config.attention_backend,
+        cuda_graphs=config.cuda_graphs,
         block_size=config.block_size, max_batch_size=config.max_batch_size, prefix_caching=config.prefix_caching,
         lora_dir=config.lora_dir, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank))
 

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, the Triton kernels (executors/models/triton_attention.py) run in Triton's
+# interpreter on CPU tensors. Triton reads the switch when it is first imported, so it is
+# set here, before any test imports it; server subprocesses inherit it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from client import ExecutorClient
 from service.config import ServeConfig

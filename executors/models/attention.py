@@ -27,6 +27,10 @@ Two implementations compute the same thing:
 
 Why: on CPU (2 cores) the per-step slot gather cost as much as attention itself at 1k
 tokens, and per-sequence calls cost ~40 us each regardless of length; see bench/RESULTS.md.
+
+A third implementation, for CUDA, is the Triton kernels of triton_attention.py
+(StepContext.backend == "triton"): they read K and V through the block tables directly,
+with no plan of views and gathers.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from kvcache.kv_pool import PagedKvPool
 
 if TYPE_CHECKING:
     from executors.lora import LoraBatch
+    from executors.models.triton_attention import KernelPlan
 
 # A decode row reads its context through pool views when its blocks form at most
 # MAX_VIEW_RUNS contiguous runs and the runs average at least VIEW_MIN_TOKENS tokens
@@ -77,6 +82,10 @@ class StepContext:
     plan: AttentionPlan | None = None  # built once per step by the fast path
     zero_slots: torch.Tensor | None = None  # stale slots to clear (tails of newly entered blocks)
     lora: LoraBatch | None = None  # which rows use which LoRA adapter (applied by the decoder)
+    # "sdpa": the planned torch attention below; "triton": the paged kernels of
+    # triton_attention.py (CUDA, or Triton's interpreter in tests), whose plan is kernel_plan.
+    backend: str = "sdpa"
+    kernel_plan: KernelPlan | None = None
 
 
 # -- the reference -----------------------------------------------------------------------
@@ -278,6 +287,10 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: S
     if ctx.reference:
         return attend_reference(layer, q, k, v, ctx)
     pool = ctx.pool
+    if ctx.backend == "triton" and pool is not None:
+        from executors.models import triton_attention  # triton is needed only on this path
+
+        return triton_attention.attend(layer, q, k, v, ctx)
     if pool is not None:
         pool.write(layer, ctx.slot_mapping, k, v)
         if ctx.zero_slots is not None:

@@ -135,3 +135,20 @@ def test_byte_arithmetic(dtype, size: int) -> None:
     assert pool.total_bytes == pool.bytes_per_block * NB
     actual = sum(t.numel() * t.element_size() for t in (*pool.key, *pool.value))
     assert pool.total_bytes == actual
+
+
+def test_scratch_block_follows_the_allocators_blocks() -> None:
+    """Padding rows of a fixed-shape step write into the scratch block, never into a real one."""
+    pool = PagedKvPool(L, NB, BS, H, D, scratch_blocks=1)
+    assert make().scratch_block is None
+    assert pool.scratch_block == NB and pool.num_blocks == NB
+    assert pool.key[0].shape == (NB + 1, BS, H, D)
+    assert pool.total_bytes == pool.bytes_per_block * (NB + 1)
+    slots = torch.arange(pool.scratch_block * BS, (pool.scratch_block + 1) * BS)
+    ones = torch.ones(BS, H, D)
+    for layer in range(L):
+        pool.write(layer, slots, ones, ones)
+    for layer in range(L):
+        assert torch.count_nonzero(pool.key[layer][:NB]) == 0
+        assert torch.count_nonzero(pool.value[layer][:NB]) == 0
+        assert torch.equal(pool.key[layer][NB], ones)

@@ -1,0 +1,152 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode step of a small model on a GPU is mostly kernel launches: ~10 per layer, each a
+few microseconds of CPU, against a few microseconds of GPU work. A CUDA graph records the
+whole step (embedding, every layer with the paged decode kernel, the lm_head) once per
+bucket of batch sizes and replays it with one launch.
+
+What makes the step capturable:
+- Every input lives in a static buffer sized for the largest bucket: token ids, positions,
+  slot mapping, block tables ([rows, blocks of a max-length sequence]) and lengths. A step
+  stages them in pinned host memory and copies them over in two non-blocking copies.
+- Attention goes through the Triton paged-decode kernel, which reads block tables and
+  lengths from those buffers, so nothing about the batch's lengths is baked into the
+  graph. Its context-partition count is fixed per bucket at capture, for the longest
+  sequence the executor accepts; partitions past a row's length exit at once.
+- A batch of n rows runs the smallest bucket >= n. Padding rows decode token 0 at
+  position 0 over one key in the pool's scratch block, where their K and V also go: no
+  sequence's blocks are touched, and their logits are dropped.
+- Buckets are captured largest first and share one memory pool, so the smaller graphs
+  reuse the largest one's memory.
+
+Anything else (prompts, chunks, verification, LoRA rows, batches above the largest
+bucket) runs eagerly. The logits a replay returns live in the graph's static output:
+they are valid until the next replay, which the executor's serial worker guarantees.
+
+On a CPU (`capture=False`, for tests) the same static-buffer step runs eagerly, so the
+staging, padding and bucketing are checked without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from executors.models.attention import StepContext
+from executors.models.decoder import DecoderLM
+from executors.models.triton_attention import DecodeLaunch, KernelPlan, decode_partitions
+from kvcache.kv_pool import PagedKvPool
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+def buckets_up_to(max_batch: int) -> list[int]:
+    return [b for b in BUCKETS if b < max_batch] + [max_batch]
+
+
+class DecodeGraphs:
+    """The decode step at fixed shapes: captured as CUDA graphs, or eager on a CPU."""
+
+    def __init__(self, model: DecoderLM, pool: PagedKvPool, max_batch: int, max_sequence_length: int,
+                 *, capture: bool) -> None:
+        if pool.scratch_block is None:
+            raise ValueError("decode graphs need a pool with a scratch block for padding rows")
+        self.model, self.pool = model, pool
+        self.buckets = buckets_up_to(max_batch)
+        self.max_sequence_length = max_sequence_length
+        dev = pool.device
+        largest = self.buckets[-1]
+        self.table_width = -(-max_sequence_length // pool.block_size)
+        pinned = dev.type == "cuda"
+        # Host staging: the rows of `_host_long` are ids, positions, slots and lengths (keys
+        # each row sees); `_host_int` holds the block tables.
+        self._host_long = torch.zeros(4, largest, dtype=torch.int64, pin_memory=pinned)
+        self._host_int = torch.zeros(largest, self.table_width, dtype=torch.int32, pin_memory=pinned)
+        self._long_np, self._int_np = self._host_long.numpy(), self._host_int.numpy()
+        self._long = torch.zeros(4, largest, dtype=torch.int64, device=dev)
+        self._int = torch.zeros(largest, self.table_width, dtype=torch.int32, device=dev)
+        self._rows = torch.arange(largest, dtype=torch.int32, device=dev)
+        self._copied = torch.cuda.Event() if pinned else None
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self._pad(0, largest)
+        self._long.copy_(self._host_long)
+        self._int.copy_(self._host_int)
+        self.replays = 0
+        if capture:
+            self._capture()
+        else:
+            self._graphs = {b: (None, None) for b in self.buckets}
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _pad(self, lo: int, hi: int) -> None:
+        """Rows lo..hi-1 become padding: token 0 at position 0 in the scratch block."""
+        scratch = self.pool.scratch_block
+        self._long_np[:, lo:hi] = 0
+        self._long_np[2, lo:hi] = scratch * self.pool.block_size
+        self._long_np[3, lo:hi] = 1
+        self._int_np[lo:hi, 0] = scratch
+
+    def _step(self, b: int) -> torch.Tensor:
+        """The decode step of the first b rows of the static buffers: logits [b, vocab]."""
+        parts = decode_partitions(b, self.pool.num_kv_heads, self.max_sequence_length, self.pool.device)
+        part_tokens = -(-(-(-self.max_sequence_length // parts)) // 16) * 16
+        launch = DecodeLaunch(self._rows[:b], self._int[:b], self._long[3, :b], parts, part_tokens)
+        ctx = StepContext([], self.pool, self._long[2, :b], backend="triton", kernel_plan=KernelPlan(None, launch))
+        hidden = self.model.hidden_states(self._long[0, :b], self._long[1, :b], ctx)
+        return self.model.logits(hidden)
+
+    def _capture(self) -> None:
+        mempool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        for b in reversed(self.buckets):  # largest first: the others fit in its memory
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._step(b)  # compiles the kernels for this shape outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                out = self._step(b)
+            self._graphs[b] = (graph, out)
+        torch.cuda.synchronize()
+        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def run(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
+            tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Logits [n, vocab] of n decode rows (n <= max_batch); tables[i] is row i's block table
+        (at least its first positions[i] // block_size + 1 blocks)."""
+        n = len(ids)
+        b = self.bucket(n)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have read the staging
+        self._long_np[0, :n] = ids
+        self._long_np[1, :n] = positions
+        self._long_np[2, :n] = slots
+        bs = self.pool.block_size
+        self._long_np[3, :n] = positions
+        self._long_np[3, :n] += 1
+        for i, (table, pos) in enumerate(zip(tables, positions)):
+            need = pos // bs + 1
+            self._int_np[i, :need] = np.asarray(table[:need], dtype=np.int32)
+        self._pad(n, b)
+        nonblocking = self._copied is not None
+        self._long[:, :b].copy_(self._host_long[:, :b], non_blocking=nonblocking)
+        self._int[:b].copy_(self._host_int[:b], non_blocking=nonblocking)
+        if self._copied is not None:
+            self._copied.record()
+        graph, out = self._graphs[b]
+        self.replays += 1
+        if graph is None:
+            return self._step(b)[:n]
+        graph.replay()
+        return out[:n]

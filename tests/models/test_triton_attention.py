@@ -1,0 +1,138 @@
+"""The Triton paged-attention kernels against plain SDPA over gathered contexts.
+
+Without a GPU they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET
+before triton is imported), which checks their indexing, masking and online softmax;
+with one, the same tests run the compiled kernels, plus a bfloat16 case.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ta = pytest.importorskip("executors.models.triton_attention")
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+def make_pool(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    key = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(DEVICE, dtype)
+    value = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(DEVICE, dtype)
+    return key, value
+
+
+def reference(q, key, value, block_ids, length, start):
+    """Rows of q (queries at positions start..) over keys 0..length-1 through block_ids, causal."""
+    bs, kvh, d = key.shape[1], key.shape[2], key.shape[3]
+    slots = torch.tensor([block_ids[p // bs] * bs + p % bs for p in range(length)], device=q.device)
+    k = key.reshape(-1, kvh, d)[slots].float()
+    v = value.reshape(-1, kvh, d)[slots].float()
+    n = q.shape[0]
+    mask = torch.arange(length, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def scattered_tables(lengths, block_size, num_blocks, seed=1):
+    """Block tables in a random order of the pool's blocks: every table non-contiguous."""
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables = []
+    for n in lengths:
+        need = -(-n // block_size)
+        tables.append(perm[:need])
+        perm = perm[need:]
+    return tables
+
+
+SHAPES = [  # (heads, kv heads, head dim, block size)
+    (4, 4, 16, 4),    # multi-head, tiny blocks
+    (6, 2, 24, 16),   # a group of 3 (padded to 16 rows), head dim not a power of two
+    (8, 1, 32, 8),    # multi-query
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
+def test_prefill_over_cached_contexts_of_mixed_lengths(heads, kv_heads, head_dim, block_size):
+    # (new tokens, cached tokens): fresh prompts, a chunk on a cached context, a 1-token
+    # chunk, a prompt longer than one query tile.
+    specs = [(5, 0), (37, 0), (20, 13), (1, 50), (3, 2)]
+    tables = scattered_tables([n + s for n, s in specs], block_size, 80)
+    key, value = make_pool(80, block_size, kv_heads, head_dim)
+    segments, row = [], 0
+    for (n, start), table in zip(specs, tables):
+        segments.append((row, n, start, table))
+        row += n
+    q = torch.randn(row, heads, head_dim, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    ta.paged_prefill(q, key, value, out, ta.prefill_launch(segments, block_size, DEVICE))
+    for r, n, start, table in segments:
+        torch.testing.assert_close(out[r:r + n], reference(q[r:r + n], key, value, table, start + n, start),
+                                   atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_decode_rows_over_paged_contexts(heads, kv_heads, head_dim, block_size, partitions):
+    lengths = [2, 40, 97, 17, block_size]
+    tables = scattered_tables(lengths, block_size, 90)
+    key, value = make_pool(90, block_size, kv_heads, head_dim)
+    # Decode rows interleaved with other rows of the flat batch, which must stay untouched.
+    rows = [0, 2, 3, 5, 6]
+    q = torch.randn(8, heads, head_dim, device=DEVICE)
+    out = torch.zeros_like(q)
+    launch = ta.decode_launch(rows, tables, lengths, block_size, kv_heads, DEVICE, partition_tokens=16,
+                              partitions=partitions)
+    assert launch.partitions == partitions
+    ta.paged_decode(q, key, value, out, launch)
+    for r, table, n in zip(rows, tables, lengths):
+        torch.testing.assert_close(out[r:r + 1], reference(q[r:r + 1], key, value, table, n, n - 1),
+                                   atol=1e-5, rtol=0)
+    assert out[[1, 4, 7]].abs().sum() == 0
+
+
+def test_keys_past_a_length_are_never_read():
+    """NaN in every slot past each sequence's end (a block's stale tail) must not reach the output."""
+    block_size, lengths = 8, [3, 13, 30]
+    tables = scattered_tables(lengths, block_size, 20)
+    key, value = make_pool(20, block_size, 2, 16)
+    for table, n in zip(tables, lengths):
+        for p in range(n, len(table) * block_size):
+            key[table[p // block_size], p % block_size] = float("nan")
+            value[table[p // block_size], p % block_size] = float("nan")
+    q = torch.randn(3, 4, 16, device=DEVICE)
+    for parts in (1, 2):
+        out = torch.zeros_like(q)
+        ta.paged_decode(q, key, value, out, ta.decode_launch([0, 1, 2], tables, lengths, block_size, 2, DEVICE,
+                                                             partition_tokens=8, partitions=parts))
+        assert torch.isfinite(out).all()
+    out = torch.zeros_like(q)
+    segments = [(0, 1, 2, tables[0]), (1, 2, 11, tables[1])]
+    ta.paged_prefill(q, key, value, out, ta.prefill_launch(segments, block_size, DEVICE))
+    assert torch.isfinite(out).all()
+
+
+def test_decode_partitions_split_only_long_contexts_on_a_cpu():
+    cpu = torch.device("cpu")
+    assert ta.decode_partitions(4, 2, 100, cpu, partition_tokens=512) == 1
+    assert ta.decode_partitions(4, 2, 1500, cpu, partition_tokens=512) == 3
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_bfloat16_decode_and_prefill_on_cuda():
+    block_size, lengths = 16, [300, 5, 1000]
+    tables = scattered_tables(lengths, block_size, 100)
+    key, value = make_pool(100, block_size, 8, 128, torch.bfloat16)
+    q = torch.randn(3, 16, 128, device=DEVICE, dtype=torch.bfloat16)
+    out = torch.zeros_like(q)
+    ta.paged_decode(q, key, value, out, ta.decode_launch([0, 1, 2], tables, lengths, block_size, 8, DEVICE))
+    for r, table, n in zip(range(3), tables, lengths):
+        torch.testing.assert_close(out[r:r + 1].float(), reference(q[r:r + 1], key, value, table, n, n - 1),
+                                   atol=2e-2, rtol=2e-2)
+    segments = [(0, 3, 297, tables[0])]
+    out = torch.zeros_like(q)
+    ta.paged_prefill(q, key, value, out, ta.prefill_launch(segments, block_size, DEVICE))
+    torch.testing.assert_close(out.float(), reference(q, key, value, tables[0], 300, 297), atol=2e-2, rtol=2e-2)

@@ -1,0 +1,206 @@
+"""The triton attention backend and the fixed-shape decode step against the reference (fp32, 1e-4).
+
+As test_cpu_paths.py: two LlmExecutors share a tiny random model and receive the same
+calls, one with attention_backend="triton" (Triton's interpreter here, the compiled
+kernels on a GPU), the other the plain reference computation. A third runs decode steps
+through DecodeGraphs (captured as CUDA graphs on a GPU, the same static-buffer step run
+eagerly on a CPU), so bucketing, padding rows and the scratch block are checked too.
+The interpreter is slow: the scenarios are few and small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from executors.llm import LlmExecutor, LlmExecutorConfig
+from executors.types import (
+    DecodeInput,
+    DType,
+    ForwardKind,
+    LogitsKind,
+    LogitsPolicy,
+    PrefillInput,
+    UnifiedBatchItem,
+)
+from tests.models.test_cpu_paths import BLOCK, TOL, VOCAB, tiny_model
+
+pytest.importorskip("triton")
+
+CUDA = torch.cuda.is_available()
+
+
+class Trio:
+    """A triton executor, a triton executor with decode graphs and a reference, in lockstep."""
+
+    def __init__(self, family: str, num_blocks: int = 40, max_batch_size: int = 6) -> None:
+        model = tiny_model(family)
+        device = "cuda" if CUDA else "cpu"
+        if CUDA:
+            model = model.to(device)
+        cfg = LlmExecutorConfig(model_dir=f"/nonexistent/{family}", block_size=BLOCK, num_blocks=num_blocks,
+                                device=device, max_batch_size=max_batch_size, attention_backend="triton",
+                                max_sequence_length=160)
+        self.executors = [
+            LlmExecutor(cfg, model, decode_graphs=False),
+            LlmExecutor(cfg, model, decode_graphs=True),
+            LlmExecutor(cfg, model, reference=True),
+        ]
+        self.loop = asyncio.new_event_loop()
+
+    @property
+    def graphed(self) -> LlmExecutor:
+        return self.executors[1]
+
+    def all(self, method: str, *args):
+        return [self.loop.run_until_complete(getattr(ex, method)(*args)) for ex in self.executors]
+
+    def close(self) -> None:
+        for ex in self.executors:
+            ex.worker.close()
+        self.loop.close()
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def trio(request):
+    t = Trio(request.param)
+    yield t
+    t.close()
+
+
+rng = np.random.default_rng(5)
+
+
+def tokens(n: int) -> list[int]:
+    return rng.integers(0, VOCAB, size=n).tolist()
+
+
+def same(*outs) -> None:
+    first = outs[-1].logits.logits.array  # the reference's
+    for o in outs[:-1]:
+        np.testing.assert_allclose(o.logits.logits.array, first, atol=TOL, rtol=0)
+
+
+def fragment(t: Trio) -> None:
+    """Hold every other block of each pool (straight through the KV manager: no forward is
+    needed to allocate): later caches get scattered blocks."""
+    for ex in t.executors:
+        ids = [ex.kv.create(None)[0] for _ in range(ex.kv.allocator.num_free)]
+        for cache_id in ids:
+            ex.kv.extend(cache_id, BLOCK)
+        for cache_id in ids[::2]:
+            ex.kv.release(cache_id)
+
+
+def test_prefill_chunks_and_decode_across_block_boundaries(trio):
+    fragment(trio)
+    outs = trio.all("batch_prefill", [PrefillInput(input_ids=tokens(n)) for n in (1, 7, 3, 16)])
+    for group in zip(*outs):
+        same(*group)
+    seq, handle = tokens(23), None
+    for lo, hi in [(0, 6), (6, 7), (7, 23)]:  # chunked prefill: a cached context plus new tokens
+        step = trio.all("prefill", PrefillInput(input_ids=seq[lo:hi], kv_cache=handle))
+        same(*step)
+        handle = step[0].kv_cache
+    assert any(y != x + 1 for x, y in zip(handle.block_ids, handle.block_ids[1:])), "blocks should be scattered"
+    for t in tokens(3):  # crosses a block boundary
+        step = trio.all("decode", DecodeInput(token_id=t, kv_cache=handle))
+        same(*step)
+        handle = step[0].kv_cache
+    for h in [o.kv_cache for o in outs[0]] + [handle]:
+        trio.all("release_cache", h.cache_id)
+
+
+@pytest.fixture
+def qwen3_trio():
+    t = Trio("qwen3")  # one family: the buckets do not depend on it, and the interpreter is slow
+    yield t
+    t.close()
+
+
+def test_batch_decode_through_every_bucket_with_padding_rows(qwen3_trio):
+    """Batches of 1..6 rows run the buckets 1, 2, 4 and 6 (padded), in shuffled row orders."""
+    trio = qwen3_trio
+    lengths = [1, 2, 5, 9, 16, 23]
+    outs = trio.all("batch_prefill", [PrefillInput(input_ids=tokens(n)) for n in lengths])
+    handles = [o.kv_cache for o in outs[0]]
+    replays = trio.graphed.graphs.replays
+    for n in (6, 3, 1, 5, 2):
+        chosen = [handles[i] for i in rng.permutation(len(handles))[:n]]
+        step = trio.all("batch_decode", [DecodeInput(token_id=t, kv_cache=h) for t, h in zip(tokens(n), chosen)])
+        for group in zip(*step):
+            same(*group)
+        fresh = {x.kv_cache.cache_id: x.kv_cache for x in step[0]}
+        handles = [fresh.get(h.cache_id, h) for h in handles]
+    assert trio.graphed.graphs.replays == replays + 5
+    assert trio.graphed.graphs.buckets == [1, 2, 4, 6]
+    for h in handles:
+        trio.all("release_cache", h.cache_id)
+
+
+def test_unified_batches_verification_and_sampling_policies(trio):
+    dec = trio.all("prefill", PrefillInput(input_ids=tokens(9)))[0].kv_cache
+    part = trio.all("prefill", PrefillInput(input_ids=tokens(6)))[0].kv_cache
+    items = [
+        UnifiedBatchItem(seq_id="", q_tokens=tokens(5), pos_offset=0, is_final_chunk=True),
+        UnifiedBatchItem(seq_id=part.cache_id, q_tokens=tokens(4), pos_offset=6, is_final_chunk=True),
+        UnifiedBatchItem(seq_id=dec.cache_id, q_tokens=tokens(1), pos_offset=9, is_final_chunk=True),
+    ]
+    outs = trio.all("unified_decode", items)
+    for group in zip(*outs):
+        first = group[-1].logits.logits.array
+        for o in group[:-1]:
+            np.testing.assert_allclose(o.logits.logits.array, first, atol=TOL, rtol=0)
+    seq = tokens(4)
+    verify = trio.all("forward_verify", outs[0][2].kv_cache, seq, LogitsPolicy())
+    for group in zip(*(v.outputs for v in verify)):
+        for o in group[:-1]:
+            np.testing.assert_allclose(o.logits.array, group[-1].logits.array, atol=TOL, rtol=0)
+    # Argmax and seeded sampling pick the same tokens through every path.
+    handle = verify[0].kv_cache
+    for policy in (LogitsPolicy(kind=LogitsKind.ARGMAX),
+                   LogitsPolicy(kind=LogitsKind.SAMPLE, temperature=0.8, top_p=0.9, seed=7)):
+        step = trio.all("decode", DecodeInput(token_id=3, kv_cache=handle, logits_policy=policy))
+        assert len({s.logits.token_id for s in step}) == 1
+        handle = step[0].kv_cache
+        trio.all("truncate_kv", handle.cache_id, handle.sequence_length - 1)
+        handle = trio.executors[0]._handle(handle.cache_id)
+    fa = trio.all("forward", seq, ForwardKind.LOGITS, DType.FLOAT32)
+    np.testing.assert_allclose(fa[0].array, fa[-1].array, atol=TOL, rtol=0)
+    for h in (outs[0][0].kv_cache, part, dec):
+        trio.all("release_cache", h.cache_id)
+
+
+def test_stale_pool_contents_never_reach_the_kernels():
+    t = Trio("llama")
+    try:
+        for ex in t.executors:
+            ex.pool._storage.fill_(float("nan"))
+        outs = t.all("batch_prefill", [PrefillInput(input_ids=tokens(n)) for n in (3, 6)])
+        handles = [o.kv_cache for o in outs[0]]
+        for _ in range(3):
+            step = t.all("batch_decode", [DecodeInput(token_id=x, kv_cache=h) for x, h in zip(tokens(2), handles)])
+            for group in zip(*step):
+                assert np.isfinite(group[0].logits.logits.array).all()
+                same(*group)
+            handles = [x.kv_cache for x in step[0]]
+    finally:
+        t.close()
+
+
+def test_backend_choice_and_refusals():
+    model = tiny_model("llama")
+    auto = LlmExecutor(LlmExecutorConfig(model_dir="/nonexistent/llama", num_blocks=8), model)
+    try:
+        assert auto.attention_backend == ("triton" if CUDA else "sdpa")
+        assert (auto.graphs is not None) == CUDA
+    finally:
+        auto.worker.close()
+    with pytest.raises(ValueError, match="attention_backend must be"):
+        LlmExecutorConfig(model_dir="x", attention_backend="flash")
+    with pytest.raises(ValueError, match="decode graphs need the triton attention backend"):
+        LlmExecutor(LlmExecutorConfig(model_dir="x", num_blocks=8, attention_backend="sdpa"), model,
+                    decode_graphs=True)
