@@ -23,8 +23,10 @@ Anything else (prompts, chunks, verification, LoRA rows, batches above the large
 bucket) runs eagerly. The logits a replay returns live in the graph's static output:
 they are valid until the next replay, which the executor's serial worker guarantees.
 
-On a CPU (`capture=False`, for tests) the same static-buffer step runs eagerly, so the
-staging, padding and bucketing are checked without a GPU.
+After capture, each bucket up to block_size rows is replayed against the eager step on
+rows in the scratch block; a mismatch (or a failed capture) raises, and the executor then
+decodes eagerly. On a CPU (`capture=False`, for tests) the same static-buffer step runs
+eagerly, so the staging, padding and bucketing are checked without a GPU.
 """
 
 from __future__ import annotations
@@ -119,7 +121,22 @@ class DecodeGraphs:
                 out = self._step(b)
             self._graphs[b] = (graph, out)
         torch.cuda.synchronize()
+        for b in self.buckets:
+            if b <= self.pool.block_size:
+                self._verify(b)
+        self._pad(0, self.max_batch)
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def _verify(self, n: int) -> None:
+        """Replay against the eager step on n rows of distinct tokens and lengths, all in the
+        scratch block: a capture that went wrong raises here, at start-up, not in a reply."""
+        scratch, bs = self.pool.scratch_block, self.pool.block_size
+        got = self.run(list(range(1, n + 1)), list(range(n)), [scratch * bs + i for i in range(n)],
+                       [[scratch]] * n).clone()
+        want = self._step(self.bucket(n))[:n]
+        err, scale = (got - want).abs().max().item(), want.abs().max().item()
+        if not err <= 1e-3 * max(scale, 1.0):
+            raise RuntimeError(f"the decode graph of {n} rows gives logits {err:.3g} away from the eager step's")
 
     def run(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
             tables: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -9,6 +9,7 @@ per sequence and the lm_head run only on the rows that need logits.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from executors.kv_executor import KvCacheExecutor, Rows, StepItem, StepLogits
 from executors.kv_sizing import MemoryProbe, auto_num_blocks, lora_reserve_bytes
 from executors.lora import LoraBatch, LoraTargets
 from executors.models.attention import Segment, StepContext
+from executors.models.config import DecoderConfig
 from executors.models.decoder import DecoderLM
 from executors.models.loader import load_model
 from executors.types import (
@@ -29,6 +31,8 @@ from executors.types import (
     ModelInfo,
     ModelType,
 )
+
+log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FAMILY_TYPES = {"llama": ModelType.LLAMA, "qwen2": ModelType.QWEN, "qwen3": ModelType.QWEN}
@@ -87,20 +91,31 @@ class LlmExecutorConfig:
         return TORCH_DTYPES[self.dtype]
 
 
-def _attention_backend(config: LlmExecutorConfig) -> str:
+def _attention_backend(config: LlmExecutorConfig, mc: DecoderConfig) -> str:
+    """The backend to run: sdpa, or triton once its kernels passed a start-up check at the
+    model's shapes on this device (executors/models/triton_attention.py `self_check`)."""
+    wanted = config.attention_backend
+    if wanted == "sdpa":
+        return "sdpa"
     cuda = config.device.startswith("cuda")
-    if config.attention_backend == "auto":
-        return "triton" if cuda and importlib.util.find_spec("triton") is not None else "sdpa"
-    if config.attention_backend == "triton":
-        if importlib.util.find_spec("triton") is None:
-            raise ValueError("attention_backend triton needs the triton package, which is not installed")
-        if not cuda:
-            from executors.models import triton_attention
+    have_triton = importlib.util.find_spec("triton") is not None
+    if wanted == "auto" and not (cuda and have_triton):
+        return "sdpa"
+    if not have_triton:
+        raise ValueError("attention_backend triton needs the triton package, which is not installed")
+    from executors.models import triton_attention
 
-            if not triton_attention.interpreted():
-                raise ValueError("attention_backend triton runs on CUDA; on a CPU only in Triton's interpreter "
-                                 "(TRITON_INTERPRET=1 before triton is imported; slow, for tests)")
-    return config.attention_backend
+    if not cuda and not triton_attention.interpreted():
+        raise ValueError("attention_backend triton runs on CUDA; on a CPU only in Triton's interpreter "
+                         "(TRITON_INTERPRET=1 before triton is imported; slow, for tests)")
+    problem = triton_attention.self_check(config.device, config.torch_dtype, mc.num_heads, mc.num_kv_heads,
+                                          mc.head_dim, config.block_size)
+    if problem is None:
+        return "triton"
+    if wanted == "auto":
+        log.warning("Triton paged attention is off, SDPA serves instead: %s", problem)
+        return "sdpa"
+    raise ValueError(f"attention_backend triton: {problem}")
 
 
 class LlmExecutor(KvCacheExecutor):
@@ -117,15 +132,15 @@ class LlmExecutor(KvCacheExecutor):
             raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
         self.config = config
         self.reference = reference
-        self.attention_backend = _attention_backend(config)
+        self.model = (model or load_model(config.model_dir, config.torch_dtype, config.device)).fuse()
+        mc = self.model.config
+        self.model_config = mc
+        self.attention_backend = _attention_backend(config, mc)
         cuda = config.device.startswith("cuda")
         if decode_graphs is None:
             decode_graphs = cuda and config.cuda_graphs and self.attention_backend == "triton" and not reference
         if decode_graphs and self.attention_backend != "triton":
             raise ValueError("decode graphs need the triton attention backend")
-        self.model = (model or load_model(config.model_dir, config.torch_dtype, config.device)).fuse()
-        mc = self.model.config
-        self.model_config = mc
         max_sequence_length = min(config.max_sequence_length or mc.max_position_embeddings, mc.max_position_embeddings)
         num_blocks = config.num_blocks
         if num_blocks is None:  # auto: after the weights, before the pool claims its memory
@@ -153,8 +168,13 @@ class LlmExecutor(KvCacheExecutor):
         if decode_graphs:
             from executors.decode_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.model, self.pool, config.max_batch_size, max_sequence_length,
-                                       capture=cuda)
+            try:
+                self.graphs = DecodeGraphs(self.model, self.pool, config.max_batch_size, max_sequence_length,
+                                           capture=cuda)
+            except Exception as e:  # noqa: BLE001 - a capture that fails leaves eager decode, which works
+                if not cuda:
+                    raise
+                log.warning("decode CUDA graphs are off, decode steps run eagerly: %s: %s", type(e).__name__, e)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self._param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.loras = LoraRegistry(LoraTargets.from_config(mc), LoraLimits(config.max_loras, config.max_lora_rank,

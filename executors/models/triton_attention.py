@@ -358,3 +358,61 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: S
     if plan.decode is not None:
         paged_decode(q, key, value, out, plan.decode)
     return out.view(m, heads * d)
+
+
+# -- a start-up check -------------------------------------------------------------------------
+def self_check(device: torch.device | str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+               block_size: int) -> str | None:
+    """Run both kernels at the model's head shapes on a small random pool and compare them with
+    SDPA over the gathered contexts. None when they agree; otherwise what differed.
+
+    The kernels compile per GPU and per Triton version: a start-up check turns a kernel that
+    fails to build, or computes wrongly, on this machine into a refusal (or, for the auto
+    backend, a fall-back to SDPA) instead of wrong logits."""
+    device = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    num_blocks, lengths, chunk = 24, [1 + block_size // 2, 3 * block_size + 1, 5], 3
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    key, value = rand(num_blocks, block_size, kv_heads, head_dim), rand(num_blocks, block_size, kv_heads, head_dim)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for n in lengths:
+        need = -(-n // block_size)
+        tables.append(perm[:need])
+        perm = perm[need:]
+    q = rand(len(lengths) + chunk, heads, head_dim)
+    try:
+        out = torch.zeros_like(q)
+        paged_decode(q, key, value, out, decode_launch(list(range(len(lengths))), tables, lengths, block_size,
+                                                      kv_heads, device, partitions=2, partition_tokens=block_size))
+        rows = len(lengths)
+        paged_prefill(q, key, value, out, prefill_launch([(rows, chunk, lengths[1] - chunk, tables[1])],
+                                                         block_size, device))
+    except Exception as e:  # noqa: BLE001 - any failure to build or launch is the answer
+        return f"the kernels failed to run: {type(e).__name__}: {e}"
+    want = torch.empty(q.shape, dtype=torch.float32, device=device)
+    for r, (table, n) in enumerate(zip(tables, lengths)):
+        want[r:r + 1] = _sdpa_over(q[r:r + 1], key, value, table, n, n - 1)
+    want[rows:] = _sdpa_over(q[rows:], key, value, tables[1], lengths[1], lengths[1] - chunk)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    err = (out.float() - want).abs().max().item()
+    if not err <= tol:  # also catches NaN
+        return f"the kernels differ from SDPA by {err:.3g} (tolerance {tol:g}) at heads {heads}/{kv_heads}, " \
+               f"head_dim {head_dim}, block_size {block_size}, {dtype}"
+    return None
+
+
+def _sdpa_over(q, key, value, table, length, start) -> torch.Tensor:
+    """Plain SDPA of q (queries at positions start..) over keys 0..length-1 gathered through table."""
+    bs, kvh, d = key.shape[1], key.shape[2], key.shape[3]
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(length)], device=q.device)
+    k, v = key.reshape(-1, kvh, d)[slots].float(), value.reshape(-1, kvh, d)[slots].float()
+    n = q.shape[0]
+    mask = torch.arange(length, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+        enable_gqa=True)
+    return out[0].transpose(0, 1)

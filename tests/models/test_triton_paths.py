@@ -204,3 +204,31 @@ def test_backend_choice_and_refusals():
     with pytest.raises(ValueError, match="decode graphs need the triton attention backend"):
         LlmExecutor(LlmExecutorConfig(model_dir="x", num_blocks=8, attention_backend="sdpa"), model,
                     decode_graphs=True)
+
+
+def test_a_wrong_kernel_is_refused_at_start_up(monkeypatch):
+    """The start-up self-check compares the kernels with SDPA at the model's shapes: a kernel
+    that computes wrongly stops an explicit triton backend (auto falls back to sdpa, on CUDA)."""
+    from executors.models import triton_attention
+
+    assert triton_attention.self_check("cpu", torch.float32, 4, 2, 16, BLOCK) is None
+    monkeypatch.setattr(triton_attention, "paged_decode", lambda *args, **kwargs: None)
+    problem = triton_attention.self_check("cpu", torch.float32, 4, 2, 16, BLOCK)
+    assert problem is not None and "differ from SDPA" in problem
+    with pytest.raises(ValueError, match="attention_backend triton: the kernels differ from SDPA"):
+        LlmExecutor(LlmExecutorConfig(model_dir="x", num_blocks=8, attention_backend="triton"), tiny_model("llama"))
+
+
+def test_decode_graph_check_rows_stay_in_the_scratch_block():
+    """The post-capture check's rows (distinct tokens and lengths, all in the scratch block) run
+    through the static buffers without touching any sequence's blocks."""
+    t = Trio("llama")
+    try:
+        graphs, pool = t.graphed.graphs, t.graphed.pool
+        before = pool._storage[:, :, :pool.num_blocks].clone()
+        for n in (1, 3, 4):
+            graphs._verify(n)
+        assert torch.equal(pool._storage[:, :, :pool.num_blocks], before)
+        assert torch.count_nonzero(pool._storage[:, :, pool.scratch_block]) > 0
+    finally:
+        t.close()
