@@ -5,7 +5,9 @@ Parts, on the embedded SmolLM2-135M (fixed, seeded workloads):
   decode    decode tokens/s at batch 1, 8, 32, 64 through BatchDecode and UnifiedDecode (gRPC,
             unix socket, ARGMAX), with the achieved memory bandwidth (weights + KV read per step)
   grpc      the same decode step in-process and over gRPC (TCP loopback, unix socket) for the
-            logits policies FULL fp32, FULL bf16, ARGMAX and SAMPLE: overhead in ms and as a ratio
+            logits policies FULL fp32, FULL bf16, ARGMAX and SAMPLE: overhead in ms and as a ratio,
+            with the client in the server's process and in its own (bench/grpc_client.py; there also
+            through UnifiedDecode and a StepSession stream)
   hf        ours vs transformers on the same weights: prefill and decode tokens/s at batch 1, 32
             (transformers `generate` with its static cache)
   gpu       on CUDA ("skipped: no GPU" else), a Qwen3-0.6B-shaped random model in bf16: decode
@@ -271,7 +273,9 @@ def bench_grpc(args) -> list[dict]:
                             steps += [exec_ns / 1e9, couts[0].timing.executor_ns / 1e9]
                     step = statistics.median(steps) + statistics.median(inproc)  # the in-process call
                     over = statistics.median(remote) - statistics.median(inproc)
-                    rows.append({"transport": transport, "batch": b, "policy": name, "inproc_ms": step * 1e3,
+                    rows.append({"transport": transport, "client": "in-process", "rpc": "BatchDecode",
+                                 "batch": b, "policy": name,
+                                 "inproc_ms": step * 1e3,
                                  "grpc_ms": (step + over) * 1e3, "overhead_ms": over * 1e3,
                                  "overhead_ratio": over / step, "inproc_call_overhead_ms": statistics.median(inproc) * 1e3,
                                  "rounds": rounds[b]})
@@ -279,6 +283,23 @@ def bench_grpc(args) -> list[dict]:
                           f"over gRPC +{over * 1e3:6.3f} ms ({100 * over / step:5.1f}%)", flush=True)
                 for cid in ids:
                     loop.run(ex.release_cache(cid))
+        # The same calls from a client in a process of its own, as a scheduler would make them
+        # (bench/grpc_client.py): no interpreter lock shared with the server.
+        for b in (1, 32):
+            proc = subprocess.run([sys.executable, "-m", "bench.grpc_client", "--address", server.address,
+                                   "--batch", str(b), "--rounds", str(rounds[b]), "--prompt-len", str(PROMPT_LEN),
+                                   "--vocab", str(ex.vocab_size)],
+                                  capture_output=True, text=True, timeout=1800, cwd=ROOT, check=True)
+            for rpc, by_policy in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+                for name, remote in by_policy.items():
+                    base = next(x for x in rows if x["transport"] == transport and x["client"] == "in-process"
+                                and x["batch"] == b and x["policy"] == name)
+                    step = base["inproc_ms"] / 1e3
+                    over = statistics.median(remote) - base["inproc_call_overhead_ms"] / 1e3
+                    rows.append({**base, "client": "process", "rpc": rpc, "grpc_ms": (step + over) * 1e3,
+                                 "overhead_ms": over * 1e3, "overhead_ratio": over / step})
+                    print(f"  grpc {transport:4s} batch {b:2d} {name:9s}: in-process {step * 1e3:7.2f} ms, over "
+                          f"{rpc} from another process +{over * 1e3:6.3f} ms ({100 * over / step:5.1f}%)", flush=True)
         loop.run(server.stop(0))
         loop.close()
     ex.worker.close()
@@ -618,11 +639,13 @@ def table(results: dict) -> str:
             out.append(f"    {x['dtype']:8s} {x['rpc']:13s} {x['batch']:5d} {x['step_ms']:9.1f} {x['tok_s']:8.1f} "
                        f"{x['bandwidth_gb_s']:6.1f}")
     if "grpc" in r:
-        out.append("(c) gRPC overhead on one decode step (fp32, best of rounds)")
-        out.append(f"    {'transport':9s} {'batch':>5s} {'policy':10s} {'in-proc ms':>10s} {'+ms':>7s} {'ratio':>7s}")
+        out.append("(c) gRPC overhead on one decode step (fp32, medians; client in the server's process or its own)")
+        out.append(f"    {'transport':9s} {'client':10s} {'rpc':13s} {'batch':>5s} {'policy':10s} {'in-proc ms':>10s} "
+                   f"{'+ms':>7s} {'ratio':>7s}")
         for x in r["grpc"]:
-            out.append(f"    {x['transport']:9s} {x['batch']:5d} {x['policy']:10s} {x['inproc_ms']:10.2f} "
-                       f"{x['overhead_ms']:7.3f} {100 * x['overhead_ratio']:6.1f}%")
+            out.append(f"    {x['transport']:9s} {x.get('client', 'in-process'):10s} {x.get('rpc', 'BatchDecode'):13s} "
+                       f"{x['batch']:5d} {x['policy']:10s} {x['inproc_ms']:10.2f} {x['overhead_ms']:7.3f} "
+                       f"{100 * x['overhead_ratio']:6.1f}%")
     if "hf" in r:
         out.append("(d) ours vs transformers (same weights, in-process)")
         for x in r["hf"]:
@@ -649,7 +672,9 @@ def table(results: dict) -> str:
     return "\n".join(out)
 
 
-def plots(results: dict, stem: str) -> list[str]:
+def plots(results: dict, out: Path, latest: bool) -> list[str]:
+    """PNG plots beside `out` (<its stem>-<name>.png) and, for a run into bench/results
+    (`latest`), copies under bench/results/plots/, which the README shows."""
     try:
         import matplotlib
 
@@ -660,14 +685,16 @@ def plots(results: dict, stem: str) -> list[str]:
         return []
     written = []
     plot_dir = RESULTS / "plots"
-    plot_dir.mkdir(parents=True, exist_ok=True)
+    if latest:
+        plot_dir.mkdir(parents=True, exist_ok=True)
     r = results["results"]
     title = f"{results['machine']['cpu']} ({results['machine']['cores']} cores), SmolLM2-135M"
 
     def save(fig, name):
-        for path in (RESULTS / f"{stem}-{name}.png", plot_dir / f"{name}.png"):
+        for path in [out.with_name(f"{out.stem}-{name}.png")] + ([plot_dir / f"{name}.png"] if latest else []):
             fig.savefig(path, dpi=110, bbox_inches="tight")
-            written.append(str(path.relative_to(ROOT)))
+            written.append(str(path.resolve().relative_to(ROOT)) if path.resolve().is_relative_to(ROOT)
+                           else str(path))
         plt.close(fig)
 
     if r.get("decode"):
@@ -688,17 +715,21 @@ def plots(results: dict, stem: str) -> list[str]:
     if r.get("grpc"):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for ax, b in zip(axes, (1, 32)):
-            xs = [x for x in r["grpc"] if x["batch"] == b]
+            xs = [x for x in r["grpc"] if x["batch"] == b and x.get("rpc", "BatchDecode") == "BatchDecode"]
             names = list(dict.fromkeys(x["policy"] for x in xs))
-            for k, transport in enumerate(("tcp", "unix")):
-                vals = [next(x["overhead_ms"] for x in xs if x["policy"] == n and x["transport"] == transport)
-                        for n in names]
-                ax.bar(np.arange(len(names)) + k * 0.4, vals, 0.4, label=transport)
-            ax.set_xticks(np.arange(len(names)) + 0.2, names)
+            series = [(t, c) for t in ("tcp", "unix") for c in ("in-process", "process")
+                      if any(x["transport"] == t and x.get("client", "in-process") == c for x in xs)]
+            width = 0.8 / len(series)
+            for k, (transport, client) in enumerate(series):
+                vals = [next(x["overhead_ms"] for x in xs if x["policy"] == n and x["transport"] == transport
+                             and x.get("client", "in-process") == client) for n in names]
+                ax.bar(np.arange(len(names)) + k * width, vals, width,
+                       label=f"{transport}, client {'in the server process' if client == 'in-process' else 'apart'}")
+            ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names)
             ax.set_ylabel("gRPC overhead per step (ms)")
             ax.set_title(f"batch {b}", fontsize=9)
             ax.grid(alpha=0.3, axis="y")
-            ax.legend()
+            ax.legend(fontsize=7)
         fig.suptitle(f"Decode step over gRPC minus in-process - {title}", fontsize=9)
         save(fig, "grpc")
     hf = [x for x in r.get("hf", []) if "skipped" not in x]
@@ -784,7 +815,7 @@ def main(argv: list[str] | None = None) -> int:
         stem = next(f"{stem}-{n}" for n in itertools.count(2) if not (RESULTS / f"{stem}-{n}.json").exists())
     out = Path(args.out) if args.out else RESULTS / f"{stem}.json"
     if not args.no_plots:
-        results["plots"] = plots(results, stem)
+        results["plots"] = plots(results, out, latest=not args.out)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print("\n" + table(results))
     print(f"\nwrote {out}" + (f" and {len(results.get('plots', []))} plots" if results.get("plots") else ""))

@@ -136,3 +136,24 @@ def test_bfloat16_decode_and_prefill_on_cuda():
     out = torch.zeros_like(q)
     ta.paged_prefill(q, key, value, out, ta.prefill_launch(segments, block_size, DEVICE))
     torch.testing.assert_close(out.float(), reference(q, key, value, tables[0], 300, 297), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_kernels_compile_for_an_h100_without_one(dtype):
+    """Ahead-of-time compilation for compute capability 9.0 (Triton's own compiler and ptxas,
+    no GPU needed): the kernels the interpreter checks also build for the hardware. In a
+    subprocess, since this process imported triton in interpreter mode."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json; from executors.models.triton_attention import compile_for; "
+            f"print(json.dumps(compile_for(90, {dtype!r}, head_dim=128, group=2)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(shared) == {"decode", "decode_split", "prefill"}
+    assert all(0 < b <= 227 * 1024 for b in shared.values()), shared  # an H100 block's shared memory

@@ -1,0 +1,77 @@
+"""The client of bench part (c) in a process of its own: `python -m bench.grpc_client`.
+
+A scheduler calls the executor from another process (or host), so the gRPC overhead it
+sees excludes what an in-process client costs the server: the interpreter lock shared
+with the server's event loop, and the client's own (de)serialisation competing for it.
+This script is that client. It prefills `--batch` seeded prompts through the real client,
+then for each RPC (unary BatchDecode and UnifiedDecode, and steps on one StepSession
+stream) and each logits policy times `--rounds` decode steps (after one warm-up step),
+and prints one JSON object: {rpc: {policy: [step wall time minus the executor time the
+server reports, in seconds, per step]}}. It imports the client only (no torch), as a
+scheduler would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from client import DecodeInput, ExecutorClient, LogitsPolicy, PrefillInput, UnifiedBatchItem
+
+POLICIES = {
+    "FULL fp32": LogitsPolicy.full("float32"),
+    "FULL bf16": LogitsPolicy.full("bfloat16"),
+    "ARGMAX": LogitsPolicy.argmax(),
+    "SAMPLE": LogitsPolicy.sample(0.8, top_p=0.95, seed=1),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.grpc_client", description=__doc__.split("\n\n")[0])
+    p.add_argument("--address", required=True, help="host:port or unix:PATH")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--vocab", type=int, required=True)
+    p.add_argument("--seed", type=int, default=1234)
+    args = p.parse_args(argv)
+    rng = np.random.default_rng(args.seed)
+    result: dict[str, dict[str, list[float]]] = {}
+    with ExecutorClient(args.address, timeout=600) as c, c.step_session() as session:
+        prompts = rng.integers(0, args.vocab, size=(args.batch, args.prompt_len)).tolist()
+        outs = c.batch_prefill([PrefillInput(ids, logits_policy=LogitsPolicy.argmax()) for ids in prompts])
+        handles = [o.kv_cache for o in outs]
+
+        def unified(policy):
+            return [UnifiedBatchItem(h.cache_id, [5], h.sequence_length, True, logits_policy=policy) for h in handles]
+
+        rpcs = {
+            "BatchDecode": lambda policy: c.batch_decode([DecodeInput(5, h, logits_policy=policy) for h in handles]),
+            "UnifiedDecode": lambda policy: c.unified_decode(unified(policy)),
+            "StepSession": lambda policy: session.step(unified(policy)),
+        }
+        try:
+            for rpc, step in rpcs.items():
+                result[rpc] = {}
+                for name, policy in POLICIES.items():
+                    samples = []
+                    for r in range(args.rounds + 1):
+                        started = time.perf_counter()
+                        outs = step(policy)
+                        wall = time.perf_counter() - started
+                        handles = [o.kv_cache for o in outs]
+                        if r:  # the first step warms this policy's path up
+                            samples.append(wall - outs[0].timing.executor_ns / 1e9)
+                    result[rpc][name] = samples
+        finally:
+            for h in handles:
+                c.release_cache(h)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
