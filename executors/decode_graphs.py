@@ -157,7 +157,9 @@ class DecodeGraphs:
             self._int_np[i, :need] = np.asarray(table[:need], dtype=np.int32)
         self._pad(n, b)
         nonblocking = self._copied is not None
-        self._long[:, :b].copy_(self._host_long[:, :b], non_blocking=nonblocking)
+        # All of _long (4 x largest int64, a few KB): a column slice would not be contiguous,
+        # and torch would stage a non-contiguous pinned source through pageable memory.
+        self._long.copy_(self._host_long, non_blocking=nonblocking)
         self._int[:b].copy_(self._host_int[:b], non_blocking=nonblocking)
         if self._copied is not None:
             self._copied.record()
