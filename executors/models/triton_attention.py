@@ -41,6 +41,29 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b accumulated in float32; IEEE: exact float32 products (no TF32) for float32 models."""
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def _online_softmax(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """Fold one tile of keys into the running row max m_i, sum l_i and output acc; s holds the
+    scores in log2 units, -inf where a key is masked, v the tile's values."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr,
     tile_seg_ptr, tile_qoff_ptr, seg_qstart_ptr, seg_qlen_ptr, seg_start_ptr,
@@ -79,24 +102,11 @@ def _prefill_kernel(
         within = offs_n % BLOCK_SIZE
         k = tl.load(k_ptr + block[None, :] * stride_kb + within[None, :] * stride_ks + kv_head * stride_kh
                     + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
         visible = n_mask[None, :] & (offs_n[None, :] <= (start + offs_m)[:, None])
-        s = tl.where(visible, s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        s = tl.where(visible, _dot(q, k, IEEE) * scale_log2, float("-inf"))
         v = tl.load(v_ptr + block[:, None] * stride_vb + within[:, None] * stride_vs + kv_head * stride_vh
                     + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_om + head * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -138,23 +148,10 @@ def _decode_kernel(
         within = offs_n % BLOCK_SIZE
         k = tl.load(k_ptr + block[None, :] * stride_kb + within[None, :] * stride_ks + kv_head * stride_kh
                     + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        s = tl.where(n_mask[None, :], _dot(q, k, IEEE) * scale_log2, float("-inf"))
         v = tl.load(v_ptr + block[:, None] * stride_vb + within[:, None] * stride_vs + kv_head * stride_vh
                     + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
     if SPLIT:
