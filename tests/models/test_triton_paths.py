@@ -42,8 +42,8 @@ class Trio:
         if CUDA:
             model = model.to(device)
         cfg = LlmExecutorConfig(model_dir=f"/nonexistent/{family}", block_size=BLOCK, num_blocks=num_blocks,
-                                device=device, max_batch_size=max_batch_size, attention_backend="triton",
-                                max_sequence_length=160)
+                                device=device, dtype="float32", max_batch_size=max_batch_size,
+                                attention_backend="triton", max_sequence_length=160)
         self.executors = [
             LlmExecutor(cfg, model, decode_graphs=False),
             LlmExecutor(cfg, model, decode_graphs=True),
@@ -195,10 +195,16 @@ def test_backend_choice_and_refusals():
     model = tiny_model("llama")
     auto = LlmExecutor(LlmExecutorConfig(model_dir="/nonexistent/llama", num_blocks=8), model)
     try:
-        assert auto.attention_backend == ("triton" if CUDA else "sdpa")
-        assert (auto.graphs is not None) == CUDA
+        assert auto.attention_backend == "sdpa" and auto.graphs is None  # auto on a CPU device
     finally:
         auto.worker.close()
+    if CUDA:
+        auto = LlmExecutor(LlmExecutorConfig(model_dir="/nonexistent/llama", num_blocks=8, device="cuda",
+                                             dtype="float32", max_batch_size=4), model.to("cuda"))
+        try:
+            assert auto.attention_backend == "triton" and auto.graphs is not None
+        finally:
+            auto.worker.close()
     with pytest.raises(ValueError, match="attention_backend must be"):
         LlmExecutorConfig(model_dir="x", attention_backend="flash")
     with pytest.raises(ValueError, match="decode graphs need the triton attention backend"):
@@ -211,12 +217,14 @@ def test_a_wrong_kernel_is_refused_at_start_up(monkeypatch):
     that computes wrongly stops an explicit triton backend (auto falls back to sdpa, on CUDA)."""
     from executors.models import triton_attention
 
-    assert triton_attention.self_check("cpu", torch.float32, 4, 2, 16, BLOCK) is None
+    device = "cuda" if CUDA else "cpu"
+    assert triton_attention.self_check(device, torch.float32, 4, 2, 16, BLOCK) is None
     monkeypatch.setattr(triton_attention, "paged_decode", lambda *args, **kwargs: None)
-    problem = triton_attention.self_check("cpu", torch.float32, 4, 2, 16, BLOCK)
+    problem = triton_attention.self_check(device, torch.float32, 4, 2, 16, BLOCK)
     assert problem is not None and "differ from SDPA" in problem
     with pytest.raises(ValueError, match="attention_backend triton: the kernels differ from SDPA"):
-        LlmExecutor(LlmExecutorConfig(model_dir="x", num_blocks=8, attention_backend="triton"), tiny_model("llama"))
+        LlmExecutor(LlmExecutorConfig(model_dir="x", num_blocks=8, attention_backend="triton", device=device,
+                                      dtype="float32"), tiny_model("llama").to(device))
 
 
 def test_decode_graph_check_rows_stay_in_the_scratch_block():
