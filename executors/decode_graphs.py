@@ -39,7 +39,7 @@ import torch
 
 from executors.models.attention import StepContext
 from executors.models.decoder import DecoderLM
-from executors.models.triton_attention import DecodeLaunch, KernelPlan, decode_partitions
+from executors.models.triton_attention import DecodeLaunch, KernelPlan, decode_partitions, partition_length
 from kvcache.kv_pool import PagedKvPool
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,9 @@ class DecodeGraphs:
         self._rows = torch.arange(largest, dtype=torch.int32, device=dev)
         self._copied = torch.cuda.Event() if pinned else None
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        # Fixed per bucket, for the longest sequence: the kernel skips partitions past a row's length.
+        self._partitions = {b: decode_partitions(b, pool.num_kv_heads, max_sequence_length, dev)
+                            for b in self.buckets}
         self._pad(0, largest)
         self._long.copy_(self._host_long)
         self._int.copy_(self._host_int)
@@ -101,9 +104,9 @@ class DecodeGraphs:
 
     def _step(self, b: int) -> torch.Tensor:
         """The decode step of the first b rows of the static buffers: logits [b, vocab]."""
-        parts = decode_partitions(b, self.pool.num_kv_heads, self.max_sequence_length, self.pool.device)
-        part_tokens = -(-(-(-self.max_sequence_length // parts)) // 16) * 16
-        launch = DecodeLaunch(self._rows[:b], self._int[:b], self._long[3, :b], parts, part_tokens)
+        parts = self._partitions[b]
+        launch = DecodeLaunch(self._rows[:b], self._int[:b], self._long[3, :b], parts,
+                              partition_length(self.max_sequence_length, parts))
         ctx = StepContext([], self.pool, self._long[2, :b], backend="triton", kernel_plan=KernelPlan(None, launch))
         hidden = self.model.hidden_states(self._long[0, :b], self._long[1, :b], ctx)
         return self.model.logits(hidden)

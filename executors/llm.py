@@ -135,7 +135,8 @@ class LlmExecutor(KvCacheExecutor):
         self.model = (model or load_model(config.model_dir, config.torch_dtype, config.device)).fuse()
         mc = self.model.config
         self.model_config = mc
-        self.attention_backend = _attention_backend(config, mc)
+        # The reference computation never reads the backend: no kernel check for it.
+        self.attention_backend = "sdpa" if reference else _attention_backend(config, mc)
         cuda = config.device.startswith("cuda")
         if decode_graphs is None:
             decode_graphs = cuda and config.cuda_graphs and self.attention_backend == "triton" and not reference
@@ -171,7 +172,7 @@ class LlmExecutor(KvCacheExecutor):
             try:
                 self.graphs = DecodeGraphs(self.model, self.pool, config.max_batch_size, max_sequence_length,
                                            capture=cuda)
-            except Exception as e:  # noqa: BLE001 - a capture that fails leaves eager decode, which works
+            except Exception as e:  # a capture that fails leaves eager decode, which works
                 if not cuda:
                     raise
                 log.warning("decode CUDA graphs are off, decode steps run eagerly: %s: %s", type(e).__name__, e)

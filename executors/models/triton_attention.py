@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from executors.models.attention import StepContext
+from executors.models.attention import StepContext, _sdpa
 
 LOG2E = 1.4426950408889634
 
@@ -244,35 +242,39 @@ class DecodeLaunch:
 
 
 def decode_partitions(batch: int, kv_heads: int, max_length: int, device: torch.device,
-                      partition_tokens: int = 512) -> int:
+                      min_partition_tokens: int = 512) -> int:
     """How many context partitions keep the GPU busy: split only while (rows x KV heads)
-    programs are too few to fill it, and never into partitions shorter than partition_tokens."""
+    programs are too few to fill it, and never into partitions shorter than min_partition_tokens."""
     if device.type != "cuda":
-        return max(1, -(-max_length // partition_tokens))
+        return max(1, -(-max_length // min_partition_tokens))
     programs = batch * kv_heads
     target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
     if programs >= target:
         return 1
-    return max(1, min(-(-target // programs), -(-max_length // partition_tokens)))
-
-
-def decode_launch(rows: list[int], tables: list[list[int]], lengths: list[int], block_size: int,
-                  kv_heads: int, device: torch.device, partition_tokens: int = 512,
-                  partitions: int | None = None) -> DecodeLaunch:
-    width = max(-(-n // block_size) for n in lengths)
-    padded = [list(t[:-(-n // block_size)]) + [0] * (width - -(-n // block_size)) for t, n in zip(tables, lengths)]
-    if partitions is None:
-        partitions = decode_partitions(len(rows), kv_heads, max(lengths), device, partition_tokens)
-    partition_tokens = -(-max(lengths) // partitions) if partitions > 1 else max(lengths)
-
-    def i32(values):
-        return torch.tensor(values, dtype=torch.int32, device=device)
-
-    return DecodeLaunch(i32(rows), i32(padded), i32(lengths), partitions, _round_up(partition_tokens, 16))
+    return max(1, min(-(-target // programs), -(-max_length // min_partition_tokens)))
 
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def partition_length(max_length: int, partitions: int) -> int:
+    """Keys per partition when contexts up to max_length split into `partitions` (a multiple of 16)."""
+    return _round_up(-(-max_length // partitions), 16)
+
+
+def decode_launch(rows: list[int], tables: list[list[int]], lengths: list[int], block_size: int,
+                  kv_heads: int, device: torch.device, partitions: int | None = None) -> DecodeLaunch:
+    """`partitions`: None picks them with decode_partitions."""
+    width = max(-(-n // block_size) for n in lengths)
+    padded = [list(t[:-(-n // block_size)]) + [0] * (width - -(-n // block_size)) for t, n in zip(tables, lengths)]
+    if partitions is None:
+        partitions = decode_partitions(len(rows), kv_heads, max(lengths), device)
+
+    def i32(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return DecodeLaunch(i32(rows), i32(padded), i32(lengths), partitions, partition_length(max(lengths), partitions))
 
 
 def paged_decode(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
@@ -384,7 +386,7 @@ def self_check(device: torch.device | str, dtype: torch.dtype, heads: int, kv_he
     try:
         out = torch.zeros_like(q)
         paged_decode(q, key, value, out, decode_launch(list(range(len(lengths))), tables, lengths, block_size,
-                                                      kv_heads, device, partitions=2, partition_tokens=block_size))
+                                                      kv_heads, device, partitions=2))
         rows = len(lengths)
         paged_prefill(q, key, value, out, prefill_launch([(rows, chunk, lengths[1] - chunk, tables[1])],
                                                          block_size, device))
@@ -403,16 +405,10 @@ def self_check(device: torch.device | str, dtype: torch.dtype, heads: int, kv_he
 
 
 def _sdpa_over(q, key, value, table, length, start) -> torch.Tensor:
-    """Plain SDPA of q (queries at positions start..) over keys 0..length-1 gathered through table."""
+    """float32 SDPA of q (queries at positions start..) over keys 0..length-1 gathered through table."""
     bs, kvh, d = key.shape[1], key.shape[2], key.shape[3]
     slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(length)], device=q.device)
-    k, v = key.reshape(-1, kvh, d)[slots].float(), value.reshape(-1, kvh, d)[slots].float()
-    n = q.shape[0]
-    mask = torch.arange(length, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
-        enable_gqa=True)
-    return out[0].transpose(0, 1)
+    return _sdpa(q.float(), key.reshape(-1, kvh, d)[slots].float(), value.reshape(-1, kvh, d)[slots].float(), start)
 
 
 # -- ahead-of-time compilation --------------------------------------------------------------

@@ -84,8 +84,7 @@ def test_decode_rows_over_paged_contexts(heads, kv_heads, head_dim, block_size, 
     rows = [0, 2, 3, 5, 6]
     q = torch.randn(8, heads, head_dim, device=DEVICE)
     out = torch.zeros_like(q)
-    launch = ta.decode_launch(rows, tables, lengths, block_size, kv_heads, DEVICE, partition_tokens=16,
-                              partitions=partitions)
+    launch = ta.decode_launch(rows, tables, lengths, block_size, kv_heads, DEVICE, partitions=partitions)
     assert launch.partitions == partitions
     ta.paged_decode(q, key, value, out, launch)
     for r, table, n in zip(rows, tables, lengths):
@@ -107,7 +106,7 @@ def test_keys_past_a_length_are_never_read():
     for parts in (1, 2):
         out = torch.zeros_like(q)
         ta.paged_decode(q, key, value, out, ta.decode_launch([0, 1, 2], tables, lengths, block_size, 2, DEVICE,
-                                                             partition_tokens=8, partitions=parts))
+                                                             partitions=parts))
         assert torch.isfinite(out).all()
     out = torch.zeros_like(q)
     segments = [(0, 1, 2, tables[0]), (1, 2, 11, tables[1])]
@@ -117,8 +116,8 @@ def test_keys_past_a_length_are_never_read():
 
 def test_decode_partitions_split_only_long_contexts_on_a_cpu():
     cpu = torch.device("cpu")
-    assert ta.decode_partitions(4, 2, 100, cpu, partition_tokens=512) == 1
-    assert ta.decode_partitions(4, 2, 1500, cpu, partition_tokens=512) == 3
+    assert ta.decode_partitions(4, 2, 100, cpu, min_partition_tokens=512) == 1
+    assert ta.decode_partitions(4, 2, 1500, cpu, min_partition_tokens=512) == 3
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
