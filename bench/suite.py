@@ -10,9 +10,11 @@ Parts, on the embedded SmolLM2-135M (fixed, seeded workloads):
             through UnifiedDecode and a StepSession stream)
   hf        ours vs transformers on the same weights: prefill and decode tokens/s at batch 1, 32
             (transformers `generate` with its static cache)
-  gpu       on CUDA ("skipped: no GPU" else), a Qwen3-0.6B-shaped random model in bf16: decode
-            steps through sdpa, triton and triton + CUDA graphs against the bandwidth floor,
-            batch_prefill(32) vs serial, decode vs transformers on the same weights
+  gpu       on CUDA ("skipped: no GPU" else), a Qwen3-0.6B-shaped random model in bf16 (bench/gpu.py):
+            decode steps through sdpa, triton and triton + CUDA graphs against the bandwidth floor,
+            batch_prefill(32) vs serial, gRPC at batch 32, decode vs transformers on the same weights
+  offline   on CUDA, nano-vllm's offline benchmark through the reference scheduler (bench/offline.py):
+            256 requests, prompt and output lengths uniform in 100-1024, ours vs transformers
   prefix    prefill of a long shared system prompt + a question, with and without a prefix-cache hit
   lora      decode step time with no adapter, one rank-16 adapter on every row, and rows mixed over
             four adapters and the base model (in-process)
@@ -51,7 +53,8 @@ from executors.types import DecodeInput, LogitsKind, LogitsPolicy, LoraSource, P
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("prefill", "decode", "grpc", "hf", "gpu", "prefix", "lora")
+PARTS = ("prefill", "decode", "grpc", "hf", "gpu", "offline", "prefix", "lora")
+GPU_PARTS = ("gpu", "offline")  # bench/gpu.py and bench/offline.py: their own random model, no MODEL_DIR
 SYSTEM_PROMPT_LEN = 1024
 QUESTION_LEN = 32
 SEED = 1234
@@ -384,137 +387,7 @@ def bench_hf(args, dtypes) -> list[dict]:
     return rows
 
 
-# -- (e) GPU-only parts ----------------------------------------------------------------------
-QWEN3_06B = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 1024,
-             "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
-             "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
-             "rope_theta": 1000000.0, "tie_word_embeddings": True, "dtype": "bfloat16"}
-
-
-def bench_gpu(args) -> list[dict]:
-    """On CUDA: the copy bandwidth (the floor), then a Qwen3-0.6B-shaped random model in bf16:
-    decode steps through sdpa, triton and triton + CUDA graphs side by side against the floor,
-    batch_prefill(32) against 32 prefills, and decode against transformers on the same weights."""
-    if not torch.cuda.is_available():
-        return [{"skipped": "no GPU"}]
-    import transformers
-
-    from executors.models.config import DecoderConfig
-    from executors.models.decoder import DecoderLM
-    from executors.models.layers import RotaryEmbedding
-
-    rows = []
-    # Bandwidth floor: a device-to-device copy of 1 GiB (read + write).
-    x = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
-    y = torch.empty_like(x)
-    y.copy_(x)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    floor = 2 * x.numel() * 4 * 10 / (time.perf_counter() - t0) / 1e9
-    rows.append({"what": "copy bandwidth", "gb_s": floor, "device": torch.cuda.get_device_name(0)})
-    del x, y
-    # A Qwen3-0.6B-shaped model with random weights, built by transformers (the comparison)
-    # and loaded into ours: the same weights on both sides.
-    torch.manual_seed(SEED)
-    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3_06B)).to("cuda", torch.bfloat16).eval()
-    hf.generation_config.eos_token_id = None
-    cfg = DecoderConfig.from_dict(QWEN3_06B)
-    with torch.device("cuda"):
-        model = DecoderLM(cfg).to(torch.bfloat16)
-    own = dict(model.named_parameters())
-    model.load_state_dict({k: v for k, v in hf.state_dict().items() if k in own}, strict=True)
-    model.rope = RotaryEmbedding(cfg).to("cuda")  # float32 tables, as the loader builds them
-    model.eval()
-    loop = Loop()
-    reps = 6 if args.quick else 21
-    variants = [("sdpa", False), ("triton", False), ("triton", True)]
-    step_ms: dict[tuple[str, bool, int], float] = {}
-    for backend, graphs in variants:
-        ex = LlmExecutor(LlmExecutorConfig(model_dir="qwen3-0.6b-random", dtype="bfloat16", device="cuda",
-                                           num_blocks=4096, max_batch_size=64, max_sequence_length=4096,
-                                           prefix_caching=False, attention_backend=backend, cuda_graphs=graphs),
-                         model)
-        name = backend + (" + graphs" if graphs else "")
-        for b in (1, 32):
-            outs = loop.run(ex.batch_prefill([PrefillInput(input_ids=p, logits_policy=ARGMAX)
-                                              for p in prompts(b, PROMPT_LEN, cfg.vocab_size)]))
-            hs = [o.kv_cache for o in outs]
-            times = []
-            for s in range(reps):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                steps = loop.run(ex.batch_decode([DecodeInput(token_id=1, kv_cache=h, logits_policy=ARGMAX)
-                                                  for h in hs]))
-                torch.cuda.synchronize()
-                hs = [st.kv_cache for st in steps]
-                if s:
-                    times.append(time.perf_counter() - t0)
-            step = statistics.median(times)
-            step_ms[(backend, graphs, b)] = step * 1e3
-            moved = ex.parameter_bytes + b * hs[0].sequence_length * ex.pool.bytes_per_token
-            floor_ms = moved / (floor * 1e9) * 1e3
-            rows.append({"what": "qwen3-0.6b-shaped decode", "attention": name, "batch": b, "step_ms": step * 1e3,
-                         "tok_s": b / step, "bandwidth_gb_s": moved / step / 1e9, "floor_ms": floor_ms,
-                         "x_floor": step * 1e3 / floor_ms})
-            print(f"  gpu decode {name:16s} batch {b:2d}: {step * 1e3:6.2f} ms/step, {b / step:8.0f} tok/s, "
-                  f"{moved / step / 1e9:6.0f} GB/s, {step * 1e3 / floor_ms:.2f}x the floor", flush=True)
-            for h in hs:
-                loop.run(ex.release_cache(h.cache_id))
-        if backend == "triton" and graphs:
-            ps = prompts(32, PROMPT_LEN, cfg.vocab_size, SEED + 7)
-
-            async def one_call():
-                outs = await ex.batch_prefill([PrefillInput(input_ids=p, logits_policy=ARGMAX) for p in ps])
-                for o in outs:
-                    await ex.release_cache(o.kv_cache.cache_id)
-
-            async def serial():
-                for p in ps:
-                    out = await ex.prefill(PrefillInput(input_ids=p, logits_policy=ARGMAX))
-                    await ex.release_cache(out.kv_cache.cache_id)
-
-            def cuda_timed(coro_fn):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                loop.run(coro_fn())
-                torch.cuda.synchronize()
-                return time.perf_counter() - t0
-
-            cuda_timed(one_call), cuda_timed(serial)  # warm-up
-            batched = min(cuda_timed(one_call) for _ in range(3))
-            one_by_one = min(cuda_timed(serial) for _ in range(3))
-            rows.append({"what": "qwen3-0.6b-shaped batch_prefill 32x128", "batched_ms": batched * 1e3,
-                         "serial_ms": one_by_one * 1e3, "ratio": one_by_one / batched})
-            print(f"  gpu batch_prefill 32x128: {batched * 1e3:.1f} ms vs serial {one_by_one * 1e3:.1f} ms "
-                  f"({one_by_one / batched:.1f}x)", flush=True)
-        ex.worker.close()
-        ex = None  # its pool and graphs go before the next variant's
-        torch.cuda.empty_cache()
-    # transformers' generate with its static cache on the same weights: decode tokens/s.
-    new_tokens = 8 if args.quick else 32
-    for b in (1, 32):
-        ids = torch.tensor(prompts(b, PROMPT_LEN, cfg.vocab_size), device="cuda")
-
-        def gen(n):
-            with torch.inference_mode():
-                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, pad_token_id=0, cache_implementation="static")
-            torch.cuda.synchronize()
-            return out
-
-        gen(2)
-        pairs = [(timed(gen, 1)[0], timed(gen, 1 + new_tokens)[0]) for _ in range(3)]
-        hf_step = statistics.median(a - p for p, a in pairs) / new_tokens
-        ours = step_ms[("triton", True, b)] / 1e3
-        rows.append({"what": "decode vs transformers", "batch": b, "hf_step_ms": hf_step * 1e3,
-                     "ours_step_ms": ours * 1e3, "ratio": hf_step / ours})
-        print(f"  gpu decode vs transformers batch {b:2d}: {ours * 1e3:.2f} vs {hf_step * 1e3:.2f} ms/step "
-              f"({hf_step / ours:.1f}x)", flush=True)
-    loop.close()
-    return rows
+# -- (e) GPU-only parts: bench/gpu.py ----------------------------------------------------------
 
 
 # -- (f) prefix caching: a long shared system prompt ----------------------------------------
@@ -665,10 +538,10 @@ def table(results: dict) -> str:
         for x in r["lora"]:
             out.append(f"    {x['dtype']:8s} batch {x['batch']:2d} {x['mix']:18s} {x['step_ms']:8.1f} ms "
                        f"({x['vs_base']:.2f}x base)")
-    if "gpu" in r:
-        out.append("(e) GPU")
-        for x in r["gpu"]:
-            out.append(f"    {json.dumps(x)}" if "skipped" not in x else f"    skipped: {x['skipped']}")
+    if "gpu" in r or "offline" in r:
+        from bench.gpu import table_lines
+
+        out.extend(table_lines(r.get("gpu", []) + r.get("offline", [])))
     return "\n".join(out)
 
 
@@ -770,6 +643,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>-<host>.json)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--device", default="cuda", help="the device of the GPU parts (default %(default)s)")
+    p.add_argument("--shape", default="qwen3-0.6b", choices=("qwen3-0.6b", "tiny"),
+                   help="the GPU parts' model: Qwen3-0.6B-shaped, or tiny (a dry run of their code, on a CPU too)")
     args = p.parse_args(argv)
     parts = [x for x in args.parts.split(",") if x]
     unknown = set(parts) - set(PARTS)
@@ -778,12 +654,12 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = [d for d in args.dtypes.split(",") if d]
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not MODEL_DIR.is_dir():
+    if not MODEL_DIR.is_dir() and set(parts) - set(GPU_PARTS):
         p.error(f"{MODEL_DIR} is missing: run `make model` first")
     results: dict[str, Any] = {
         "command": " ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])]),
         "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": MODEL_DIR.name, "machine": machine(), "quick": args.quick, "results": {},
+        "model": MODEL_DIR.name if set(parts) - set(GPU_PARTS) else args.shape, "machine": machine(), "quick": args.quick, "results": {},
     }
     started = time.perf_counter()
     for part in parts:
@@ -802,10 +678,16 @@ def main(argv: list[str] | None = None) -> int:
         elif part == "lora":
             results["results"]["lora"] = bench_lora(args, dtypes)
         elif part == "gpu":
+            from bench.gpu import bench_gpu
+
             results["results"]["gpu"] = bench_gpu(args)
-            for x in results["results"]["gpu"]:
-                if "skipped" in x:
-                    print(f"  skipped: {x['skipped']}", flush=True)
+        elif part == "offline":
+            from bench.offline import bench_offline
+
+            results["results"]["offline"] = bench_offline(args)
+        for x in results["results"].get(part, []):
+            if "skipped" in x:
+                print(f"  skipped: {x['skipped']}", flush=True)
         print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     results["seconds"] = time.perf_counter() - started
     results["machine"]["loadavg_end"] = list(os.getloadavg())

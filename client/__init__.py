@@ -1,6 +1,6 @@
 """Python client of the modelexec.v1 executor service (no torch: grpc, protobuf, NumPy).
 
-    from client import ExecutorClient, PrefillInput, LogitsPolicy
+    from . import ExecutorClient, PrefillInput, LogitsPolicy
     with ExecutorClient("localhost:50051") as ex:
         out = ex.prefill(PrefillInput([1, 2, 3], logits_policy=LogitsPolicy.argmax()))
 
@@ -8,9 +8,9 @@
 exceptions of `client.errors`.
 """
 
-from client.aio import AsyncExecutorClient
-from client.blocking import ExecutorClient
-from client.errors import (
+from .aio import AsyncExecutorClient
+from .blocking import ExecutorClient
+from .errors import (
     AbortedError,
     AlreadyExistsError,
     CallCancelledError,
@@ -30,9 +30,9 @@ from client.errors import (
     UnknownError,
     from_rpc_error,
 )
-from client.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, HEALTH_SERVICE_NAME
-from client.security import bearer_metadata, tls_credentials
-from client.types import (
+from .limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, HEALTH_SERVICE_NAME
+from .security import bearer_metadata, tls_credentials
+from .types import (
     CallTiming,
     DecodeInput,
     DecodeOutput,

@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from client.blocking import ExecutorClient
-from client.errors import ExecutorError
-from client.limits import DEFAULT_TIMEOUT_S
-from generated.modelexec.v1 import executor_pb2 as pb
+from ._proto import executor_pb2 as pb
+from .blocking import ExecutorClient
+from .errors import ExecutorError
+from .limits import DEFAULT_TIMEOUT_S
 
 Command = Callable[[ExecutorClient, argparse.Namespace], Message | None]
 
@@ -82,9 +82,9 @@ def _lora_unload_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_generate(ex: ExecutorClient, args: argparse.Namespace) -> None:
     """Stream a completion of --prompt (or a chat reply with --chat) to stdout."""
-    from client.generate import generate_text
-    from client.tokenizer import TextTokenizer
-    from client.types import LogitsPolicy
+    from .generate import generate_text
+    from .tokenizer import TextTokenizer
+    from .types import LogitsPolicy
 
     tok = TextTokenizer(args.tokenizer)
     text = args.prompt
@@ -103,7 +103,7 @@ def cmd_generate(ex: ExecutorClient, args: argparse.Namespace) -> None:
 
 
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
-    from client.tokenizer import DEFAULT_TOKENIZER_DIR
+    from .tokenizer import DEFAULT_TOKENIZER_DIR
 
     p.add_argument("--prompt", required=True, help="text to complete (or the user message with --chat)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
@@ -120,14 +120,14 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_schedule(ex: ExecutorClient, args: argparse.Namespace) -> None:
     """Run --prompts-file through the continuous-batching scheduler on --targets (client/scheduler.py)."""
-    from client.scheduler import run_schedule_command
+    from .scheduler import run_schedule_command
 
     run_schedule_command(args)
     return None
 
 
 def _schedule_arguments(p: argparse.ArgumentParser) -> None:
-    from client.scheduler import add_schedule_arguments
+    from .scheduler import add_schedule_arguments
 
     add_schedule_arguments(p)
 
@@ -150,7 +150,9 @@ _EXTRA_ARGUMENTS = {"generate": _generate_arguments, "schedule": _schedule_argum
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m client", description=__doc__.splitlines()[0])
+    # `python -m client` in the checkout, `python -m modelexec_client` (or `modelexec-client`) installed.
+    prog = "python -m client" if __package__ == "client" else "modelexec-client"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="localhost:50051", help="host:port or unix:///path")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="per-call deadline, seconds")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

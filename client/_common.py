@@ -10,9 +10,9 @@ from typing import Any, TypeAlias
 import grpc
 from grpc_health.v1 import health_pb2
 
-from client.errors import DeadlineExceededError
-from client.limits import DEFAULT_MAX_MESSAGE_BYTES, HEALTH_SERVICE_NAME, channel_options
-from client.security import bearer_metadata
+from .errors import DeadlineExceededError
+from .limits import DEFAULT_MAX_MESSAGE_BYTES, HEALTH_SERVICE_NAME, channel_options
+from .security import bearer_metadata
 
 
 class _Default(enum.Enum):

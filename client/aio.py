@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import convert
-from client._common import (
+from . import convert
+from ._common import (
     HEALTH_ATTEMPT_S,
     RETRYABLE_HEALTH_CODES,
     SERVING,
@@ -26,10 +26,12 @@ from client._common import (
     health_request,
     not_ready_error,
 )
-from client.errors import from_rpc_error
-from client.session import AsyncStepSession
-from client.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, HEALTH_SERVICE_NAME
-from client.types import (
+from ._proto import executor_pb2 as pb
+from ._proto import executor_pb2_grpc as pb_grpc
+from .errors import from_rpc_error
+from .limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, HEALTH_SERVICE_NAME
+from .session import AsyncStepSession
+from .types import (
     DecodeInput,
     DecodeOutput,
     ForwardOutput,
@@ -45,8 +47,6 @@ from client.types import (
     UnifiedBatchItem,
     UnifiedItemResult,
 )
-from generated.modelexec.v1 import executor_pb2 as pb
-from generated.modelexec.v1 import executor_pb2_grpc as pb_grpc
 
 __all__ = ["AsyncExecutorClient"]
 

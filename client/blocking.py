@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import convert
-from client._common import (
+from . import convert
+from ._common import (
     HEALTH_ATTEMPT_S,
     RETRYABLE_HEALTH_CODES,
     SERVING,
@@ -25,10 +25,12 @@ from client._common import (
     health_request,
     not_ready_error,
 )
-from client.errors import from_rpc_error
-from client.session import StepSession
-from client.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, HEALTH_SERVICE_NAME
-from client.types import (
+from ._proto import executor_pb2 as pb
+from ._proto import executor_pb2_grpc as pb_grpc
+from .errors import from_rpc_error
+from .limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, HEALTH_SERVICE_NAME
+from .session import StepSession
+from .types import (
     DecodeInput,
     DecodeOutput,
     ForwardOutput,
@@ -44,8 +46,6 @@ from client.types import (
     UnifiedBatchItem,
     UnifiedItemResult,
 )
-from generated.modelexec.v1 import executor_pb2 as pb
-from generated.modelexec.v1 import executor_pb2_grpc as pb_grpc
 
 __all__ = ["ExecutorClient"]
 

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 from google.protobuf import json_format, struct_pb2
 
-from client.types import (
+from ._proto import executor_pb2 as pb
+from .types import (
     CallTiming,
     DecodeInput,
     DecodeOutput,
@@ -34,7 +35,6 @@ from client.types import (
     UnifiedBatchItem,
     UnifiedItemResult,
 )
-from generated.modelexec.v1 import executor_pb2 as pb
 
 # ---------------------------------------------------------------------------------------
 # Tensors

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from client.blocking import ExecutorClient
-from client.tokenizer import TextTokenizer
-from client.types import DecodeInput, LogitsPolicy, PrefillInput
+from .blocking import ExecutorClient
+from .tokenizer import TextTokenizer
+from .types import DecodeInput, LogitsPolicy, PrefillInput
 
 
 def generate_text(

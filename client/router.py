@@ -34,12 +34,13 @@ from typing import Any, Self, TypeVar
 
 import grpc
 
-from client._common import USE_DEFAULT, Timeout
-from client.aio import AsyncExecutorClient
-from client.convert import cache_id_of
-from client.errors import ExecutorError, NotFoundError
-from client.limits import DEFAULT_TIMEOUT_S
-from client.types import (
+from ._common import USE_DEFAULT, Timeout
+from ._proto import executor_pb2 as pb
+from .aio import AsyncExecutorClient
+from .convert import cache_id_of
+from .errors import ExecutorError, NotFoundError
+from .limits import DEFAULT_TIMEOUT_S
+from .types import (
     DecodeInput,
     DecodeOutput,
     ForwardOutput,
@@ -55,7 +56,6 @@ from client.types import (
     UnifiedBatchItem,
     UnifiedItemResult,
 )
-from generated.modelexec.v1 import executor_pb2 as pb
 
 __all__ = ["AsyncExecutorRouter", "PartialBatchError", "parse_targets"]
 

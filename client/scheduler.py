@@ -49,11 +49,11 @@ from typing import Any, Self
 import grpc
 import numpy as np
 
-from client.aio import AsyncExecutorClient
-from client.convert import metadata_from_proto
-from client.errors import ExecutorError, NotFoundError, OutOfRangeError, ResourceExhaustedError
-from client.router import AsyncExecutorRouter, parse_targets
-from client.types import LogitsPolicy, UnifiedBatchItem, UnifiedItemResult
+from .aio import AsyncExecutorClient
+from .convert import metadata_from_proto
+from .errors import ExecutorError, NotFoundError, OutOfRangeError, ResourceExhaustedError
+from .router import AsyncExecutorRouter, parse_targets
+from .types import LogitsPolicy, UnifiedBatchItem, UnifiedItemResult
 
 __all__ = ["Completion", "RequestStream", "Scheduler", "SchedulerConfig", "SchedulerStats", "run_batch"]
 
@@ -801,7 +801,7 @@ async def run_batch(scheduler: Scheduler, prompts: list[list[int]], *, max_token
 
 
 def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
-    from client.tokenizer import DEFAULT_TOKENIZER_DIR
+    from .tokenizer import DEFAULT_TOKENIZER_DIR
 
     p.add_argument("--targets", default=None,
                    help="HOST:PORT[,HOST:PORT...] of the executor replicas (default: --target)")
@@ -821,7 +821,7 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_schedule_command(args: argparse.Namespace) -> None:
     """The `schedule` subcommand: prints each completion, then throughput, to stdout."""
-    from client.tokenizer import TextTokenizer
+    from .tokenizer import TextTokenizer
 
     tok = TextTokenizer(args.tokenizer)
     with open(args.prompts_file, encoding="utf-8") as f:

@@ -1,7 +1,7 @@
 """Credentials for a server started with TLS, mutual TLS or bearer tokens (no torch here).
 
-    from client import ExecutorClient
-    from client.security import tls_credentials
+    from . import ExecutorClient
+    from .security import tls_credentials
 
     creds = tls_credentials(ca="ca.pem", cert="client.pem", key="client.key")  # cert/key: mTLS only
     with ExecutorClient("localhost:50051", credentials=creds, token="s3cret") as ex:

@@ -14,10 +14,10 @@ from typing import Any
 
 import grpc
 
-from client import convert
-from client.errors import ExecutorError, UnavailableError, error_class, from_rpc_error
-from client.types import UnifiedBatch, UnifiedBatchItem, UnifiedItemResult
-from generated.modelexec.v1 import executor_pb2 as pb
+from . import convert
+from ._proto import executor_pb2 as pb
+from .errors import ExecutorError, UnavailableError, error_class, from_rpc_error
+from .types import UnifiedBatch, UnifiedBatchItem, UnifiedItemResult
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _END = object()

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from client.aio import AsyncExecutorClient
-from client.errors import ExecutorError
-from client.types import DecodeInput, KvCacheHandle, LogitsOutput, LogitsPolicy, PrefillInput
+from .aio import AsyncExecutorClient
+from .errors import ExecutorError
+from .types import DecodeInput, KvCacheHandle, LogitsOutput, LogitsPolicy, PrefillInput
 
 __all__ = ["SpeculativeDecoder", "SpeculativeResult", "SpeculativeStats", "accept_greedy", "accept_sampled",
            "softmax"]

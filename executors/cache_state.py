@@ -6,10 +6,15 @@
   so a client that vanished does not hold KV blocks forever.
 - last_step: what the latest append did and returned, so a retried step (same position,
   same tokens, same policy) gets the same answer instead of appending its tokens twice.
+- serial and claims: which creation this is (ids are reused once released), and how many
+  later calls have completed on it. A call whose caller went away undoes the caches it
+  created, but only those nobody else has completed on since: a retry that got the same
+  cache by replay, or a step that continued it, now owns it (`unclaimed`).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,15 +40,32 @@ class CacheState:
     adapter: LoraAdapter | None = None
     last_used: float = field(default_factory=time.monotonic)
     last_step: StepRecord | None = None
+    serial: int = 0  # which creation of this id
+    claims: int = 0  # later calls that completed on the cache
 
 
 class CacheRegistry:
     def __init__(self) -> None:
         self._states: dict[str, CacheState] = {}
+        self._serials = itertools.count(1)
         self.leases_expired = 0
 
-    def add(self, cache_id: str, owner: str | None, adapter: LoraAdapter | None = None) -> None:
-        self._states[cache_id] = CacheState(owner, adapter)
+    def add(self, cache_id: str, owner: str | None, adapter: LoraAdapter | None = None) -> int:
+        """Register a new cache; returns its creation serial."""
+        serial = next(self._serials)
+        self._states[cache_id] = CacheState(owner, adapter, serial=serial)
+        return serial
+
+    def claim(self, cache_id: str) -> None:
+        """A call other than the creating one completed on the cache."""
+        state = self._states.get(cache_id)
+        if state is not None:
+            state.claims += 1
+
+    def unclaimed(self, cache_id: str, serial: int) -> bool:
+        """The cache is still the creation `serial` and no later call has completed on it."""
+        state = self._states.get(cache_id)
+        return state is not None and state.serial == serial and state.claims == 0
 
     def adapter_bindings(self) -> dict[str, int]:
         """Live caches per LoRA adapter name."""

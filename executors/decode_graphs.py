@@ -88,6 +88,11 @@ class DecodeGraphs:
             self._graphs = {b: (None, None) for b in self.buckets}
 
     @property
+    def captured(self) -> list[int]:
+        """The buckets replayed from CUDA graphs (none when the step runs eagerly, on a CPU)."""
+        return [b for b, (graph, _) in sorted(self._graphs.items()) if graph is not None]
+
+    @property
     def max_batch(self) -> int:
         return self.buckets[-1]
 
@@ -112,6 +117,8 @@ class DecodeGraphs:
         return self.model.logits(hidden)
 
     def _capture(self) -> None:
+        log.info("capturing decode CUDA graphs for batch sizes %s, then replaying those up to %d rows against "
+                 "the eager step", self.buckets, self.pool.block_size)
         mempool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         for b in reversed(self.buckets):  # largest first: the others fit in its memory
@@ -128,7 +135,7 @@ class DecodeGraphs:
             if b <= self.pool.block_size:
                 self._verify(b)
         self._pad(0, self.max_batch)
-        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        log.info("captured and checked decode CUDA graphs for batch sizes %s", self.buckets)
 
     def _verify(self, n: int) -> None:
         """Replay against the eager step on n rows of distinct tokens and lengths, all in the

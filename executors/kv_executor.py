@@ -13,6 +13,7 @@ import abc
 import asyncio
 import dataclasses
 import enum
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,6 +68,8 @@ from executors.worker import SerialWorker
 from kvcache import BlockTable, KvCacheManager
 from kvcache.kv_pool import PagedKvPool
 
+log = logging.getLogger(__name__)
+
 
 class Rows(enum.Enum):
     """Which positions of an item need logits."""
@@ -97,6 +100,7 @@ class StepResult:
     outputs: list[LogitsResult] | None  # one per logits row; None for Rows.NONE
     kv_cache: KvCacheHandle
     created: bool = False  # this step created the cache
+    serial: int = 0  # the creation's serial (CacheRegistry), when created
 
 
 class StepLogits(NamedTuple):
@@ -141,8 +145,16 @@ class KvCacheExecutor(ModelExecutor):
         self.max_batch_size = max_batch_size
         self.device = device
         self.kv = KvCacheManager(num_blocks, block_size, prefix_caching=prefix_caching)
+        # Said before the allocation, which takes seconds for a large pool (zero-filled).
+        element = torch.empty((), dtype=kv_dtype).element_size()
+        pool_bytes = 2 * num_layers * (num_blocks + scratch_blocks) * block_size * num_kv_heads * head_dim * element
+        log.info("allocating the KV pool: %d blocks of %d tokens (%d tokens), %.1f MiB of %s on %s", num_blocks,
+                 block_size, num_blocks * block_size, pool_bytes / 2**20, str(kv_dtype).removeprefix("torch."), device)
+        started = time.perf_counter()
         self.pool = PagedKvPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_dtype, device,
                                 scratch_blocks)
+        if time.perf_counter() - started > 1:
+            log.info("KV pool allocated in %.1f s", time.perf_counter() - started)
         self.worker = SerialWorker(self.name)
         self.caches = CacheRegistry()
         self.stats = ExecutorStats()
@@ -421,16 +433,18 @@ class KvCacheExecutor(ModelExecutor):
         """Run the specs as one forward; a spec that repeats its cache's last step is replayed."""
         started = time.perf_counter_ns()
         self.stats.begin(len(specs))
-        created: list[str] = []
+        created: dict[str, int] = {}  # cache id -> creation serial
+        # Server-chosen ids never equal an id a caller names anywhere in this call.
+        named = frozenset(s.cache_id for s in specs if s.cache_id is not None)
         resolved: list[StepItem | StepResult] = []
         try:
             for s in specs:
-                resolved.append(self._resolve(s, created, identity))
+                resolved.append(self._resolve(s, created, identity, named))
             work = [(s, it) for s, it in zip(specs, resolved) if isinstance(it, StepItem)]
             copies = self.kv.extend_many([(it.cache_id, it.start + len(it.tokens)) for _, it in work])
             self.pool.copy_blocks(copies)  # copy-on-write: before anything writes into them
             outputs = self._outputs(work, self._forward_step([it for _, it in work])) if work else []
-            fresh = [self._finish(it, out, it.cache_id in created) for (_, it), out in zip(work, outputs)]
+            fresh = [self._finish(it, out, created.get(it.cache_id)) for (_, it), out in zip(work, outputs)]
         except BaseException:
             # Undo everything: caches this call created go, the others return to their
             # length before it (dropping any prefix blocks they were given).
@@ -450,6 +464,9 @@ class KvCacheExecutor(ModelExecutor):
             self.caches.record(it.cache_id, s.expected_length, s.tokens, (s.rows, s.policy), res)
         computed = iter(fresh)
         results = [r if isinstance(r, StepResult) else next(computed) for r in resolved]
+        for r in results:
+            if r.cache_id not in created:  # this call completed on a cache an earlier one made
+                self.caches.claim(r.cache_id)
         self.peak_used_bytes = max(self.peak_used_bytes, self._used_bytes())
         ran = [s for s, _ in work]  # replayed items cost nothing and are not counted
         decode_items = sum(s.is_decode for s in ran)
@@ -461,7 +478,8 @@ class KvCacheExecutor(ModelExecutor):
         )
         return results
 
-    def _resolve(self, s: ItemSpec, created: list[str], identity: str | None) -> StepItem | StepResult:
+    def _resolve(self, s: ItemSpec, created: dict[str, int], identity: str | None,
+                 named: frozenset[str]) -> StepItem | StepResult:
         if s.cache_id is not None and s.cache_id in self.kv:
             table = self.kv.get(s.cache_id)
             adapter = self.caches.touch(s.cache_id, identity, s.where).adapter
@@ -486,9 +504,8 @@ class KvCacheExecutor(ModelExecutor):
             raise AssertionError("unreachable")
         else:
             adapter = self._adapter(s.adapter, f"{s.where}.metadata")
-            cache_id, table = self.kv.create(s.cache_id, namespace=adapter.key if adapter else "")
-            created.append(cache_id)
-            self.caches.add(cache_id, identity, adapter)
+            cache_id, table = self.kv.create(s.cache_id, namespace=adapter.key if adapter else "", avoid=named)
+            created[cache_id] = self.caches.add(cache_id, identity, adapter)
         end = s.expected_length + len(s.tokens)
         if end > self.max_sequence_length:
             raise OutOfRange(
@@ -529,8 +546,9 @@ class KvCacheExecutor(ModelExecutor):
         results = apply_policies(step.logits, policies, positions)
         return [None if span is None else results[span[0]:span[0] + span[1]] for span in step.spans]
 
-    def _finish(self, it: StepItem, outputs: list[LogitsResult] | None, created: bool) -> StepResult:
-        return StepResult(it.cache_id, outputs, self._handle(it.cache_id), created)
+    def _finish(self, it: StepItem, outputs: list[LogitsResult] | None, serial: int | None) -> StepResult:
+        """serial: the creation serial when this call created the cache, else None."""
+        return StepResult(it.cache_id, outputs, self._handle(it.cache_id), serial is not None, serial or 0)
 
     def _handle(self, cache_id: str) -> KvCacheHandle:
         t, p = self.kv.get(cache_id), self.pool
@@ -560,6 +578,7 @@ class KvCacheExecutor(ModelExecutor):
         freed = self.kv.truncate(cache_id, new_length)
         if new_length < before:
             self.caches.forget_step(cache_id)  # the last step is undone: nothing to replay
+        self.caches.claim(cache_id)
         return TruncateResult(kv_cache=self._handle(cache_id), freed_blocks=freed)
 
     def _release_now(self, cache_id: str, identity: str | None) -> ReleaseResult:
@@ -570,9 +589,11 @@ class KvCacheExecutor(ModelExecutor):
         return ReleaseResult(released=freed is not None, freed_blocks=freed or 0)
 
     def _undo_created(self, results: list[StepResult]) -> None:
-        """The caller went away before it learned of these caches: release them."""
+        """The caller went away before it learned of these caches: release them, unless a
+        later call has completed on one since (a retry that got it by replay owns it now),
+        whichever order the worker ran the two in."""
         for r in results:
-            if r.created and r.cache_id in self.kv:
+            if r.created and r.cache_id in self.kv and self.caches.unclaimed(r.cache_id, r.serial):
                 self.kv.release(r.cache_id)
                 self.caches.remove(r.cache_id)
 

@@ -213,6 +213,8 @@ def auto_num_blocks(model: DecoderLM, *, device: str, kv_dtype: torch.dtype, blo
     per_block = kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, block_size)
     tokens = 0
 
+    log.info("sizing the KV pool from %s's memory: one warm-up forward without a pool first", device)
+
     def warmup() -> None:
         nonlocal tokens
         tokens = warmup_forward(model, max_batch_size=max_batch_size, max_sequence_length=max_sequence_length,

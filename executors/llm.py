@@ -108,6 +108,7 @@ def _attention_backend(config: LlmExecutorConfig, mc: DecoderConfig) -> str:
     if not cuda and not triton_attention.interpreted():
         raise ValueError("attention_backend triton runs on CUDA; on a CPU only in Triton's interpreter "
                          "(TRITON_INTERPRET=1 before triton is imported; slow, for tests)")
+    log.info("checking the Triton paged-attention kernels against SDPA at the model's shapes (they compile first)")
     problem = triton_attention.self_check(config.device, config.torch_dtype, mc.num_heads, mc.num_kv_heads,
                                           mc.head_dim, config.block_size)
     if problem is None:
@@ -289,7 +290,11 @@ class LlmExecutor(KvCacheExecutor):
             dtype=DType(str(self.config.torch_dtype).removeprefix("torch.")),
             device=self.config.device,
             metadata={"architecture": mc.architecture, "family": mc.family,
-                      "eos_token_ids": list(mc.eos_token_ids), "bos_token_id": mc.bos_token_id},
+                      "eos_token_ids": list(mc.eos_token_ids), "bos_token_id": mc.bos_token_id,
+                      # How steps run here: a GPU check (or a person) can see that the Triton
+                      # kernels passed their start-up check and which decode graphs were captured.
+                      "attention_backend": self.attention_backend,
+                      "cuda_graph_buckets": self.graphs.captured if self.graphs is not None else []},
         )
 
     def capabilities(self) -> ExecutorCapabilities:

@@ -1,14 +1,16 @@
 """Regenerate the Python code for protos/: `python -m generated` (or `--check` to diff).
 
-protoc is pointed at protos/ under the virtual path `generated/`, so the generated
-modules import each other as `generated.modelexec.v1...` and work as a package with
-no rewriting of their import lines.
+protoc is pointed at protos/ under the virtual path `generated/`. The one import between
+generated modules (the gRPC stubs of their messages) is then made relative, so the same
+files work as `generated.modelexec.v1` in the checkout and inside the installed client
+package (`modelexec_client.proto`, see pyproject.toml).
 """
 
 from __future__ import annotations
 
 import argparse
 import filecmp
+import re
 import shutil
 import sys
 import tempfile
@@ -44,6 +46,12 @@ def generate(out_root: Path) -> list[Path]:
         raise SystemExit("protoc failed")
     for init in PACKAGE_INITS:
         (out_root / "generated" / init).touch()
+    for stub in (out_root / "generated").rglob("*_pb2_grpc.py"):
+        text = stub.read_text()
+        relative = re.sub(r"^from generated\.[\w.]+ import (\w+_pb2) as", r"from . import \1 as", text, flags=re.M)
+        if relative == text:
+            raise SystemExit(f"{stub.name}: no generated.* import to make relative; protoc's output changed")
+        stub.write_text(relative)
     return sorted(p for p in (out_root / "generated").rglob("*") if p.is_file())
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvcache.block_allocator import BlockAllocator, CachedBlock
@@ -95,13 +95,15 @@ class KvCacheManager:
             raise CacheNotFound(cache_id, released=cache_id in self._released) from None
 
     # -- lifecycle ------------------------------------------------------------------------
-    def create(self, cache_id: str | None = None, namespace: str = "") -> tuple[str, BlockTable]:
-        """Register an empty cache under cache_id, or under a fresh id when None.
+    def create(self, cache_id: str | None = None, namespace: str = "",
+               avoid: Collection[str] = ()) -> tuple[str, BlockTable]:
+        """Register an empty cache under cache_id, or under a fresh id when None, never one in
+        `avoid` (the ids callers name elsewhere in the same call).
 
         `namespace` separates caches whose K and V differ for equal tokens (the LoRA
         adapter): they never share blocks."""
         if cache_id is None:
-            cache_id = self._fresh_id()
+            cache_id = self._fresh_id(avoid)
         elif not CACHE_ID_PATTERN.fullmatch(cache_id):
             raise InvalidCacheId(cache_id, "use 1 to 128 characters from [A-Za-z0-9._:-]")
         elif cache_id in self._tables:
@@ -297,11 +299,11 @@ class KvCacheManager:
         # Tail blocks first, so the end of a sequence is reused before its prefix.
         return sum(self.allocator.decref(b) for b in reversed(list(block_ids)))
 
-    def _fresh_id(self) -> str:
+    def _fresh_id(self, avoid: Collection[str]) -> str:
         while True:
             self._next_id += 1
             cid = f"kv-{self._next_id}"
-            if cid not in self._tables:
+            if cid not in self._tables and cid not in avoid:
                 return cid
 
     def _remember_released(self, cache_id: str) -> None:

@@ -3,15 +3,19 @@
 import asyncio
 import sys
 
-from executors.models.config import UnsupportedModel
-from service.auth import CredentialsError
 from service.config import parse_args
-from service.observability import configure_logging
-from service.server import serve
 
 
 def main() -> None:
     config = parse_args()
+    # Importing torch and grpc takes seconds on a cold start: say so before it starts.
+    what = "the paged reference executor" if config.executor == "paged" else config.model
+    print(f"modelexec: starting: importing torch and grpc, then loading {what}", flush=True)
+    from executors.models.config import UnsupportedModel
+    from service.auth import CredentialsError
+    from service.observability import configure_logging
+    from service.server import serve
+
     configure_logging(config.log_format)
     try:
         asyncio.run(serve(config))

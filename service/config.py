@@ -10,8 +10,10 @@ from dataclasses import dataclass, fields
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 EXECUTORS = ("llm", "paged")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
-# Where the set-up (`make model`) converts the embedded SmolLM2-135M-Instruct.
-DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
+# Where the set-up (`make model`) converts the embedded SmolLM2-135M-Instruct: in the
+# checkout, whatever directory the server is started from.
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models",
+                                 "smollm2-135m-instruct")
 REFLECTION_MODES = ("on", "off", "authenticated")
 LOG_FORMATS = ("text", "json")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -12,15 +13,48 @@ from pathlib import Path
 import pytest
 import torch
 
+# The console scripts of the environment running the tests (grpcurl, check-jsonschema) are
+# found on PATH, here and in the processes the tests start: `make test` runs .venv/bin/python
+# without activating the environment.
+_SCRIPTS = os.path.dirname(sys.executable)
+if _SCRIPTS not in os.environ.get("PATH", "").split(os.pathsep):
+    os.environ["PATH"] = _SCRIPTS + os.pathsep + os.environ.get("PATH", "")
+
 # Without a GPU, the Triton kernels (executors/models/triton_attention.py) run in Triton's
 # interpreter on CPU tensors. Triton reads the switch when it is first imported, so it is
 # set here, before any test imports it; server subprocesses inherit it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def triton_kernels_unrunnable() -> str | None:
+    """Why the Triton kernels cannot run in these tests here, or None when they can: compiled on
+    a CUDA device, or on a CPU in Triton's interpreter. Before Triton 3.9 the interpreter turns
+    a scalar into a Python int with int() of a one-element array, which NumPy refuses from 2.4
+    on (the kernels themselves compile with Triton 3.6 and newer: the AOT compile test)."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed"
+    if torch.cuda.is_available():
+        return None
+    import numpy
+    import triton
+
+    def version(text: str) -> tuple[int, int]:
+        major, minor = text.split(".")[:2]
+        return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+    if version(triton.__version__) < (3, 9) and version(numpy.__version__) >= (2, 4):
+        return (f"Triton {triton.__version__}'s interpreter cannot run kernels with NumPy {numpy.__version__} "
+                f"(Triton 3.9+ or NumPy < 2.4 can)")
+    return None
+
 from client import ExecutorClient
 from service.config import ServeConfig
 from service.server import ExecutorServer
+
+REPO = Path(__file__).resolve().parent.parent
 
 # The reference configuration of the paged executor tests: small blocks so that every
 # sequence spans several, non-contiguous ones.
@@ -111,3 +145,34 @@ def make_server() -> Iterator[Callable[..., RunningServer]]:
     yield make
     for running in started:
         running.stop()
+
+
+@pytest.fixture(scope="session")
+def installed_client(tmp_path_factory) -> tuple[Path, Path]:
+    """The client alone (pyproject.toml), installed by pip from a copy of the checkout's
+    tracked files into a fresh virtual environment: (its python, the copy)."""
+    import shutil
+    import subprocess
+    import venv
+
+    root = tmp_path_factory.mktemp("client-package")
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    src = root / "checkout"
+    for name in tracked:
+        if (REPO / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, src / name)
+    venv.create(root / "venv", with_pip=True)
+    python = root / "venv" / "bin" / "python"
+    done = subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "--quiet", str(src)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return python, src
+
+
+def pytest_addoption(parser):
+    parser.addoption("--service-device", default="cuda",
+                     help="the device of tests/gpu's servers: cuda (skipped without one), or cpu to check those "
+                          "tests themselves on a machine without a GPU")

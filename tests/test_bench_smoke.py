@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from bench import suite
+from bench import gpu, suite
 
 
 def test_help_lists_the_parts():
@@ -37,7 +37,7 @@ def test_the_table_reports_every_part_and_the_targets():
                     "cold_ms": 900.0, "hit_ms": 60.0, "cold_tok_s": 1173.0, "speedup": 15.0}],
         "lora": [{"dtype": "float32", "batch": 8, "mix": "4 adapters + base", "rank": 16, "step_ms": 75.0,
                   "vs_base": 1.25}],
-        "gpu": suite.bench_gpu(SimpleNamespace(quick=True)) if not torch.cuda.is_available() else [],
+        "gpu": gpu.bench_gpu(SimpleNamespace(quick=True, device="cuda")) if not torch.cuda.is_available() else [],
     }}
     text = suite.table(results)
     assert "1.50x [target >= 2x: SHORT]" in text and "BatchDecode" in text and "ARGMAX" in text
@@ -59,3 +59,21 @@ def test_the_lora_part_builds_adapters_the_executor_accepts(tmp_path):
         assert len(adapter.weights) == 7 * ex.model_config.num_layers
     finally:
         ex.worker.close()
+
+
+def test_the_gpu_parts_dry_run_on_a_cpu():
+    """bench/gpu.py and bench/offline.py on a tiny model on the CPU (SDPA; a CUDA machine runs
+    the real thing): every section runs and the table reports each target with its verdict."""
+    args = SimpleNamespace(quick=True, device="cpu", shape="tiny")
+    rows = gpu.bench_gpu(args)
+    from bench.offline import bench_offline
+
+    rows += bench_offline(args)
+    kinds = {r["what"] for r in rows}
+    assert kinds == {"ceilings", "decode", "batch_prefill", "grpc", "vs transformers", "offline throughput"}, kinds
+    assert len([r for r in rows if r["what"] == "grpc"]) == 3  # BatchDecode, UnifiedDecode, StepSession
+    offline = [r for r in rows if r["what"] == "offline throughput"]
+    assert offline[0]["generated"] == offline[1]["generated"] > 0  # every request ran to its length on both
+    text = "\n".join(gpu.table_lines(rows))
+    assert "[target <= 1.5x the floor:" not in text  # that target is the graphed path's, which a CPU lacks
+    assert "[target >= 15x:" in text and "[target <= 5%:" in text and "[target >= 5x:" in text

@@ -156,7 +156,7 @@ def test_dockerfile() -> None:
     runs = [a for k, a in ins if k == "RUN"]
     assert any("pip install -r requirements.txt" in r for r in runs)
     assert any(r.startswith("make model") for r in runs)
-    assert ("COPY", "requirements.txt ./") in ins
+    assert ("COPY", "requirements.txt requirements-base.txt ./") in ins
     cmd = [a for k, a in ins if k == "CMD"][-1]
     assert cmd.startswith('["python", "-m", "service", "--host", "0.0.0.0"')
     health = [a for k, a in ins if k == "HEALTHCHECK"][-1]
@@ -184,7 +184,7 @@ def test_dockerignore_keeps_what_the_image_needs() -> None:
     patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
                 if line.strip() and not line.lstrip().startswith("#")]
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    needed = [f for f in tracked if f in {"requirements.txt", "Makefile", "pyproject.toml"}
+    needed = [f for f in tracked if f in {"requirements.txt", "requirements-base.txt", "Makefile", "pyproject.toml"}
               or (f.split("/")[0] in {"service", "executors", "kvcache", "generated", "protos"})
               or (f.startswith("client/") and not f.startswith("client/typescript/"))]
     assert "service/__main__.py" in needed and "executors/gguf_import.py" in needed

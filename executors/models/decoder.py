@@ -185,6 +185,17 @@ class DecoderLM(nn.Module):
         self.fused = fused
         return self
 
+    def _apply(self, fn, recurse: bool = True):
+        """.to(), .cuda(), .half() and the like: the fused tensors are not parameters, so they
+        would stay behind (on the old device or dtype) while each parameter moves on its own.
+        Drop them, move the parameters, and fuse again where the model was fused."""
+        fused = self.fused is not None
+        self.fused = self.packed_head = self.fused_fp32_packed = self.packed_head_fp32 = None
+        out = super()._apply(fn, recurse)
+        if fused:
+            self.fuse()
+        return out
+
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Final (normed) hidden states of a flat batch: [M] ids -> [M, hidden]."""

@@ -38,6 +38,28 @@ def weight_files(model_dir: Path) -> list[Path]:
     raise UnsupportedModel(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
+def tensor_bytes(path: Path) -> dict[str, int]:
+    """The bytes of each tensor of a safetensors file, from its header (no tensor is read)."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return {name: meta["data_offsets"][1] - meta["data_offsets"][0] for name, meta in header.items()
+            if name != "__metadata__"}
+
+
+class _Progress:
+    """'loading NAME: P% of T MB' every tenth of the bytes, and at 100%."""
+
+    def __init__(self, name: str, total: int) -> None:
+        self.name, self.total, self.done, self.next = name, max(total, 1), 0, 0.1
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.done >= self.next * self.total or self.done >= self.total:
+            log.info("loading %s: %3.0f%% of %.0f MB", self.name, 100 * self.done / self.total, self.total / 1e6)
+            while self.next * self.total <= self.done:
+                self.next += 0.1
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device) -> DecoderLM:
     model_dir = Path(model_dir)
     config = DecoderConfig.from_dir(model_dir)
@@ -45,10 +67,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         model = DecoderLM(config)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     files = weight_files(model_dir)
-    total = sum(f.stat().st_size for f in files)
+    sizes = {path: tensor_bytes(path) for path in files}
+    total = sum(sum(s.values()) for s in sizes.values())
+    log.info("loading %s (%s, %.0f MB in %d file%s) as %s onto %s", model_dir.name, config.architecture, total / 1e6,
+             len(files), "" if len(files) == 1 else "s", str(dtype).removeprefix("torch."), device)
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
-    done, next_report, started = 0, 0.1, time.perf_counter()
+    progress, started = _Progress(model_dir.name, total), time.perf_counter()
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -56,17 +81,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                     tied_head = name == "lm_head.weight" and config.tie_word_embeddings
                     if not tied_head and not name.endswith(IGNORED_SUFFIXES):
                         unexpected.append(name)
+                    progress.add(sizes[path].get(name, 0))  # skipped: done with it too
                     continue
                 tensor = f.get_tensor(name)
                 if tuple(tensor.shape) != expected[name]:
                     raise UnsupportedModel(
                         f"{path.name}: tensor {name} has shape {tuple(tensor.shape)}, the config implies {expected[name]}")
                 state[name] = tensor.to(dtype=dtype, device=device)
-                done += tensor.numel() * tensor.element_size()
-                if done >= next_report * total:
-                    log.info("loading %s: %3.0f%% of %.0f MB", model_dir.name, 100 * done / total, total / 1e6)
-                    while next_report * total <= done:
-                        next_report += 0.1
+                progress.add(sizes[path].get(name, 0))
     missing = sorted(set(expected) - set(state))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -76,6 +98,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         raise UnsupportedModel(f"{model_dir}: tensors the {config.architecture} config does not expect: {shown}")
     model.load_state_dict(state, assign=True, strict=True)
     model.rope = RotaryEmbedding(config).to(device)
+    log.info("fusing %s's q/k/v and gate/up weights for the fast forward", model_dir.name)
     model.fuse()  # the fast forward's fused q/k/v and gate/up weights; the parameters become views
     log.info("loaded %s (%s) in %.1f s", model_dir.name, config.architecture, time.perf_counter() - started)
     return model.eval()

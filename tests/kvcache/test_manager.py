@@ -586,3 +586,14 @@ def test_check_invariants_detects_table_block_mismatch() -> None:
     t.num_tokens = 8
     with pytest.raises(AssertionError):
         m.check_invariants()
+
+
+def test_server_chosen_ids_skip_the_ids_to_avoid():
+    m = KvCacheManager(8, 4)
+    first, _ = m.create(None)
+    number = int(first.rsplit("-", 1)[1])
+    taken = {f"kv-{number + 1}", f"kv-{number + 2}"}
+    second, _ = m.create(None, avoid=taken)
+    assert second == f"kv-{number + 3}"
+    for cache_id in taken:  # the callers' names stay free for them
+        assert m.create(cache_id)[0] == cache_id

@@ -256,3 +256,21 @@ def test_bfloat16_fast_path_is_as_close_to_float32_as_the_bfloat16_reference(fam
     fast_err = np.abs(run("bfloat16", False) - exact).max()
     ref_err = np.abs(run("bfloat16", True) - exact).max()
     assert fast_err <= 1.5 * ref_err + 0.05, (fast_err, ref_err)
+
+
+def test_moving_a_fused_model_fuses_it_again():
+    """The fused weights are no parameters: .to() must not leave the fast forward reading the
+    old device's (or dtype's) copies while the parameters move (a model fused on the CPU,
+    then moved to a GPU, was the case)."""
+    from executors.models.attention import Segment, StepContext
+
+    model = tiny_model("llama").fuse()
+    model.to(torch.float64)
+    assert model.fused[0].qkv.dtype == torch.float64
+    # Still one copy of the weights: the parameters are views of the fused tensors again.
+    assert model.model.layers[0].self_attn.q_proj.weight.data_ptr() == model.fused[0].qkv.data_ptr()
+    ids, positions = torch.tensor([3, 1, 4, 1, 5]), torch.arange(5)
+    fast = model.hidden_states(ids, positions, StepContext([Segment(0, 5, 0)]))
+    ref = model.hidden_states(ids, positions, StepContext([Segment(0, 5, 0)], reference=True))
+    assert fast.dtype == torch.float64
+    torch.testing.assert_close(fast, ref, atol=TOL, rtol=0)  # the two rotate in float32 tables each way

@@ -11,7 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import triton_kernels_unrunnable
+
 ta = pytest.importorskip("executors.models.triton_attention")
+# Every test here runs the kernels, but the ahead-of-time compilation, which needs neither a GPU nor the interpreter.
+needs_kernels = pytest.mark.skipif(triton_kernels_unrunnable() is not None, reason=str(triton_kernels_unrunnable()))
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -55,6 +59,7 @@ SHAPES = [  # (heads, kv heads, head dim, block size)
 ]
 
 
+@needs_kernels
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
 def test_prefill_over_cached_contexts_of_mixed_lengths(heads, kv_heads, head_dim, block_size):
     # (new tokens, cached tokens): fresh prompts, a chunk on a cached context, a 1-token
@@ -74,6 +79,7 @@ def test_prefill_over_cached_contexts_of_mixed_lengths(heads, kv_heads, head_dim
                                    atol=1e-5, rtol=0)
 
 
+@needs_kernels
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
 @pytest.mark.parametrize("partitions", [1, 3])
 def test_decode_rows_over_paged_contexts(heads, kv_heads, head_dim, block_size, partitions):
@@ -93,6 +99,7 @@ def test_decode_rows_over_paged_contexts(heads, kv_heads, head_dim, block_size, 
     assert out[[1, 4, 7]].abs().sum() == 0
 
 
+@needs_kernels
 def test_keys_past_a_length_are_never_read():
     """NaN in every slot past each sequence's end (a block's stale tail) must not reach the output."""
     block_size, lengths = 8, [3, 13, 30]

@@ -28,6 +28,9 @@ from executors.types import (
 )
 from tests.models.test_cpu_paths import BLOCK, TOL, VOCAB, tiny_model
 
+from tests.conftest import triton_kernels_unrunnable
+
+pytestmark = pytest.mark.skipif(triton_kernels_unrunnable() is not None, reason=str(triton_kernels_unrunnable()))
 pytest.importorskip("triton")
 
 CUDA = torch.cuda.is_available()

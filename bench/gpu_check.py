@@ -1,0 +1,207 @@
+"""`make gpu-check` (`python -m bench.gpu_check`): the whole GPU path checked in one command.
+
+On a CUDA machine, in under 10 minutes:
+1. the environment: GPU, driver, CUDA, Python, torch, Triton, transformers, grpcio, protobuf;
+2. every CUDA test (CUDA_TESTS): the Triton kernels compiled for this device against SDPA,
+   the triton executor paths and the decode CUDA graphs (capture, replay, padding rows)
+   against the reference computation, the KV pool sized from device memory, and tests/gpu:
+   real servers (`python -m service --device cuda`) for tiny Qwen3, Llama and Qwen2 models
+   in float32 and bfloat16, every RPC through the real client against transformers in
+   float32 on the CPU;
+3. bench part (e) on the Qwen3-0.6B-shaped model in bfloat16 (bench/gpu.py), and with
+   `--offline` also the offline-throughput part (bench/offline.py, ~3 more minutes).
+
+It writes one report, <out>/<date>-gpu-check-<gpu>.txt, and beside it the JSON of the
+environment, every test's outcome and the bench rows. Each stage runs in a process of its
+own under a time limit (`--budget-s` in all), so a stage that hangs or crashes is reported
+and the next one still runs. The exit status is 0 when every test passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA_TESTS = ["tests/models/test_triton_attention.py", "tests/models/test_triton_paths.py",
+              "tests/test_kv_sizing.py", "tests/gpu"]
+ENV_SCRIPT = r"""
+import json, platform, subprocess
+info = {"python": platform.python_version()}
+for name in ("torch", "triton", "transformers", "peft", "grpc", "google.protobuf", "numpy"):
+    try:
+        module = __import__(name, fromlist=["__version__"])
+        info[name] = getattr(module, "__version__", "?")
+    except Exception as e:
+        info[name] = f"missing ({type(e).__name__})"
+import torch
+info["torch_cuda"] = torch.version.cuda
+info["cuda_available"] = torch.cuda.is_available()
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    info.update(gpu=p.name, capability=f"{p.major}.{p.minor}", multiprocessors=p.multi_processor_count,
+                memory_gib=round(p.total_memory / 2**30, 1))
+try:
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit",
+                          "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+    info["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+except (OSError, subprocess.SubprocessError) as e:
+    info["nvidia_smi"] = f"unavailable ({type(e).__name__})"
+print(json.dumps(info))
+"""
+
+
+def run_stage(name: str, cmd: list[str], limit_s: float, log: Path) -> dict:
+    """Run one stage in a process group of its own, its output teed to `log` and to our stdout;
+    at the limit, or after it exits, the whole group goes (the servers a test started too)."""
+    print(f"== {name}: {' '.join(cmd)} (limit {limit_s:.0f} s)", flush=True)
+    started = time.perf_counter()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace", env=env, start_new_session=True)
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                out.write(line)
+                out.flush()
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        timed_out = False
+        try:
+            proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        reader.join(10)
+    seconds = time.perf_counter() - started
+    tail = log.read_text(errors="replace").splitlines()[-40:]
+    status = "timed out" if timed_out else ("ok" if proc.returncode == 0 else f"exit {proc.returncode}")
+    print(f"== {name}: {status} in {seconds:.0f} s", flush=True)
+    return {"stage": name, "status": status, "seconds": round(seconds, 1), "log": log.name, "tail": tail}
+
+
+def junit_outcomes(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    outcomes = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                message = (node.get("message") or node.text or "").strip()
+                break
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        outcomes.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                         "seconds": float(case.get("time") or 0), "message": message[:2000], **props})
+    return outcomes
+
+
+def report(results: dict) -> str:
+    from bench.gpu import table_lines
+
+    env = results["environment"]
+    lines = [f"modelexec GPU check, {results['started']} ({results['seconds']:.0f} s)",
+             f"command: {results['command']}", "", "environment:"]
+    lines += [f"    {k}: {v}" for k, v in env.items()]
+    lines += ["", "stages:"] + [f"    {s['stage']:8s} {s['status']:10s} {s['seconds']:6.0f} s  (log: {s['log']})"
+                                for s in results["stages"]]
+    for s in results["stages"]:
+        if s["status"] != "ok" and s.get("tail"):
+            lines += [f"    the end of the {s['stage']} log:"] + [f"        {line}" for line in s["tail"]]
+    tests = results["tests"]
+    counts: dict[str, int] = {}
+    for t in tests:
+        counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+    lines += ["", f"CUDA tests ({', '.join(CUDA_TESTS)}): "
+              + (", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no results")]
+    for t in tests:
+        if t["outcome"] in ("failed", "error"):
+            first = t["message"].splitlines()[0] if t["message"] else ""
+            lines.append(f"    {t['outcome'].upper()} {t['test']}: {first[:300]}")
+    budgets = [json.loads(t["bf16_budget"]) for t in tests if t.get("bf16_budget")]
+    if budgets:
+        lines.append("    bfloat16 logits against float32 transformers (max relative L2 per row):")
+        for b in budgets:
+            lines.append(f"        {b['family']:6s} ours {b['ours_max_rel']:.4f}, transformers' own bfloat16 "
+                         f"{b['transformers_bf16_max_rel']:.4f}")
+    slow = sorted(tests, key=lambda t: -t["seconds"])[:5]
+    lines.append("    slowest: " + ", ".join(f"{t['test'].split('::')[-1]} {t['seconds']:.1f} s" for t in slow))
+    bench = results.get("bench", {}).get("results", {})
+    if bench:
+        lines += [""] + table_lines(bench.get("gpu", []) + bench.get("offline", []))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the report (default %(default)s)")
+    p.add_argument("--budget-s", type=float, default=560, help="time for all stages together (default %(default)s)")
+    p.add_argument("--offline", action="store_true", help="also the offline-throughput bench part (~3 min)")
+    p.add_argument("--skip-tests", action="store_true", help="the environment and the bench only")
+    p.add_argument("--skip-bench", action="store_true", help="the environment and the tests only")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    stamp = dt.datetime.now(dt.timezone.utc)
+    results: dict = {"command": "python -m bench.gpu_check " + " ".join(argv if argv is not None else sys.argv[1:]),
+                     "started": stamp.isoformat(timespec="seconds"), "stages": [], "tests": []}
+
+    def left() -> float:
+        return args.budget_s - (time.perf_counter() - started)
+
+    env = subprocess.run([sys.executable, "-c", ENV_SCRIPT], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    results["environment"] = json.loads(env.stdout) if env.returncode == 0 else {"error": env.stderr[-2000:]}
+    print(json.dumps(results["environment"], indent=1), flush=True)
+    gpu = re.sub(r"[^A-Za-z0-9]+", "-", str(results["environment"].get("gpu", "no-gpu"))).strip("-").lower()
+    stem = f"{stamp.date().isoformat()}-gpu-check-{gpu}"
+    junit = out / f"{stem}-tests.xml"
+    if not args.skip_tests:
+        # The tests get what the bench does not need of the budget (the bench is ~5 min).
+        limit = left() - (0 if args.skip_bench else 300 + (200 if args.offline else 0))
+        results["stages"].append(run_stage("tests", [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p",
+                                                     "no:cacheprovider", f"--junitxml={junit}", *CUDA_TESTS],
+                                           max(limit, 60), out / f"{stem}-tests.log"))
+        results["tests"] = junit_outcomes(junit)
+        junit.unlink(missing_ok=True)
+    if not args.skip_bench:
+        parts = "gpu,offline" if args.offline else "gpu"
+        bench_json = out / f"{stem}-bench.json"
+        results["stages"].append(run_stage("bench", [sys.executable, "-m", "bench", "--parts", parts, "--no-plots",
+                                                     "--out", str(bench_json)], max(left(), 60),
+                                           out / f"{stem}-bench.log"))
+        if bench_json.is_file():
+            results["bench"] = json.loads(bench_json.read_text())
+            bench_json.unlink()
+    results["seconds"] = time.perf_counter() - started
+    text = report(results)
+    (out / f"{stem}.txt").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n")
+    print("\n" + text + f"\nwrote {out / stem}.txt and .json", flush=True)
+    failed = [t for t in results["tests"] if t["outcome"] in ("failed", "error")]
+    stages_ok = all(s["status"] == "ok" for s in results["stages"])
+    return 0 if stages_ok and not failed else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

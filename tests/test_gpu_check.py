@@ -1,0 +1,60 @@
+"""`make gpu-check` without a GPU: what can be checked of it on a CPU.
+
+tests/gpu/ skips without CUDA; here one of its six servers runs on the CPU
+(`--service-device cpu`), so the test code itself is exercised on every CI run. The
+check's report is built from a run's results (a JUnit file, the bench's rows) the way a
+GPU run builds it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench import gpu_check
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_service_checks_run_on_a_cpu_server(tmp_path):
+    junit = tmp_path / "junit.xml"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu",
+                           "--service-device", "cpu", "-k", "qwen3-bfloat16", f"--junitxml={junit}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    outcomes = gpu_check.junit_outcomes(junit)
+    assert len(outcomes) == 9 and all(t["outcome"] == "passed" for t in outcomes), outcomes
+    (budget,) = [json.loads(t["bf16_budget"]) for t in outcomes if t.get("bf16_budget")]
+    assert budget["family"] == "qwen3" and budget["ours_max_rel"] <= 3e-2
+
+
+def test_the_report_names_failures_budgets_and_targets():
+    results = {
+        "command": "python -m bench.gpu_check", "started": "2026-11-23T00:00:00+00:00", "seconds": 300.0,
+        "environment": {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0"},
+        "stages": [{"stage": "tests", "status": "ok", "seconds": 120, "log": "t.log", "tail": []},
+                   {"stage": "bench", "status": "timed out", "seconds": 180, "log": "b.log", "tail": ["last words"]}],
+        "tests": [
+            {"test": "tests.gpu.test_cuda_service::test_x[qwen3-float32]", "outcome": "failed", "seconds": 1.0,
+             "message": "AssertionError: logits differ\nmore"},
+            {"test": "tests.gpu.test_cuda_service::test_report_bf16_error_budget[llama-bfloat16]",
+             "outcome": "passed", "seconds": 2.0,
+             "bf16_budget": json.dumps({"family": "llama", "ours_max_rel": 0.008, "transformers_bf16_max_rel": 0.009})},
+        ],
+        "bench": {"results": {"gpu": [
+            {"what": "ceilings", "device": "H100", "copy_gb_s": 3000.0, "matmul_tflops": 790.0},
+            {"what": "decode", "attention": "triton + graphs", "batch": 1, "context": 129, "step_ms": 0.9,
+             "graph_device_ms": 0.7, "tok_s": 1111.0, "bytes_per_step": 1.2e9, "bandwidth_gb_s": 1333.0,
+             "floor_ms": 0.4, "x_floor": 2.25},
+            {"what": "batch_prefill", "prompts": 32, "prompt_len": 128, "batched_ms": 10.0, "serial_ms": 200.0,
+             "per_prefill_ms": 6.25, "ratio": 20.0, "batched_tflops": 500.0, "matmul_tflops": 790.0},
+        ]}},
+    }
+    text = gpu_check.report(results)
+    assert "FAILED tests.gpu.test_cuda_service::test_x[qwen3-float32]: AssertionError: logits differ" in text
+    assert "llama  ours 0.0080, transformers' own bfloat16 0.0090" in text
+    assert "bench    timed out" in text and "last words" in text
+    assert "2.25x the floor" in text and "[target <= 1.5x the floor: SHORT]" in text
+    assert "20.0x  [target >= 15x: met]" in text

@@ -1,0 +1,160 @@
+"""A retry never undoes its own success, and server-chosen ids never collide with callers' ids.
+
+1. A call cut off by its deadline goes on running on the executor's worker; when it ends,
+   the caches it created are released, since its caller never learned of them. A retry of
+   the same call, sent at once, gets those same caches by replay. The clean-up must then
+   leave them alone, whichever of the two the worker runs first: a Decode on what the
+   retry returned must work. Each RPC that creates caches is cut off here while its
+   forward runs (the executor's forward is slowed by a switch), with many named caches.
+2. When a batch mixes items without a cache id (the server chooses one) and items that name
+   new caches, the server's choice never equals a name given in the same call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from client import (
+    DeadlineExceededError,
+    DecodeInput,
+    ExecutorClient,
+    KvCacheHandle,
+    PrefillInput,
+    UnifiedBatchItem,
+)
+from executors.paged import PagedAttentionExecutor, PagedExecutorConfig
+
+CUT_AFTER_S = 0.3  # the first attempt's deadline
+FORWARD_S = 1.0  # how long a slowed forward runs: the first attempt is cut off inside it
+NAMED = 40  # caches one BatchPrefill, UnifiedDecode or StepSession step creates
+
+
+class Switchable(PagedAttentionExecutor):
+    """The paged executor whose forward sleeps while `slow` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(PagedExecutorConfig(block_size=4, num_blocks=1024, max_batch_size=64))
+        self.slow = threading.Event()
+
+    def _forward_step(self, items):
+        if self.slow.is_set():
+            time.sleep(FORWARD_S)
+        return super()._forward_step(items)
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=int(rng.integers(3, 9))).tolist() for _ in range(n)]
+
+
+def create(c: ExecutorClient, rpc: str, ids: list[str | None], timeout: float) -> list[KvCacheHandle]:
+    """One call of `rpc` creating a cache per id (None: the server names it); the handles."""
+    seqs = prompts(len(ids), seed=len(ids))
+    if rpc == "Prefill":
+        assert len(ids) == 1
+        handle = None if ids[0] is None else KvCacheHandle(ids[0], 0)
+        return [c.prefill(PrefillInput(seqs[0], kv_cache=handle), timeout=timeout).kv_cache]
+    if rpc == "BatchPrefill":
+        return [o.kv_cache for o in c.batch_prefill(
+            [PrefillInput(p, kv_cache=None if i is None else KvCacheHandle(i, 0)) for i, p in zip(ids, seqs)],
+            timeout=timeout)]
+    items = [UnifiedBatchItem(i or "", p, 0, True) for i, p in zip(ids, seqs)]
+    if rpc == "UnifiedDecode":
+        return [r.kv_cache for r in c.unified_decode(items, timeout=timeout)]
+    with c.step_session(timeout=timeout) as session:  # StepSession: the whole stream has the deadline
+        return [r.kv_cache for r in session.step(items)]
+
+
+def live(c: ExecutorClient) -> int:
+    return c.status().kv_pool.active_caches
+
+
+RPCS = ["Prefill", "BatchPrefill", "UnifiedDecode", "StepSession"]
+
+
+@pytest.fixture
+def served(make_server):
+    executor = Switchable()
+    running = make_server(instance=executor, max_batch_size=64)
+    with ExecutorClient(running.address, timeout=30) as c:
+        yield executor, c
+
+
+@pytest.mark.parametrize("rpc", RPCS)
+@pytest.mark.parametrize("retry", ["while the cut-off call still runs", "after its clean-up ran"])
+def test_a_retried_call_keeps_what_it_got(served, rpc, retry):
+    executor, c = served
+    ids = ["solo"] if rpc == "Prefill" else [f"{rpc}-{i}" for i in range(NAMED)]
+    executor.slow.set()
+    with pytest.raises(DeadlineExceededError):
+        create(c, rpc, ids, timeout=CUT_AFTER_S)
+    if retry == "after its clean-up ran":
+        time.sleep(FORWARD_S + 0.5)  # the first attempt finished, and its clean-up ran behind it
+        assert live(c) == 0
+    executor.slow.clear()
+    handles = create(c, rpc, ids, timeout=30)  # the retry, identical
+    assert [h.cache_id for h in handles] == ids
+    # A Decode on every cache the retry returned: a clean-up that released them would make
+    # these NOT_FOUND (CACHE_RELEASED). The worker runs calls in order, so this comes after it.
+    steps = c.batch_decode([DecodeInput(7, h) for h in handles])
+    assert all(s.kv_cache.sequence_length == h.sequence_length + 1 for s, h in zip(steps, handles))
+    assert live(c) == len(ids)
+    for s in steps:
+        c.release_cache(s.kv_cache)
+    assert c.status().kv_pool.free_blocks == c.status().kv_pool.total_blocks
+
+
+@pytest.mark.parametrize("rpc", RPCS)
+def test_a_cut_off_call_with_server_chosen_ids_leaves_nothing_behind(served, rpc):
+    """Without names a retry cannot get the same caches: the first attempt's are released."""
+    executor, c = served
+    ids = [None] if rpc == "Prefill" else [None] * NAMED
+    executor.slow.set()
+    with pytest.raises(DeadlineExceededError):
+        create(c, rpc, ids, timeout=CUT_AFTER_S)
+    executor.slow.clear()
+    handles = create(c, rpc, ids, timeout=30)
+    time.sleep(FORWARD_S)  # the first attempt's clean-up has run by now (the retry ran after it)
+    c.batch_decode([DecodeInput(7, h) for h in handles])
+    assert live(c) == len(ids)
+    for h in handles:
+        c.release_cache(h.cache_id)
+    assert live(c) == 0 and c.status().kv_pool.free_blocks == c.status().kv_pool.total_blocks
+
+
+def next_server_id(c: ExecutorClient) -> str:
+    """The id the server will choose next: one past the one it chooses now."""
+    probe = c.prefill(PrefillInput([1])).kv_cache.cache_id
+    c.release_cache(probe)
+    prefix, number = probe.rsplit("-", 1)
+    return f"{prefix}-{int(number) + 1}"
+
+
+@pytest.mark.parametrize("rpc", ["BatchPrefill", "UnifiedDecode", "StepSession"])
+@pytest.mark.parametrize("named_first", [False, True])
+def test_server_chosen_ids_avoid_the_names_callers_give_in_the_call(client, rpc, named_first):
+    upcoming = next_server_id(client)
+    ids = [upcoming, None, None] if named_first else [None, upcoming, None]
+    handles = create(client, rpc, ids, timeout=30)
+    got = [h.cache_id for h in handles]
+    assert got[ids.index(upcoming)] == upcoming
+    assert len(set(got)) == 3, got  # three caches, three ids
+    for h in handles:
+        client.release_cache(h.cache_id)
+
+
+def test_a_creation_is_unclaimed_until_another_call_completes_on_it():
+    from executors.cache_state import CacheRegistry
+
+    reg = CacheRegistry()
+    serial = reg.add("c", owner=None)
+    assert reg.unclaimed("c", serial)
+    reg.claim("c")
+    assert not reg.unclaimed("c", serial)
+    reg.remove("c")
+    again = reg.add("c", owner=None)  # the id released and created anew: another creation
+    assert again != serial and not reg.unclaimed("c", serial) and reg.unclaimed("c", again)
