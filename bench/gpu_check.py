@@ -15,6 +15,12 @@ It writes one report, <out>/<date>-gpu-check-<gpu>.txt, and beside it the JSON o
 environment, every test's outcome and the bench rows. Each stage runs in a process of its
 own under a time limit (`--budget-s` in all), so a stage that hangs or crashes is reported
 and the next one still runs. The exit status is 0 when every test passed.
+
+A GPU machine without a package index gets requirements-gpu.txt as wheels, downloaded where
+an index answers for the machine's Python (here 3.12):
+    pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+        --platform manylinux_2_17_x86_64 -d .whl -r requirements-gpu.txt
+then, there: `make gpu-check PIP_FLAGS="--no-index --find-links .whl"` (.whl is git-ignored).
 """
 
 from __future__ import annotations
