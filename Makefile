@@ -79,9 +79,12 @@ protos: venv
 
 # The performance suite (bench/suite.py; ~7 min, `make bench ARGS=--quick` ~3-4 min): a table,
 # bench/results/<date>-<host>.json and plots. transformers (the comparison) comes with the
-# test requirements, matplotlib with bench/requirements.txt.
+# test requirements, matplotlib with bench/requirements.txt, the peers (llama.cpp, built from
+# source, and CTranslate2) with bench/requirements-peers.txt.
 bench: install model
 	$(PIP) --quiet -r requirements-test.txt -r bench/requirements.txt
+	@$(PY) -c "import llama_cpp" 2>/dev/null || echo "building llama-cpp-python (llama.cpp) from source for the peers part: ~5-8 minutes on 2 cores"
+	$(PIP) --quiet -r bench/requirements-peers.txt
 	$(PY) -m bench $(ARGS)
 
 # The whole GPU path on a CUDA machine (bench/gpu_check.py, under 10 minutes; a report under

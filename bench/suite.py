@@ -18,6 +18,9 @@ Parts, on the embedded SmolLM2-135M (fixed, seeded workloads):
   prefix    prefill of a long shared system prompt + a question, with and without a prefix-cache hit
   lora      decode step time with no adapter, one rank-16 adapter on every row, and rows mixed over
             four adapters and the base model (in-process)
+  peers     ours beside llama.cpp (F32 and Q8_0 GGUFs made by its own quantizer) and CTranslate2
+            (fp32) on the same weights: decode at batch 1 and 32, a 128-token prefill, batched
+            prefill against the fp32 peak (bench/peers.py; bench/requirements-peers.txt)
 
 Prefix caching is off in every part but `prefix`, so repeated workloads are computed each time.
 
@@ -53,7 +56,7 @@ from executors.types import DecodeInput, LogitsKind, LogitsPolicy, LoraSource, P
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("prefill", "decode", "grpc", "hf", "gpu", "offline", "prefix", "lora")
+PARTS = ("prefill", "decode", "grpc", "hf", "gpu", "offline", "prefix", "lora", "peers")
 GPU_PARTS = ("gpu", "offline")  # bench/gpu.py and bench/offline.py: their own random model, no MODEL_DIR
 SYSTEM_PROMPT_LEN = 1024
 QUESTION_LEN = 32
@@ -303,10 +306,46 @@ def bench_grpc(args) -> list[dict]:
                                  "overhead_ms": over * 1e3, "overhead_ratio": over / step})
                     print(f"  grpc {transport:4s} batch {b:2d} {name:9s}: in-process {step * 1e3:7.2f} ms, over "
                           f"{rpc} from another process +{over * 1e3:6.3f} ms ({100 * over / step:5.1f}%)", flush=True)
+        if transport == "unix":
+            rows += _echo_rows(loop, server, ex, rows, rounds[1])
         loop.run(server.stop(0))
         loop.close()
     ex.worker.close()
     return rows
+
+
+def _echo_rows(loop: Loop, server, ex, rows: list[dict], rounds: int) -> list[dict]:
+    """A bare grpc.aio echo with our batch-1 ARGMAX messages' sizes (bench/echo.py), and our
+    overhead over it for unary BatchDecode and for StepSession steps."""
+    from bench.echo import echo_round_trips
+    from client import DecodeInput as CDecode
+    from client import ExecutorClient
+    from client import LogitsPolicy as CPolicy
+    from client import convert
+
+    with ExecutorClient(server.address, timeout=600) as c:
+        out = loop.run(ex.prefill(PrefillInput(input_ids=prompts(1, PROMPT_LEN, ex.vocab_size)[0],
+                                               logits_policy=ARGMAX)))
+        from client.types import KvCacheHandle as CHandle
+
+        handle = CHandle(out.kv_cache.cache_id, out.kv_cache.sequence_length, tuple(out.kv_cache.block_ids))
+        request = convert.batch_decode_request([CDecode(5, handle, logits_policy=CPolicy.argmax())])
+        response = c.stub.BatchDecode(request, timeout=60)
+        loop.run(ex.release_cache(out.kv_cache.cache_id))
+    sizes = (request.ByteSize(), response.ByteSize())
+    echo = echo_round_trips(loop, *sizes, rounds=max(rounds * 10, 100))
+    out_rows = []
+    for rpc, kind in (("BatchDecode", "unary"), ("StepSession", "stream")):
+        ours = next(x for x in rows if x["transport"] == "unix" and x.get("client") == "process"
+                    and x.get("rpc") == rpc and x["batch"] == 1 and x["policy"] == "ARGMAX")
+        over = ours["overhead_ms"] - echo[kind] * 1e3
+        out_rows.append({"transport": "unix", "client": "process", "rpc": f"echo {kind}", "batch": 1,
+                         "policy": "ARGMAX", "request_bytes": sizes[0], "response_bytes": sizes[1],
+                         "echo_ms": echo[kind] * 1e3, "ours_overhead_ms": ours["overhead_ms"],
+                         "over_echo_ms": over})
+        print(f"  grpc unix batch  1 {rpc:13s}: our overhead {ours['overhead_ms']:.3f} ms, a bare grpc.aio echo "
+              f"({kind}, {sizes[0]} / {sizes[1]} bytes) {echo[kind] * 1e3:.3f} ms: +{over:.3f} ms", flush=True)
+    return out_rows
 
 
 async def _inproc_batch_decode(ex, inputs):
@@ -516,9 +555,17 @@ def table(results: dict) -> str:
         out.append(f"    {'transport':9s} {'client':10s} {'rpc':13s} {'batch':>5s} {'policy':10s} {'in-proc ms':>10s} "
                    f"{'+ms':>7s} {'ratio':>7s}")
         for x in r["grpc"]:
+            if "echo_ms" in x:
+                continue
             out.append(f"    {x['transport']:9s} {x.get('client', 'in-process'):10s} {x.get('rpc', 'BatchDecode'):13s} "
                        f"{x['batch']:5d} {x['policy']:10s} {x['inproc_ms']:10.2f} {x['overhead_ms']:7.3f} "
                        f"{100 * x['overhead_ratio']:6.1f}%")
+        for x in r["grpc"]:
+            if "echo_ms" in x:
+                met = "met" if x["over_echo_ms"] <= 0.3 else "SHORT"
+                out.append(f"    batch 1 over a bare grpc.aio {x['rpc']} ({x['request_bytes']} / {x['response_bytes']} "
+                           f"bytes, {x['echo_ms']:.3f} ms): ours {x['ours_overhead_ms']:.3f} ms, "
+                           f"+{x['over_echo_ms']:.3f} ms  [target <= 0.3 ms: {met}]")
     if "hf" in r:
         out.append("(d) ours vs transformers (same weights, in-process)")
         for x in r["hf"]:
@@ -542,6 +589,10 @@ def table(results: dict) -> str:
         from bench.gpu import table_lines
 
         out.extend(table_lines(r.get("gpu", []) + r.get("offline", [])))
+    if "peers" in r:
+        from bench.peers import table_lines as peer_lines
+
+        out.extend(peer_lines(r["peers"]))
     return "\n".join(out)
 
 
@@ -685,6 +736,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench.offline import bench_offline
 
             results["results"]["offline"] = bench_offline(args)
+        elif part == "peers":
+            from bench.peers import bench_peers
+
+            results["results"]["peers"] = bench_peers(args)
         for x in results["results"].get(part, []):
             if "skipped" in x:
                 print(f"  skipped: {x['skipped']}", flush=True)

@@ -179,6 +179,10 @@ class LlmExecutor(KvCacheExecutor):
                 log.warning("decode CUDA graphs are off, decode steps run eagerly: %s: %s", type(e).__name__, e)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self._param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self._packed_bytes = self.model.packed_bytes()
+        if self._packed_bytes:
+            log.info("oneDNN packed copies of the matmul weights: %.0f MB beside %.0f MB of parameters (status "
+                     "counts both)", self._packed_bytes / 1e6, self._param_bytes / 1e6)
         self.loras = LoraRegistry(LoraTargets.from_config(mc), LoraLimits(config.max_loras, config.max_lora_rank,
                                                                          config.lora_dir),
                                   config.torch_dtype, config.device)
@@ -187,7 +191,8 @@ class LlmExecutor(KvCacheExecutor):
 
     @property
     def parameter_bytes(self) -> int:
-        return self._param_bytes + self.loras.nbytes  # base weights and the adapters loaded
+        # Base weights, their packed copies (oneDNN, for some CPU steps) and the adapters loaded.
+        return self._param_bytes + self._packed_bytes + self.loras.nbytes
 
     # -- the forward ----------------------------------------------------------------------
     def _forward_step(self, items: list[StepItem]) -> StepLogits:

@@ -77,3 +77,34 @@ def test_the_gpu_parts_dry_run_on_a_cpu():
     text = "\n".join(gpu.table_lines(rows))
     assert "[target <= 1.5x the floor:" not in text  # that target is the graphed path's, which a CPU lacks
     assert "[target >= 15x:" in text and "[target <= 5%:" in text and "[target >= 5x:" in text
+
+
+def test_the_peers_part_reports_each_target_or_how_to_install_it():
+    from bench import peers
+
+    skipped = "\n".join(peers.table_lines([{"skipped": "llama_cpp is not installed: pip install -r "
+                                                          "bench/requirements-peers.txt"}]))
+    assert "bench/requirements-peers.txt" in skipped
+    rows = [
+        {"what": "engine", "engine": "llama.cpp F32", "decode_ms_b1": 20.0, "prefill_ms": 270.0},
+        {"what": "engine", "engine": "CTranslate2 fp32", "decode_ms_b1": 22.0, "tok_s_b32": 200.0, "prefill_ms": 200.0},
+        {"what": "engine", "engine": "ours fp32 (gRPC, unix socket, ARGMAX)", "decode_ms_b1": 25.0,
+         "decode_ms_b1_stream": 24.0, "tok_s_b32": 450.0, "prefill_ms": 190.0, "fp32_peak_gflops": 180.0,
+         "batched_prefill_gflops": 120.0},
+    ]
+    text = "\n".join(peers.table_lines(rows))
+    assert "1.25x llama.cpp F32's step  [target <= 1.3x: met]" in text
+    assert "2.25x CTranslate2's tokens/s  [target >= 2x: met]" in text
+    assert "0.95x CTranslate2's time  [target <= 1x: met]" in text
+    assert "120 GFLOP/s, 67 % of the 180 GFLOP/s peak  [target >= 75 %: SHORT]" in text
+
+
+def test_the_grpc_floor_is_a_bare_echo_of_the_same_sizes():
+    from bench.echo import echo_round_trips
+
+    loop = suite.Loop()
+    try:
+        trips = echo_round_trips(loop, 45, 77, rounds=20)
+    finally:
+        loop.close()
+    assert set(trips) == {"unary", "stream"} and all(0 < t < 1 for t in trips.values())

@@ -62,7 +62,6 @@ def run_python(code: str, cwd: Path, prelude: str = "") -> subprocess.CompletedP
               "result = eval(code, {'__name__': '__main__'})\n"
               "if asyncio.iscoroutine(result):\n"
               "    asyncio.run(result)\n")
-    assert ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
     return subprocess.run([sys.executable, "-c", runner], input=prelude + code, cwd=cwd, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
 

@@ -11,7 +11,9 @@ per-layer tuples of tensors: q/k/v fused into one [(H + 2 KVH) D, hidden] matmul
 up into one [2 I, hidden] matmul, the residual adds folded into addmm, one fused RMSNorm
 op, the rotary tables looked up once per step, and the planned attention of attention.py.
 The fused weights are the storage: the modules' q_proj/k_proj/... parameters become views
-into them, so fusing costs no memory and parameter counts do not change.
+into them, so fusing costs no memory and parameter counts do not change. In float32 on a
+CPU each kind of weight is then stored in the layout its one-row matmuls read fastest
+(cpu_layout.py), still one copy.
 
 LoRA: when the step's context carries a LoraBatch (executors/lora.py), both forwards add
 each row's adapter delta to every adapted projection's output, in place. The fast one adds
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executors.lora import LoraBatch
+from executors.models import cpu_layout
 from executors.models.attention import StepContext, attend, attend_reference
 from executors.models.config import DecoderConfig
 from executors.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
@@ -168,6 +171,10 @@ class DecoderLM(nn.Module):
                 gate_up=gate_up, gate_up_bias=gate_up_bias,
                 down=mlp.down_proj.weight.detach(), down_bias=mlp.down_proj.bias.detach() if c.mlp_bias else None,
             ))
+        self.fused = fused
+        if cpu_layout.wanted(self):
+            cpu_layout.relayout(self)  # float32 on CPU: each kind of weight in its faster layout
+            fused = self.fused
         head = (self.model.embed_tokens.weight if c.tie_word_embeddings else self.lm_head.weight).detach()
         if _should_pack(head, torch.bfloat16):
             # bfloat16 on CPU: oneDNN prepacked weights (AMX / avx512_bf16 layout) instead of
@@ -184,6 +191,13 @@ class DecoderLM(nn.Module):
             self.packed_head_fp32 = _pack(head)
         self.fused = fused
         return self
+
+    def packed_bytes(self) -> int:
+        """Memory of the oneDNN packed copies of the matmul weights kept beside the parameters."""
+        layers = [w for group in (self.fused_fp32_packed, self.fused) for w in group or ()]
+        tensors = [t for w in layers for t in (w.qkv, w.o, w.gate_up, w.down)]
+        tensors += [t for t in (self.packed_head, self.packed_head_fp32) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors if t.is_mkldnn)
 
     def _apply(self, fn, recurse: bool = True):
         """.to(), .cuda(), .half() and the like: the fused tensors are not parameters, so they
