@@ -123,7 +123,7 @@ def junit_outcomes(path: Path) -> list[dict]:
 
 
 def report(results: dict) -> str:
-    from bench.gpu import table_lines
+    from bench.gpu_report import table_lines
 
     env = results["environment"]
     lines = [f"modelexec GPU check, {results['started']} ({results['seconds']:.0f} s)",

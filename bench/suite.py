@@ -586,7 +586,7 @@ def table(results: dict) -> str:
             out.append(f"    {x['dtype']:8s} batch {x['batch']:2d} {x['mix']:18s} {x['step_ms']:8.1f} ms "
                        f"({x['vs_base']:.2f}x base)")
     if "gpu" in r or "offline" in r:
-        from bench.gpu import table_lines
+        from bench.gpu_report import table_lines
 
         out.extend(table_lines(r.get("gpu", []) + r.get("offline", [])))
     if "peers" in r:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from bench import gpu, suite
+from bench import gpu, gpu_report, suite
 
 
 def test_help_lists_the_parts():
@@ -74,7 +74,7 @@ def test_the_gpu_parts_dry_run_on_a_cpu():
     assert len([r for r in rows if r["what"] == "grpc"]) == 3  # BatchDecode, UnifiedDecode, StepSession
     offline = [r for r in rows if r["what"] == "offline throughput"]
     assert offline[0]["generated"] == offline[1]["generated"] > 0  # every request ran to its length on both
-    text = "\n".join(gpu.table_lines(rows))
+    text = "\n".join(gpu_report.table_lines(rows))
     assert "[target <= 1.5x the floor:" not in text  # that target is the graphed path's, which a CPU lacks
     assert "[target >= 15x:" in text and "[target <= 5%:" in text and "[target >= 5x:" in text
 
