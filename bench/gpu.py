@@ -106,18 +106,24 @@ def matmul_tflops(device: str, dtype: torch.dtype) -> float:
     return 2 * n ** 3 / (ms / 1e3) / 1e12
 
 
-def random_pair(shape: dict, device: str, dtype: torch.dtype):
-    """A random transformers Qwen3 and our DecoderLM holding the same weights."""
+def random_transformers(shape: dict, device: str, dtype: torch.dtype):
+    """A random transformers Qwen3 of this shape (seeded), generating past end-of-sequence ids."""
     import transformers
-
-    from executors.models.config import DecoderConfig
-    from executors.models.decoder import DecoderLM
-    from executors.models.layers import RotaryEmbedding
 
     torch.manual_seed(SEED)
     with torch.device(device):
         hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape)).to(dtype).eval()
     hf.generation_config.eos_token_id = None
+    return hf
+
+
+def random_pair(shape: dict, device: str, dtype: torch.dtype):
+    """A random transformers Qwen3 and our DecoderLM holding the same weights."""
+    from executors.models.config import DecoderConfig
+    from executors.models.decoder import DecoderLM
+    from executors.models.layers import RotaryEmbedding
+
+    hf = random_transformers(shape, device, dtype)
     cfg = DecoderConfig.from_dict(shape)
     with torch.device(device):
         model = DecoderLM(cfg).to(dtype)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.gpu import QWEN3_06B, SHAPES, random_pair, run_dtype, sync
+from bench.gpu import QWEN3_06B, SHAPES, random_transformers, run_dtype, sync
 from bench.suite import SEED
 
 REQUESTS = 256
@@ -63,7 +63,8 @@ def ours(model_dir: Path, requests, device: str) -> dict:
     from tests import server_process
 
     server = server_process.start("--executor", "llm", "--model", str(model_dir), "--device", device,
-                                  "--dtype", str(run_dtype(device)).removeprefix("torch."), "--max-batch-size", str(REQUESTS), "--cache-ttl-seconds", "0")
+                                  "--dtype", str(run_dtype(device)).removeprefix("torch."),
+                                  "--max-batch-size", str(REQUESTS), "--cache-ttl-seconds", "0")
     try:
         server_process.ready(server, timeout=600)
         elapsed, generated, stats = asyncio.run(_schedule(server.target, requests))
@@ -109,7 +110,7 @@ def bench_offline(args) -> list[dict]:
     n = 32 if args.quick else REQUESTS
     lengths = (10, 40) if shape is not QWEN3_06B else LENGTHS
     requests = workload(n, shape["vocab_size"], lengths)
-    hf, _ = random_pair(shape, device, run_dtype(device))
+    hf = random_transformers(shape, device, run_dtype(device))  # the server loads what it saves
     rows = []
     with tempfile.TemporaryDirectory(prefix="modelexec-offline-") as tmp:
         hf.save_pretrained(tmp)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from bench.suite import ARGMAX, MODEL_DIR, PROMPT_LEN, ROOT, SEED, Loop, executor, prompts, serve
+from bench.suite import ARGMAX, MODEL_DIR, PROMPT_LEN, ROOT, SEED, Loop, executor, prompts, serve, timed
 from executors.types import PrefillInput
 
 PEERS_DIR = ROOT / "models" / "peers"
@@ -54,14 +54,9 @@ def fp32_peak_gflops() -> float:
     """A 2048-cube sgemm's rate: what the machine's fp32 FMA units deliver to a large matmul."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(7))
+    best = min(timed(lambda: a @ b)[0] for _ in range(7))
     return 2 * 2048 ** 3 / best / 1e9
 
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def llama_gguf(kind: str) -> Path:
@@ -92,9 +87,9 @@ def bench_llama(kind: str, prompt: list[int]) -> dict:
     prefill, steps = [], []
     for _ in range(3):
         llm.reset()
-        prefill.append(_timed(lambda: llm.eval(prompt)))
+        prefill.append(timed(llm.eval, prompt)[0])
         for _ in range(DECODE_STEPS):
-            steps.append(_timed(lambda: llm.eval([5])))
+            steps.append(timed(llm.eval, [5])[0])
     return {"engine": f"llama.cpp {kind.upper()}", "decode_ms_b1": statistics.median(steps) * 1e3,
             "prefill_ms": min(prefill) * 1e3}
 
@@ -121,8 +116,8 @@ def bench_ct2(vocab: int) -> dict:
         batch = [[tok.id_to_token(t) for t in p] for p in prompts(b, PROMPT_LEN, vocab)]
 
         def run(n: int) -> float:
-            return _timed(lambda: gen.generate_batch(batch, max_length=n, min_length=n, sampling_topk=1,
-                                                     include_prompt_in_result=False))
+            return timed(lambda: gen.generate_batch(batch, max_length=n, min_length=n, sampling_topk=1,
+                                                    include_prompt_in_result=False))[0]
 
         run(2)
         one = [run(1) for _ in range(3)]
@@ -176,7 +171,7 @@ def bench_ours(vocab: int, quick: bool) -> dict:
         loop.run(batched())
         # The peak right before and after, in this process: the machine's shared cores vary from minute to minute.
         peak = fp32_peak_gflops()
-        best = min(_timed(lambda: loop.run(batched())) for _ in range(2))
+        best = min(timed(lambda: loop.run(batched()))[0] for _ in range(2))
         row["fp32_peak_gflops"] = max(peak, fp32_peak_gflops())
         row["batched_prefill_gflops"] = 2 * ex.num_parameters * 32 * PROMPT_LEN / best / 1e9
     finally:
@@ -238,7 +233,8 @@ def table_lines(rows: list[dict]) -> list[str]:
     out.append(f"    decode batch 1: {ratio:.2f}x llama.cpp F32's step  [target <= 1.3x: {verdict(ratio <= 1.3)}]")
     if "decode_ms_b1_stream" in ours:
         stream = ours["decode_ms_b1_stream"] / llama["decode_ms_b1"]
-        out.append(f"    decode batch 1 on a StepSession stream: {stream:.2f}x  [target <= 1.3x: {verdict(stream <= 1.3)}]")
+        out.append(f"    decode batch 1 on a StepSession stream: {stream:.2f}x  "
+                   f"[target <= 1.3x: {verdict(stream <= 1.3)}]")
     b32 = ours["tok_s_b32"] / ct2["tok_s_b32"]
     out.append(f"    decode batch 32: {b32:.2f}x CTranslate2's tokens/s  [target >= 2x: {verdict(b32 >= 2)}]")
     pre = ours["prefill_ms"] / ct2["prefill_ms"]

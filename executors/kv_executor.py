@@ -33,6 +33,7 @@ from executors.errors import (
     Unsupported,
 )
 from executors.identity import current_identity
+from executors.kv_sizing import kv_bytes_per_block
 from executors.logits import apply_policies, to_host_tensor
 from executors.lora import LoraAdapter
 from executors.stats import ExecutorStats
@@ -146,15 +147,15 @@ class KvCacheExecutor(ModelExecutor):
         self.device = device
         self.kv = KvCacheManager(num_blocks, block_size, prefix_caching=prefix_caching)
         # Said before the allocation, which takes seconds for a large pool (zero-filled).
-        element = torch.empty((), dtype=kv_dtype).element_size()
-        pool_bytes = 2 * num_layers * (num_blocks + scratch_blocks) * block_size * num_kv_heads * head_dim * element
+        pool_bytes = (num_blocks + scratch_blocks) * kv_bytes_per_block(num_layers, num_kv_heads, head_dim, kv_dtype,
+                                                                        block_size)
         log.info("allocating the KV pool: %d blocks of %d tokens (%d tokens), %.1f MiB of %s on %s", num_blocks,
                  block_size, num_blocks * block_size, pool_bytes / 2**20, str(kv_dtype).removeprefix("torch."), device)
         started = time.perf_counter()
         self.pool = PagedKvPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_dtype, device,
                                 scratch_blocks)
-        if time.perf_counter() - started > 1:
-            log.info("KV pool allocated in %.1f s", time.perf_counter() - started)
+        if (took := time.perf_counter() - started) > 1:
+            log.info("KV pool allocated in %.1f s", took)
         self.worker = SerialWorker(self.name)
         self.caches = CacheRegistry()
         self.stats = ExecutorStats()
