@@ -119,17 +119,39 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_schedule(ex: ExecutorClient, args: argparse.Namespace) -> None:
-    """Run --prompts-file through the continuous-batching scheduler on --targets (client/scheduler.py)."""
-    from .scheduler import run_schedule_command
+    """Run --prompts-file through the continuous-batching scheduler on --targets (client/scheduler.py),
+    or disaggregated on --prefill-targets and --decode-targets (client/disaggregated.py)."""
+    from .schedule_cli import run_schedule_command
 
     run_schedule_command(args)
     return None
 
 
 def _schedule_arguments(p: argparse.ArgumentParser) -> None:
-    from .scheduler import add_schedule_arguments
+    from .schedule_cli import add_schedule_arguments
 
     add_schedule_arguments(p)
+
+
+def cmd_list_caches(ex: ExecutorClient, args: argparse.Namespace) -> Message | None:
+    return pb.ListCachesResponse(caches=ex.list_caches())
+
+
+def cmd_drain(ex: ExecutorClient, args: argparse.Namespace) -> None:
+    """Move every cache on --target to --to, then shut --target down (client/transfer.py)."""
+    from .transfer import run_drain_command
+
+    ex.close()  # the drain runs on asyncio clients of its own
+    if not run_drain_command(args):
+        raise ValueError("some caches could not be moved; the source was left running")
+    return None
+
+
+def _drain_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--to", required=True, metavar="TARGETS",
+                   help="comma-separated executors to move the caches to (host:port or unix:///path)")
+    p.add_argument("--keep-running", action="store_true", help="do not shut the source down afterwards")
+    p.add_argument("--grace-seconds", type=float, default=0.0, help="the source's shutdown grace period")
 
 
 _COMMANDS: dict[str, tuple[Command, str]] = {
@@ -144,8 +166,10 @@ _COMMANDS: dict[str, tuple[Command, str]] = {
     "lora-unload": (cmd_lora_unload, "unload a LoRA adapter (refused while caches are bound to it)"),
     "generate": (cmd_generate, "stream generated text from a prompt through the server"),
     "schedule": (cmd_schedule, "run a file of prompts through the continuous-batching scheduler"),
+    "list-caches": (cmd_list_caches, "the caller's live KV caches (ListCaches)"),
+    "drain": (cmd_drain, "move every cache of --target to the executors of --to, then shut --target down"),
 }
-_EXTRA_ARGUMENTS = {"generate": _generate_arguments, "schedule": _schedule_arguments,
+_EXTRA_ARGUMENTS = {"generate": _generate_arguments, "schedule": _schedule_arguments, "drain": _drain_arguments,
                     "lora-load": _lora_load_arguments, "lora-unload": _lora_unload_arguments}
 
 
@@ -169,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with ExecutorClient(args.target, timeout=args.timeout) as ex:
             result = args.func(ex, args)
-            if args.command not in ("generate", "schedule"):
+            if args.command not in ("generate", "schedule", "drain"):
                 print(_to_json(result))
     except (ExecutorError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

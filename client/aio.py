@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -36,6 +36,7 @@ from .types import (
     DecodeOutput,
     ForwardOutput,
     ForwardVerifyOutput,
+    ImportResult,
     KvCacheHandle,
     LogitsPolicy,
     PrefillInput,
@@ -223,9 +224,53 @@ class AsyncExecutorClient:
         resp = await self._call(self.stub.TruncateKv, convert.truncate_kv_request(cache, new_length), timeout)
         return convert.truncate_kv_response(resp)
 
-    async def release_cache(self, cache: KvCacheHandle | str, *, timeout: Timeout = USE_DEFAULT) -> ReleaseResult:
-        resp = await self._call(self.stub.ReleaseCache, convert.release_cache_request(cache), timeout)
+    async def release_cache(self, cache: KvCacheHandle | str, *, expected_length: int | None = None,
+                            timeout: Timeout = USE_DEFAULT) -> ReleaseResult:
+        """expected_length: release only if the cache holds exactly that many tokens, else
+        FailedPreconditionError (reason STALE_CACHE_HANDLE)."""
+        resp = await self._call(self.stub.ReleaseCache, convert.release_cache_request(cache, expected_length), timeout)
         return convert.release_cache_response(resp)
+
+    # -- moving caches (client.transfer builds moves and drains on these) ---------------------
+
+    async def export_kv(
+        self, cache: KvCacheHandle | str, start: int | None = None, end: int | None = None, *,
+        max_chunk_bytes: int = 0, timeout: Timeout = USE_DEFAULT,
+    ) -> AsyncIterator[pb.ExportKvResponse]:
+        """The ExportKv stream of positions [start, end) of a cache: its description, then
+        its chunks. Read it to the end (or pass it to import_kv) to release the snapshot."""
+        call = self.stub.ExportKv(convert.export_kv_request(cache, start, end, max_chunk_bytes),
+                                  timeout=self._config.deadline(timeout), metadata=self._config.metadata)
+        try:
+            async for message in call:
+                yield message
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
+        finally:
+            call.cancel()  # a no-op once the stream has ended
+
+    async def import_kv(
+        self, export: AsyncIterable[pb.ExportKvResponse] | Iterable[pb.ExportKvResponse],
+        cache_id: str | None = None, *, timeout: Timeout = USE_DEFAULT,
+    ) -> ImportResult:
+        """Create a cache (named cache_id, or server-chosen when None) from an ExportKv stream
+        (this client's `export_kv` on another server, or its messages in a list); a stream
+        starting past position 0 extends cache_id."""
+        async def requests() -> AsyncIterator[pb.ImportKvRequest]:
+            if isinstance(export, AsyncIterable):
+                async for message in export:
+                    yield convert.import_kv_request(message, cache_id)
+            else:
+                for message in export:
+                    yield convert.import_kv_request(message, cache_id)
+
+        resp = await self._call(self.stub.ImportKv, requests(), timeout)
+        return convert.import_kv_response(resp)
+
+    async def list_caches(self, cache_ids: Sequence[str] = (), *, timeout: Timeout = USE_DEFAULT) -> list[pb.CacheInfo]:
+        """The caller's live caches (all, or those of cache_ids that are live)."""
+        resp = await self._call(self.stub.ListCaches, pb.ListCachesRequest(cache_ids=list(cache_ids)), timeout)
+        return list(resp.caches)
 
     # -- health ----------------------------------------------------------------------------
 

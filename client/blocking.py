@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -35,6 +35,7 @@ from .types import (
     DecodeOutput,
     ForwardOutput,
     ForwardVerifyOutput,
+    ImportResult,
     KvCacheHandle,
     LogitsPolicy,
     PrefillInput,
@@ -223,9 +224,37 @@ class ExecutorClient:
         resp = self._call(self.stub.TruncateKv, convert.truncate_kv_request(cache, new_length), timeout)
         return convert.truncate_kv_response(resp)
 
-    def release_cache(self, cache: KvCacheHandle | str, *, timeout: Timeout = USE_DEFAULT) -> ReleaseResult:
-        resp = self._call(self.stub.ReleaseCache, convert.release_cache_request(cache), timeout)
+    def release_cache(self, cache: KvCacheHandle | str, *, expected_length: int | None = None,
+                      timeout: Timeout = USE_DEFAULT) -> ReleaseResult:
+        """expected_length: release only if the cache holds exactly that many tokens, else
+        FailedPreconditionError (reason STALE_CACHE_HANDLE)."""
+        resp = self._call(self.stub.ReleaseCache, convert.release_cache_request(cache, expected_length), timeout)
         return convert.release_cache_response(resp)
+
+    # -- moving caches ---------------------------------------------------------------------
+
+    def export_kv(self, cache: KvCacheHandle | str, start: int | None = None, end: int | None = None, *,
+                  max_chunk_bytes: int = 0, timeout: Timeout = USE_DEFAULT) -> Iterator[pb.ExportKvResponse]:
+        """The ExportKv stream of positions [start, end) of a cache: its description, then its chunks."""
+        call = self.stub.ExportKv(convert.export_kv_request(cache, start, end, max_chunk_bytes),
+                                  timeout=self._config.deadline(timeout), metadata=self._config.metadata)
+        try:
+            yield from call
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
+        finally:
+            call.cancel()
+
+    def import_kv(self, export: Iterable[pb.ExportKvResponse], cache_id: str | None = None, *,
+                  timeout: Timeout = USE_DEFAULT) -> ImportResult:
+        """Create a cache (named cache_id, or server-chosen when None) from an ExportKv stream;
+        a stream starting past position 0 extends cache_id."""
+        requests = (convert.import_kv_request(m, cache_id) for m in export)
+        return convert.import_kv_response(self._call(self.stub.ImportKv, requests, timeout))
+
+    def list_caches(self, cache_ids: Sequence[str] = (), *, timeout: Timeout = USE_DEFAULT) -> list[pb.CacheInfo]:
+        """The caller's live caches (all, or those of cache_ids that are live)."""
+        return list(self._call(self.stub.ListCaches, pb.ListCachesRequest(cache_ids=list(cache_ids)), timeout).caches)
 
     # -- health ----------------------------------------------------------------------------
 

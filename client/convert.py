@@ -23,6 +23,7 @@ from .types import (
     DecodeOutput,
     ForwardOutput,
     ForwardVerifyOutput,
+    ImportResult,
     KvCacheHandle,
     LogitsOutput,
     LogitsPolicy,
@@ -461,8 +462,35 @@ def truncate_kv_request(cache: KvCacheHandle | str, new_length: int) -> pb.Trunc
     return pb.TruncateKvRequest(cache_id=cache_id_of(cache), new_length=int(new_length))
 
 
-def release_cache_request(cache: KvCacheHandle | str) -> pb.ReleaseCacheRequest:
-    return pb.ReleaseCacheRequest(cache_id=cache_id_of(cache))
+def release_cache_request(cache: KvCacheHandle | str, expected_length: int | None = None) -> pb.ReleaseCacheRequest:
+    msg = pb.ReleaseCacheRequest(cache_id=cache_id_of(cache))
+    if expected_length is not None:
+        msg.expected_length = int(expected_length)
+    return msg
+
+
+def export_kv_request(cache: KvCacheHandle | str, start: int | None = None, end: int | None = None,
+                      max_chunk_bytes: int = 0) -> pb.ExportKvRequest:
+    msg = pb.ExportKvRequest(cache_id=cache_id_of(cache), max_chunk_bytes=int(max_chunk_bytes))
+    if start is not None:
+        msg.start_position = int(start)
+    if end is not None:
+        msg.end_position = int(end)
+    return msg
+
+
+def import_kv_request(export: pb.ExportKvResponse, cache_id: str | None = None) -> pb.ImportKvRequest:
+    """One message of an ExportKv stream as the ImportKv message that forwards it: the
+    description becomes the start (naming the cache to create, or none for a server-chosen
+    id), a chunk stays a chunk."""
+    if export.WhichOneof("item") == "description":
+        return pb.ImportKvRequest(start=pb.ImportKvStart(description=export.description, cache_id=cache_id or ""))
+    return pb.ImportKvRequest(chunk=export.chunk)
+
+
+def import_kv_response(resp: pb.ImportKvResponse) -> ImportResult:
+    return ImportResult(kv_cache=handle_from_proto(resp.kv_cache), imported_tokens=resp.imported_tokens,
+                        replayed=resp.replayed, timing=timing_from_proto(resp.timing))
 
 
 def shutdown_request(grace_seconds: float = 0.0) -> pb.ShutdownRequest:

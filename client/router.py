@@ -141,6 +141,9 @@ class AsyncExecutorRouter:
         self._status_at = float("-inf")
         self._refreshing: asyncio.Task | None = None
         self._turn = 0
+        self.draining: set[int] = set()  # replicas that get no new sequence (client.transfer.drain_replica)
+        self._held: dict[str, asyncio.Event] = {}  # caches whose calls wait while they move
+        self._in_flight: dict[str, int] = {}
 
     # -- placement ------------------------------------------------------------------------
     @property
@@ -191,8 +194,34 @@ class AsyncExecutorRouter:
             if len(self._released) > _RELEASED_REMEMBERED:
                 self._released.popitem(last=False)
 
+    def placement_order(self, exclude: int | None = None) -> list[int]:
+        """Replicas for a new or moved cache, best first: fewest live caches, most free blocks."""
+        order = [i for i in range(len(self.replicas)) if i != exclude and i not in self.draining]
+        return sorted(order, key=lambda i: (not self._healthy[i], self._live[i], -(self._free_blocks[i] or 0)))
+
+    # -- moving caches (client.transfer.drain_replica) -------------------------------------
+    async def hold_calls(self, cache_id: str) -> None:
+        """Hold new calls for a cache, and wait until those in flight have finished."""
+        self._held.setdefault(cache_id, asyncio.Event())
+        while self._in_flight.get(cache_id):
+            await asyncio.sleep(0.001)
+
+    def release_calls(self, cache_id: str, replica: int | None) -> None:
+        """Let a held cache's calls go: to `replica` when it moved there, else where it was."""
+        if replica is not None:
+            self._unpin(cache_id)
+            self.pin(cache_id, replica)
+        event = self._held.pop(cache_id, None)
+        if event is not None:
+            event.set()
+
+    async def _wait_moves(self, cache_ids: Sequence[str]) -> None:
+        while self._held and (event := next((self._held[c] for c in cache_ids if c in self._held), None)):
+            await event.wait()
+
     def _least_loaded(self) -> int:
-        candidates = [i for i, ok in enumerate(self._healthy) if ok] or list(range(len(self.replicas)))
+        candidates = [i for i, ok in enumerate(self._healthy) if ok and i not in self.draining] or [
+            i for i in range(len(self.replicas)) if i not in self.draining] or list(range(len(self.replicas)))
         n = len(self.replicas)
         # Fewest live caches, then most free blocks, then whoever's turn it is.
         best = min(candidates, key=lambda i: (self._live[i], -(self._free_blocks[i] or 0), (i - self._turn) % n))
@@ -263,17 +292,27 @@ class AsyncExecutorRouter:
                     self.forget(cid)
 
     async def _guard(self, call: Awaitable[_T], created: list[str], touched: Sequence[str]) -> _T:
+        for c in touched:  # counted before the first await: a move waits for these calls
+            self._in_flight[c] = self._in_flight.get(c, 0) + 1
         try:
             result = await call
         except BaseException as e:
             self._settle(created, e)
             self._lost(e, [c for c in touched if c not in created])
             raise
+        finally:
+            for c in touched:
+                if (n := self._in_flight[c] - 1) > 0:
+                    self._in_flight[c] = n
+                else:
+                    del self._in_flight[c]
         return result
 
     # -- single-cache calls ---------------------------------------------------------------
     async def prefill(self, item: PrefillInput, *, timeout: Timeout = USE_DEFAULT) -> PrefillOutput:
         await self._maybe_refresh()
+        if item.kv_cache is not None:
+            await self._wait_moves([item.kv_cache.cache_id])
         item, replica, created = self._prefill_route(item, "input")
         out = await self._guard(self.replicas[replica].prefill(item, timeout=timeout), created,
                                 [item.kv_cache.cache_id])
@@ -281,6 +320,7 @@ class AsyncExecutorRouter:
 
     async def decode(self, item: DecodeInput, *, timeout: Timeout = USE_DEFAULT) -> DecodeOutput:
         cid = item.kv_cache.cache_id
+        await self._wait_moves([cid])
         replica = self._route(cid, "input.kv_cache")
         return await self._guard(self.replicas[replica].decode(item, timeout=timeout), [], [cid])
 
@@ -288,6 +328,7 @@ class AsyncExecutorRouter:
         self, kv_cache: KvCacheHandle, tokens: TokenIds, logits_policy: LogitsPolicy | None = None,
         *, timeout: Timeout = USE_DEFAULT,
     ) -> ForwardVerifyOutput:
+        await self._wait_moves([kv_cache.cache_id])
         replica = self._route(kv_cache.cache_id, "kv_cache")
         call = self.replicas[replica].forward_verify(kv_cache, tokens, logits_policy, timeout=timeout)
         return await self._guard(call, [], [kv_cache.cache_id])
@@ -295,11 +336,13 @@ class AsyncExecutorRouter:
     async def truncate_kv(self, cache: KvCacheHandle | str, new_length: int, *,
                           timeout: Timeout = USE_DEFAULT) -> TruncateResult:
         cid = cache_id_of(cache)
+        await self._wait_moves([cid])
         replica = self._route(cid, "cache_id")
         return await self._guard(self.replicas[replica].truncate_kv(cache, new_length, timeout=timeout), [], [cid])
 
     async def release_cache(self, cache: KvCacheHandle | str, *, timeout: Timeout = USE_DEFAULT) -> ReleaseResult:
         cid = cache_id_of(cache)
+        await self._wait_moves([cid])
         replica = self._route(cid, "cache_id")
         try:
             result = await self.replicas[replica].release_cache(cache, timeout=timeout)
@@ -331,6 +374,7 @@ class AsyncExecutorRouter:
     async def batch_prefill(self, items: Sequence[PrefillInput], *,
                             timeout: Timeout = USE_DEFAULT) -> list[PrefillOutput]:
         await self._maybe_refresh()
+        await self._wait_moves([it.kv_cache.cache_id for it in items if it.kv_cache is not None])
         routed, replicas, created = [], [], []
         try:
             for i, it in enumerate(items):
@@ -346,6 +390,7 @@ class AsyncExecutorRouter:
                                  created, touched)
 
     async def batch_decode(self, items: Sequence[DecodeInput], *, timeout: Timeout = USE_DEFAULT) -> list[DecodeOutput]:
+        await self._wait_moves([it.kv_cache.cache_id for it in items])
         replicas = [self._route(it.kv_cache.cache_id, f"inputs[{i}].kv_cache") for i, it in enumerate(items)]
         touched = [it.kv_cache.cache_id for it in items]
         return await self._split(list(items), replicas,
@@ -354,6 +399,7 @@ class AsyncExecutorRouter:
     async def unified_decode(self, batch: UnifiedBatch | Sequence[UnifiedBatchItem], *,
                              timeout: Timeout = USE_DEFAULT) -> list[UnifiedItemResult]:
         items = list(batch.items if isinstance(batch, UnifiedBatch) else batch)
+        await self._wait_moves([it.seq_id for it in items if it.seq_id])
         if any(not it.seq_id or (it.pos_offset == 0 and it.seq_id not in self._owner) for it in items):
             await self._maybe_refresh()
         routed, replicas, created = [], [], []

@@ -30,11 +30,13 @@ executor replays rather than applies twice.
 
 Several executors: pass an `AsyncExecutorRouter`; each sequence is placed on the replica
 with the most room and its cache stays there.
+
+Prefill on some executors and decode on others: client/disaggregated.py (two of these
+schedulers, joined by the `_handoff` hook and a cache move).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import itertools
@@ -52,7 +54,7 @@ import numpy as np
 from .aio import AsyncExecutorClient
 from .convert import metadata_from_proto
 from .errors import ExecutorError, NotFoundError, OutOfRangeError, ResourceExhaustedError
-from .router import AsyncExecutorRouter, parse_targets
+from .router import AsyncExecutorRouter
 from .types import LogitsPolicy, UnifiedBatchItem, UnifiedItemResult
 
 __all__ = ["Completion", "RequestStream", "Scheduler", "SchedulerConfig", "SchedulerStats", "run_batch"]
@@ -99,10 +101,17 @@ class Completion:
     submitted_at: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None
+    token_times: list[float] = field(default_factory=list)  # time.monotonic() as each token came
 
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.submitted_at
+
+    @property
+    def itl_s(self) -> float | None:
+        """Inter-token latency: the mean gap between successive tokens (None below two)."""
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
 
     @property
     def latency_s(self) -> float | None:
@@ -519,12 +528,15 @@ class Scheduler:
                 self._waiting.popleft()
                 self._finish(s, "cancelled")
                 continue
+            if s in victims:  # its old cache is released after this plan: readmit it in the next one
+                break
             if (err := self._impossible(s)) is not None:
                 self._waiting.popleft()
                 self._finish(s, "error", err)
                 continue
             fits = [rep for rep in self.replicas
-                    if rep.index not in closed and running[rep.index] < rep.max_items
+                    if rep.index not in closed and rep.index not in self.router.draining
+                    and running[rep.index] < rep.max_items
                     and len(plan[rep.index]) < rep.max_items and tokens[rep.index] > 0
                     and len(s.tokens) <= rep.max_seq_len
                     and rep.blocks_for(len(s.tokens)) <= free[rep.index] - cfg.kv_watermark_blocks]
@@ -608,6 +620,11 @@ class Scheduler:
         return e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "blocks_free" not in e.metadata
 
     def _apply(self, s: _Seq, n: int, res: UnifiedItemResult) -> None:
+        moved = self.router.replica_of(s.cache_id)
+        if moved is not None and moved != s.replica:  # the router moved its cache (a drain): follow it
+            self.replicas[s.replica].free_blocks += s.blocks
+            self.replicas[moved].free_blocks -= s.blocks
+            s.replica = moved
         rep = self.replicas[s.replica]
         blocks = len(res.kv_cache.block_ids) if res.kv_cache.block_ids else rep.blocks_for(s.computed + n)
         rep.free_blocks -= blocks - s.blocks
@@ -635,12 +652,20 @@ class Scheduler:
         c.logprobs.append(out.logprob)
         if out.logits is not None:
             c.logits.append(np.array(out.logits))
+        c.token_times.append(time.monotonic())
         if c.first_token_at is None:
-            c.first_token_at = time.monotonic()
+            c.first_token_at = c.token_times[-1]
         self.stats.generated_tokens += 1
         s.stream._push(token)
         if len(c.token_ids) >= s.max_tokens or len(s.tokens) > rep.max_seq_len:
             self._finish(s, "length")
+        elif self._handoff(s):
+            self._running.remove(s)
+
+    def _handoff(self, s: _Seq) -> bool:
+        """Hook after a token: True takes the sequence, cache and all, out of this scheduler
+        (client/disaggregated.py moves it to a decode executor); the stream goes on."""
+        return False
 
     async def _step_failed(self, r: int, items: list[tuple[_Seq, int]], e: ExecutorError) -> None:
         """The step changed no cache (a unified batch is all or nothing): decide per request."""
@@ -741,7 +766,7 @@ class Scheduler:
 
 
 # ---------------------------------------------------------------------------------------
-# `python -m client schedule`: a batch of prompts through the scheduler, with progress
+# A batch of prompts through a scheduler, with progress (the CLI: client/schedule_cli.py)
 # ---------------------------------------------------------------------------------------
 
 
@@ -777,10 +802,11 @@ class _Progress:
             self.stream.flush()
 
 
-async def run_batch(scheduler: Scheduler, prompts: list[list[int]], *, max_tokens: int,
+async def run_batch(scheduler: Any, prompts: list[list[int]], *, max_tokens: int,
                     policy: LogitsPolicy | Sequence[LogitsPolicy | None] | None = None,
                     progress: _Progress | None = None, ignore_eos: bool = False) -> list[Completion]:
-    """Submit every prompt at once; wait for all; return the completions in prompt order.
+    """Submit every prompt at once to `scheduler` (a Scheduler, or anything with its `submit`,
+    as DisaggregatedScheduler); wait for all; return the completions in prompt order.
 
     `policy`: one for all prompts, or one per prompt (None: ARGMAX)."""
     policies = list(policy) if isinstance(policy, Sequence) else [policy] * len(prompts)
@@ -799,75 +825,3 @@ async def run_batch(scheduler: Scheduler, prompts: list[list[int]], *, max_token
                                 request_id=f"req-{i}") for i, (p, pol) in enumerate(zip(prompts, policies))]
     return list(await asyncio.gather(*(consume(i, s) for i, s in enumerate(streams))))
 
-
-def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
-    from .tokenizer import DEFAULT_TOKENIZER_DIR
-
-    p.add_argument("--targets", default=None,
-                   help="HOST:PORT[,HOST:PORT...] of the executor replicas (default: --target)")
-    p.add_argument("--prompts-file", required=True, help="one prompt per line (blank lines are skipped)")
-    p.add_argument("--max-tokens", type=int, default=64, help="most new tokens per prompt (default %(default)s)")
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
-    p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER_DIR),
-                   help="directory with the served model's tokenizer.json (default: the embedded model)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; else sampled on the server")
-    p.add_argument("--seed", type=int, default=None, help="seed of server-side sampling (per prompt: seed + index)")
-    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig().max_num_seqs,
-                   help="sequences per step and replica (default %(default)s)")
-    p.add_argument("--max-batched-tokens", type=int, default=SchedulerConfig().max_num_batched_tokens,
-                   help="tokens per step and replica; longer prompts are prefilled in chunks (default %(default)s)")
-    p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
-
-
-def run_schedule_command(args: argparse.Namespace) -> None:
-    """The `schedule` subcommand: prints each completion, then throughput, to stdout."""
-    from .tokenizer import TextTokenizer
-
-    tok = TextTokenizer(args.tokenizer)
-    with open(args.prompts_file, encoding="utf-8") as f:
-        texts = [line.rstrip("\n") for line in f if line.strip()]
-    if not texts:
-        raise ValueError(f"{args.prompts_file} holds no prompts")
-    rendered = [tok.apply_chat_template([{"role": "user", "content": t}]) if args.chat else t for t in texts]
-    prompts = [tok.encode(t) for t in rendered]
-    targets = parse_targets(args.targets or args.target)
-
-    async def main() -> tuple[list[Completion], float, SchedulerStats]:
-        router = AsyncExecutorRouter(targets, timeout=args.timeout)
-        try:
-            sched = Scheduler(router, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
-                              eos_token_ids=None if args.ignore_eos else tuple(sorted(tok.eos_ids)) or None)
-            async with sched:
-                progress = _Progress(len(prompts))
-                started = time.monotonic()
-                policies = None
-                if args.temperature > 0:
-                    # One seed per prompt: prompts differ from each other, and a run repeats exactly.
-                    policies = [LogitsPolicy.sample(args.temperature, seed=None if args.seed is None else args.seed + i)
-                                for i in range(len(prompts))]
-                completions = await run_batch(sched, prompts, max_tokens=args.max_tokens, policy=policies,
-                                              progress=progress, ignore_eos=args.ignore_eos)
-                elapsed = time.monotonic() - started
-                progress.close()
-                return completions, elapsed, sched.stats
-        finally:
-            await router.close()
-
-    completions, elapsed, stats = asyncio.run(main())
-    failed = 0
-    for i, (text, c) in enumerate(zip(texts, completions)):
-        print(f"--- [{i}] {text}")
-        if c.finish_reason == "error":
-            failed += 1
-            print(f"error: {c.error}")
-        else:
-            print(tok.decode(c.token_ids).strip())
-        print(f"    ({len(c.token_ids)} tokens, {c.finish_reason}, first token {c.ttft_s or 0:.2f}s, "
-              f"done {c.latency_s or 0:.2f}s)")
-    generated = sum(len(c.token_ids) for c in completions)
-    prompt_tokens = sum(len(p) for p in prompts)
-    print(f"{len(completions)} requests ({failed} failed) on {len(targets)} executor(s): {prompt_tokens} prompt + "
-          f"{generated} generated tokens in {elapsed:.2f}s")
-    print(f"throughput: {generated / elapsed:.1f} tokens/s, {len(completions) / elapsed:.2f} requests/s "
-          f"({stats.steps} steps, up to {stats.max_items_per_step} sequences per step, "
-          f"{stats.preemptions} preemptions)")

@@ -20,6 +20,7 @@ __all__ = [
     "DecodeOutput",
     "ForwardOutput",
     "ForwardVerifyOutput",
+    "ImportResult",
     "KvCacheHandle",
     "LogitsDType",
     "LogitsKindName",
@@ -240,6 +241,17 @@ class TruncateResult:
 
     kv_cache: KvCacheHandle
     freed_blocks: int
+    timing: CallTiming = field(default_factory=CallTiming)
+
+
+@dataclass(slots=True)
+class ImportResult:
+    """A cache created (or extended) by ImportKv; replayed=True when the call was a retry of
+    an import that had completed, and wrote nothing."""
+
+    kv_cache: KvCacheHandle
+    imported_tokens: int
+    replayed: bool = False
     timing: CallTiming = field(default_factory=CallTiming)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from executors.errors import InvalidParameter, Unsupported
 from executors.types import (
@@ -35,6 +36,10 @@ from executors.types import (
     UnifiedItemResult,
     VerifyOutput,
 )
+
+if TYPE_CHECKING:
+    from executors.kv_transfer import KvExport, KvImport
+    from executors.transfer_types import CacheInfo, KvExportDescription
 
 
 class ModelExecutor(abc.ABC):
@@ -93,8 +98,21 @@ class ModelExecutor(abc.ABC):
     async def truncate_kv(self, cache_id: str, new_length: int) -> TruncateResult:
         raise Unsupported(f"{self.name} executor does not implement truncate_kv")
 
-    async def release_cache(self, cache_id: str) -> ReleaseResult:
+    async def release_cache(self, cache_id: str, expected_length: int | None = None) -> ReleaseResult:
         return ReleaseResult(released=False, freed_blocks=0)
+
+    # -- moving caches between executors (kv_transfer.py) --------------------------------
+    async def export_kv(self, cache_id: str, start: int | None = None, end: int | None = None,
+                        max_chunk_bytes: int = 0) -> KvExport:
+        """A snapshot of positions [start, end) of a cache: its description, then chunks."""
+        raise Unsupported(f"the {self.name} executor cannot export KV caches")
+
+    async def import_kv(self, description: KvExportDescription, cache_id: str | None) -> KvImport:
+        """Begin importing an exported cache; write its chunks, then finish (or abort)."""
+        raise Unsupported(f"the {self.name} executor cannot import KV caches")
+
+    async def list_caches(self, cache_ids: Sequence[str] = ()) -> list[CacheInfo]:
+        raise Unsupported(f"the {self.name} executor cannot list its caches")
 
     def cache_metrics(self) -> CacheMetrics | None:
         return None

@@ -75,6 +75,10 @@ class CacheRegistry:
                 counts[state.adapter.name] = counts.get(state.adapter.name, 0) + 1
         return counts
 
+    def items(self) -> list[tuple[str, CacheState]]:
+        """Every cache's state, in creation order."""
+        return list(self._states.items())
+
     def remove(self, cache_id: str) -> None:
         self._states.pop(cache_id, None)
 

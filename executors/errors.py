@@ -75,3 +75,9 @@ class Unavailable(ExecutorError):
     """The executor is shut down or not ready."""
 
     reason = "UNAVAILABLE"
+
+
+class DataLoss(ExecutorError):
+    """Data sent to the executor arrived damaged or incomplete (a bad checksum, a short stream)."""
+
+    reason = "DATA_LOSS"

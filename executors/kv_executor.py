@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -33,6 +34,7 @@ from executors.errors import (
     Unsupported,
 )
 from executors.identity import current_identity
+from executors.kv_moves import KvMoves
 from executors.kv_sizing import kv_bytes_per_block
 from executors.logits import apply_policies, to_host_tensor
 from executors.lora import LoraAdapter
@@ -124,7 +126,7 @@ class StepItem:
     adapter: LoraAdapter | None = None  # the cache's LoRA adapter
 
 
-class KvCacheExecutor(ModelExecutor):
+class KvCacheExecutor(KvMoves, ModelExecutor):
     def __init__(
         self,
         *,
@@ -161,6 +163,8 @@ class KvCacheExecutor(ModelExecutor):
         self.stats = ExecutorStats()
         self.peak_used_bytes = 0
         self.loras: LoraRegistry | None = None  # set by executors that apply LoRA adapters
+        self._fingerprint = None  # KvMoves.kv_fingerprint, computed on first use
+        self._fingerprint_lock = asyncio.Lock()
 
     # -- the model ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -234,8 +238,8 @@ class KvCacheExecutor(ModelExecutor):
     async def truncate_kv(self, cache_id: str, new_length: int) -> TruncateResult:
         return await self._run(self._truncate_now, cache_id, new_length, current_identity.get())
 
-    async def release_cache(self, cache_id: str) -> ReleaseResult:
-        return await self._run(self._release_now, cache_id, current_identity.get())
+    async def release_cache(self, cache_id: str, expected_length: int | None = None) -> ReleaseResult:
+        return await self._run(self._release_now, cache_id, current_identity.get(), expected_length)
 
     async def reap_idle(self, ttl_s: float) -> list[str]:
         """Release caches idle for longer than ttl_s (their lease ran out); returns their ids."""
@@ -243,6 +247,9 @@ class KvCacheExecutor(ModelExecutor):
 
     async def warmup(self) -> None:
         await self._run(self._warmup_now)
+        # The weights' digest too (seconds for a large model), so the first move does not pay it.
+        with contextlib.suppress(Unsupported):  # an executor that cannot name its weights
+            await self.kv_fingerprint()
 
     # -- LoRA adapters --------------------------------------------------------------------
     async def load_lora_adapter(self, name: str, source: LoraSource) -> LoraAdapterInfo:
@@ -318,6 +325,7 @@ class KvCacheExecutor(ModelExecutor):
                 allocation_failures=kv.allocation_failures,
                 leases_expired=self.caches.leases_expired,
                 cached_blocks=kv.cached_blocks,
+                window_freed_blocks=kv.window_freed_blocks,
             ),
         )
 
@@ -458,8 +466,10 @@ class KvCacheExecutor(ModelExecutor):
             self.stats.state = ExecutorState.READY
             self.stats.current_batch_size = 0
             raise
-        for (s, it), res in zip(work, fresh):
+        for i, ((s, it), res) in enumerate(zip(work, fresh)):
             self.kv.commit(it.cache_id, it.start, it.tokens)  # name the blocks filled, for reuse
+            if self.kv.slide(it.cache_id):  # every layer sliding: blocks the windows left go back to the pool
+                res = fresh[i] = dataclasses.replace(res, kv_cache=self._handle(it.cache_id))
             if it.reused is not None:
                 self.kv.record_lookup(it.reused)
             self.caches.record(it.cache_id, s.expected_length, s.tokens, (s.rows, s.policy), res)
@@ -556,7 +566,8 @@ class KvCacheExecutor(ModelExecutor):
         return KvCacheHandle(
             cache_id=cache_id,
             sequence_length=t.num_tokens,
-            block_ids=tuple(t.block_ids),
+            # Blocks the sliding windows left (FREED) are not the cache's any more: the held ones.
+            block_ids=tuple(t.block_ids[t.freed_blocks:]),
             block_size=t.block_size,
             num_layers=p.num_layers,
             num_kv_heads=p.num_kv_heads,
@@ -582,9 +593,15 @@ class KvCacheExecutor(ModelExecutor):
         self.caches.claim(cache_id)
         return TruncateResult(kv_cache=self._handle(cache_id), freed_blocks=freed)
 
-    def _release_now(self, cache_id: str, identity: str | None) -> ReleaseResult:
+    def _release_now(self, cache_id: str, identity: str | None, expected_length: int | None) -> ReleaseResult:
         if cache_id in self.kv:
             self.caches.touch(cache_id, identity, "cache_id")
+            length = self.kv.get(cache_id).num_tokens
+            if expected_length is not None and expected_length != length:
+                raise FailedPrecondition(
+                    f"cache {cache_id!r} holds {length} tokens, not the expected_length {expected_length}: it was not "
+                    "released", field="expected_length", reason="STALE_CACHE_HANDLE", cache_id=cache_id,
+                    cache_length=length)
         freed = self.kv.release(cache_id)
         self.caches.remove(cache_id)
         return ReleaseResult(released=freed is not None, freed_blocks=freed or 0)

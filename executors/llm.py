@@ -8,6 +8,7 @@ per sequence and the lm_head run only on the rows that need logits.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -18,15 +19,18 @@ import torch
 from executors.adapters import LoraLimits, LoraRegistry
 from executors.kv_executor import KvCacheExecutor, Rows, StepItem, StepLogits
 from executors.kv_sizing import MemoryProbe, auto_num_blocks, lora_reserve_bytes
+from executors.kv_transfer import digest_tensors
 from executors.lora import LoraBatch, LoraTargets
 from executors.models.attention import Segment, StepContext
 from executors.models.config import DecoderConfig
 from executors.models.decoder import DecoderLM
 from executors.models.loader import load_model
+from executors.models.moe import load_report
 from executors.types import (
     AttentionType,
     DType,
     ExecutorCapabilities,
+    ExecutorStatus,
     MemoryRequirements,
     ModelInfo,
     ModelType,
@@ -35,7 +39,13 @@ from executors.types import (
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FAMILY_TYPES = {"llama": ModelType.LLAMA, "qwen2": ModelType.QWEN, "qwen3": ModelType.QWEN}
+FAMILY_TYPES = {"llama": ModelType.LLAMA, "qwen2": ModelType.QWEN, "qwen3": ModelType.QWEN,
+                "qwen2_moe": ModelType.QWEN, "qwen3_moe": ModelType.QWEN, "mistral": ModelType.MISTRAL,
+                "mixtral": ModelType.MISTRAL, "gemma3": ModelType.GEMMA}
+# Models whose every layer slides: a cache keeps this many positions before its window, so
+# that a truncation by up to this many tokens (rejected speculative drafts) still has the
+# K and V it needs; blocks further back go back to the pool (KvCacheManager.slide).
+WINDOW_ROLLBACK_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +176,8 @@ class LlmExecutor(KvCacheExecutor):
             prefix_caching=config.prefix_caching,
             scratch_blocks=1 if decode_graphs else 0,  # where a graph's padding rows write
         )
+        if mc.all_layers_sliding:
+            self.kv.enable_sliding(max(mc.layer_windows), WINDOW_ROLLBACK_TOKENS)
         self.graphs = None
         if decode_graphs:
             from executors.decode_graphs import DecodeGraphs
@@ -193,6 +205,11 @@ class LlmExecutor(KvCacheExecutor):
     def parameter_bytes(self) -> int:
         # Base weights, their packed copies (oneDNN, for some CPU steps) and the adapters loaded.
         return self._param_bytes + self._packed_bytes + self.loras.nbytes
+
+    def _weights_digest(self) -> str:
+        # The parameters as served (dtype included), in their logical layout: the same
+        # checkpoint gives the same digest on a CPU (whose float32 layouts differ) and a GPU.
+        return digest_tensors(self.model.named_parameters())
 
     # -- the forward ----------------------------------------------------------------------
     def _forward_step(self, items: list[StepItem]) -> StepLogits:
@@ -278,6 +295,10 @@ class LlmExecutor(KvCacheExecutor):
         return self.model.logits(h, reference=True) if self.reference else self.model.logits(h)
 
     # -- description ----------------------------------------------------------------------
+    def status(self) -> ExecutorStatus:
+        load = load_report(self.model)  # a mixture of experts: tokens routed to each expert
+        return super().status() if load is None else dataclasses.replace(super().status(), expert_load=load)
+
     def info(self) -> ModelInfo:
         mc = self.model_config
         return ModelInfo(
@@ -327,6 +348,7 @@ class LlmExecutor(KvCacheExecutor):
             kv_block_size=self.kv.block_size,
             kv_total_blocks=self.kv.allocator.num_total,
             supports_prefix_caching=self.kv.prefix_caching,
+            supports_kv_transfer=True,
             max_lora_adapters=self.config.max_loras,
             max_lora_rank=self.config.max_lora_rank,
         )

@@ -79,9 +79,11 @@ class LoraTargets:
     def from_config(cls, config: DecoderConfig) -> LoraTargets:
         hidden, inter = config.hidden_size, config.intermediate_size
         q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        attention = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
+        if config.moe is not None:  # a mixture of experts: adapters on attention only
+            return cls(config.num_layers, attention)
         return cls(config.num_layers, {
-            "q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
+            **attention, "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
         })
 
 

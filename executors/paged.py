@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from executors.kv_executor import KvCacheExecutor, Rows, StepItem, StepLogits
+from executors.kv_transfer import digest_tensors
 from executors.types import (
     AttentionType,
     DType,
@@ -72,6 +73,13 @@ class PagedAttentionExecutor(KvCacheExecutor):
         self.scale = 1.0 / math.sqrt(c.head_dim)
         # Output element i of [heads * head_dim] adds to logit i mod vocab.
         self.vocab_index = torch.arange(c.num_heads * c.head_dim) % c.vocab_size
+
+    def _weights_digest(self) -> str:
+        # Weight-free: what its K and V depend on is the geometry.
+        c = self.config
+        named = [(k, torch.tensor(getattr(c, k))) for k in ("vocab_size", "num_layers", "num_heads", "num_kv_heads",
+                                                            "head_dim")]
+        return digest_tensors(named)
 
     # -- the "model" ----------------------------------------------------------------------
     def _embed(self, tokens: list[int]) -> torch.Tensor:
@@ -170,4 +178,5 @@ class PagedAttentionExecutor(KvCacheExecutor):
             kv_block_size=c.block_size,
             kv_total_blocks=c.num_blocks,
             supports_prefix_caching=self.kv.prefix_caching,
+            supports_kv_transfer=True,
         )

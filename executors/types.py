@@ -276,6 +276,7 @@ class ExecutorCapabilities:
     supports_prefix_caching: bool = False
     max_lora_adapters: int = 0  # 0: no LoRA support
     max_lora_rank: int = 0
+    supports_kv_transfer: bool = False  # ExportKv, ImportKv, ListCaches
 
 
 class ExecutorState(enum.Enum):
@@ -305,6 +306,21 @@ class KvPoolStatus:
     allocation_failures: int
     leases_expired: int = 0
     cached_blocks: int = 0
+    window_freed_blocks: int = 0  # returned to the pool as sliding windows moved past them, since start
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLoad:
+    """Rows a mixture-of-experts model's routers sent to each expert since start."""
+
+    num_experts: int
+    experts_per_token: int
+    sparse_layers: tuple[int, ...]
+    layer_tokens_per_expert: tuple[tuple[int, ...], ...]  # [sparse layer][expert]
+
+    @property
+    def tokens_per_expert(self) -> tuple[int, ...]:
+        return tuple(sum(col) for col in zip(*self.layer_tokens_per_expert))
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,6 +335,7 @@ class ExecutorStatus:
     memory_usage: MemoryUsage
     last_operation_unix_s: float | None
     kv_pool: KvPoolStatus
+    expert_load: ExpertLoad | None = None  # mixtures of experts only
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,14 @@ class SerialWorker:
                     timer.queue_ns += waited
                     timer.executor_ns += time.perf_counter_ns() - started[0]
 
+    def submit(self, fn: Callable[..., Any], *args: object) -> None:
+        """Queue clean-up that nobody waits for (it runs even when its caller was cancelled);
+        dropped once the worker is closed, when nothing is left to clean."""
+        try:
+            self._pool.submit(fn, *args)
+        except RuntimeError:  # shut down
+            pass
+
     def _abandoned(self, future: Future, on_abandon: Callable[[Any], Any]) -> None:
         if not future.cancelled() and future.exception() is None:
             # Queue the clean-up as a job of its own: this callback may run on any thread.

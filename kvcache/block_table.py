@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The block_ids entry of a logical block returned to the pool because every layer's sliding
+# window has moved past it (KvCacheManager.slide): its positions are never read again.
+FREED = -1
+
 
 @dataclass(slots=True)
 class BlockTable:
@@ -24,6 +28,7 @@ class BlockTable:
     namespace: str = ""
     tokens: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    freed_blocks: int = 0  # leading logical blocks returned to the pool (block_ids FREED there)
 
     @property
     def capacity(self) -> int:

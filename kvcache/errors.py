@@ -62,3 +62,16 @@ class InvalidLength(KvCacheError):
         self.requested = requested
         self.current = current
         super().__init__(f"cannot {action} KV cache {cache_id!r} to {requested} tokens: it holds {current}")
+
+
+class LeftWindow(InvalidLength):
+    """A truncation that would need positions whose blocks left every layer's sliding window
+    and went back to the pool."""
+
+    def __init__(self, cache_id: str, requested: int, current: int, kept_from: int) -> None:
+        super().__init__(cache_id, requested, current)
+        self.kept_from = kept_from
+        message = (f"cannot truncate KV cache {cache_id!r} to {requested} tokens: it holds {current}, and the K "
+                   f"and V of positions before {kept_from} left the sliding window and were freed (truncate by "
+                   f"fewer tokens, or to 0)")
+        self.args = (message,)

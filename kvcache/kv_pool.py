@@ -78,3 +78,17 @@ class PagedKvPool:
         """K and V ([n, H, D]) at the given flat slots."""
         kf, vf = self.flat(layer)
         return kf.index_select(0, slots), vf.index_select(0, slots)
+
+    def read_layers(self, layer_start: int, layer_count: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ([layer_count, n, H, D]) of layers layer_start.. at the given flat slots."""
+        return (self._layers(0, layer_start, layer_count).index_select(1, slots),
+                self._layers(1, layer_start, layer_count).index_select(1, slots))
+
+    def write_layers(self, layer_start: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v ([layers, n, H, D]) for layers layer_start.. at the given flat slots."""
+        self._layers(0, layer_start, k.shape[0]).index_copy_(1, slots, k.to(self.dtype))
+        self._layers(1, layer_start, v.shape[0]).index_copy_(1, slots, v.to(self.dtype))
+
+    def _layers(self, kv: int, layer_start: int, layer_count: int) -> torch.Tensor:
+        return self._storage[kv, layer_start:layer_start + layer_count].view(
+            layer_count, -1, self.num_kv_heads, self.head_dim)

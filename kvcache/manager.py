@@ -8,7 +8,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvcache.block_allocator import BlockAllocator, CachedBlock
-from kvcache.block_table import BlockTable
+from kvcache.block_table import FREED, BlockTable
 from kvcache.errors import (
     CacheAlreadyExists,
     CacheNotFound,
@@ -16,7 +16,9 @@ from kvcache.errors import (
     InvalidCacheId,
     InvalidLength,
     KvCacheExhausted,
+    LeftWindow,
 )
+from kvcache.holds import Hold, HoldsMixin
 from kvcache.prefix_hash import block_hash, root_hash
 
 CACHE_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -33,6 +35,7 @@ class KvPoolStats:
     block_allocations: int
     allocation_failures: int
     cached_blocks: int  # free blocks that still hold a reusable prefix
+    window_freed_blocks: int = 0  # blocks returned to the pool because a sliding window left them
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +52,7 @@ class PrefixCacheStats:
         return self.lookups - self.hits
 
 
-class KvCacheManager:
+class KvCacheManager(HoldsMixin):
     """Owns every sequence's BlockTable; all block movement goes through here.
 
     Growth is all-or-nothing across a whole batch (`extend_many`), so a batch that does not
@@ -77,6 +80,11 @@ class KvCacheManager:
         self._tables: dict[str, BlockTable] = {}
         self._released: OrderedDict[str, None] = OrderedDict()
         self._next_id = 0
+        self.window: int | None = None  # enable_sliding
+        self.window_reserve = 0
+        self.window_freed_blocks = 0
+        self._holds: dict[int, Hold] = {}
+        self._next_hold = 0
 
     # -- lookup ---------------------------------------------------------------------------
     def __contains__(self, cache_id: str) -> bool:
@@ -203,7 +211,8 @@ class KvCacheManager:
             table.block_hashes.append(h)
             # False when an equal block is cached already (two caches computed the same
             # prefix at once): this one stays private and nameless.
-            self.allocator.set_hash(table.block_ids[i], h, CachedBlock(parent, chunk))
+            if table.block_ids[i] != FREED:
+                self.allocator.set_hash(table.block_ids[i], h, CachedBlock(parent, chunk))
 
     def record_lookup(self, matched_tokens: int) -> None:
         """Count a prefill that looked up the prefix cache, once it has run."""
@@ -224,6 +233,10 @@ class KvCacheManager:
         table = self.get(cache_id)
         if length < 0 or length > table.num_tokens:
             raise InvalidLength(cache_id, length, table.num_tokens)
+        if length and table.freed_blocks and length - self.window + 1 < table.freed_blocks * self.block_size:
+            raise LeftWindow(cache_id, length, table.num_tokens, table.freed_blocks * self.block_size)
+        if length == 0:
+            table.freed_blocks = 0
         keep = table.blocks_for(length)
         freed = self._drop_blocks(table.block_ids[keep:])
         del table.block_ids[keep:]
@@ -253,6 +266,31 @@ class KvCacheManager:
             self.release(cid)
         return len(ids)
 
+    # -- sliding windows --------------------------------------------------------------------
+    def enable_sliding(self, window: int, reserve: int) -> None:
+        """Every layer reads keys at most `window` positions back: `slide` may return blocks
+        behind that to the pool, keeping `reserve` positions more so that a truncation by up
+        to `reserve` tokens (rejected speculative drafts) still finds its window's K and V."""
+        self.window, self.window_reserve = window, reserve
+
+    def slide(self, cache_id: str) -> int:
+        """Return to the pool the cache's blocks wholly before its window (less the reserve);
+        their table entries become FREED. A block others share (a cached prefix) stays theirs;
+        a hashed block goes back as a cached one. Returns how many entries were dropped (the
+        pool's count of blocks actually freed is window_freed_blocks). No-op without a window."""
+        if self.window is None:
+            return 0
+        table = self.get(cache_id)
+        upto = max(0, table.num_tokens - self.window + 1 - self.window_reserve) // self.block_size
+        freed = 0
+        for i in range(table.freed_blocks, upto):
+            freed += self.allocator.decref(table.block_ids[i])
+            table.block_ids[i] = FREED
+        self.window_freed_blocks += freed
+        dropped = upto - table.freed_blocks if upto > table.freed_blocks else 0
+        table.freed_blocks = max(table.freed_blocks, upto)
+        return dropped
+
     # -- accounting -----------------------------------------------------------------------
     def stats(self) -> KvPoolStats:
         a = self.allocator
@@ -265,6 +303,7 @@ class KvCacheManager:
             block_allocations=a.block_allocations,
             allocation_failures=a.allocation_failures,
             cached_blocks=a.num_cached_free,
+            window_freed_blocks=self.window_freed_blocks,
         )
 
     def prefix_stats(self) -> PrefixCacheStats:
@@ -287,9 +326,15 @@ class KvCacheManager:
             )
             assert len(table.tokens) <= table.num_tokens, f"{cid}: more tokens than positions"
             assert len(table.block_hashes) <= len(table.tokens) // self.block_size, f"{cid}: hash of an unfilled block"
+            assert all(b == FREED for b in table.block_ids[:table.freed_blocks]), f"{cid}: freed blocks"
+            live = table.block_ids[table.freed_blocks:]
+            assert FREED not in live, f"{cid}: a freed block after a live one"
             for b, h in zip(table.block_ids, table.block_hashes):
-                assert self.allocator.hash_of(b) in (None, h), f"{cid}: block {b} is cached under another prefix"
-            for b in table.block_ids:
+                assert b == FREED or self.allocator.hash_of(b) in (None, h), f"{cid}: block {b} cached under another prefix"
+            for b in live:
+                refs[b] = refs.get(b, 0) + 1
+        for hold in self._holds.values():
+            for b in hold.block_ids:
                 refs[b] = refs.get(b, 0) + 1
         for b in range(self.allocator.num_total):
             assert self.allocator.ref_count(b) == refs.get(b, 0), f"block {b} ref count"
@@ -297,7 +342,7 @@ class KvCacheManager:
     # -- internals ------------------------------------------------------------------------
     def _drop_blocks(self, block_ids: Iterable[int]) -> int:
         # Tail blocks first, so the end of a sequence is reused before its prefix.
-        return sum(self.allocator.decref(b) for b in reversed(list(block_ids)))
+        return sum(self.allocator.decref(b) for b in reversed(list(block_ids)) if b != FREED)
 
     def _fresh_id(self, avoid: Collection[str]) -> str:
         while True:

@@ -331,6 +331,7 @@ def capabilities(c: t.ExecutorCapabilities, limits: pb.ServiceLimits) -> pb.Exec
         kv_total_blocks=c.kv_total_blocks,
         limits=limits,
         supports_prefix_caching=c.supports_prefix_caching,
+        supports_kv_transfer=c.supports_kv_transfer,
         max_lora_adapters=c.max_lora_adapters,
         max_lora_rank=c.max_lora_rank,
     )
@@ -365,8 +366,15 @@ def status(s: t.ExecutorStatus) -> pb.ExecutorStatus:
             allocation_failures=kv.allocation_failures,
             leases_expired=kv.leases_expired,
             cached_blocks=kv.cached_blocks,
+            window_freed_blocks=kv.window_freed_blocks,
         ),
     )
+    if s.expert_load is not None:
+        e = s.expert_load
+        out.expert_load.CopyFrom(pb.ExpertLoad(
+            num_experts=e.num_experts, experts_per_token=e.experts_per_token, sparse_layers=e.sparse_layers,
+            tokens_per_expert=e.tokens_per_expert,
+            layer_tokens_per_expert=[n for row in e.layer_tokens_per_expert for n in row]))
     if s.last_operation_unix_s is not None:
         out.last_operation.FromNanoseconds(int(s.last_operation_unix_s * 1e9))
     return out

@@ -38,6 +38,7 @@ EXECUTOR_CODES: dict[type[ex.ExecutorError], grpc.StatusCode] = {
     ex.Unsupported: grpc.StatusCode.UNIMPLEMENTED,
     ex.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     ex.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    ex.DataLoss: grpc.StatusCode.DATA_LOSS,
 }
 
 
@@ -144,12 +145,17 @@ def _refusing_undecodable(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandl
 
 
 def _guarded_stream(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A streaming handler answers failed steps itself; anything escaping it ends the stream
-    with the mapped status. Undecodable messages reach the handler as _Undecodable."""
-    inner = handler.stream_stream
+    """A handler that streams responses (StepSession answers failed steps itself; ExportKv
+    does not): anything escaping it ends the stream with the mapped status. Undecodable
+    request messages of a request stream reach the handler as _Undecodable; a single
+    undecodable request is refused here."""
+    inner = handler.stream_stream or handler.unary_stream
+    single = handler.stream_stream is None
 
     async def guarded(requests: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            if single and isinstance(requests, _Undecodable):
+                raise _malformed(requests)
             async for response in inner(requests, context):
                 yield response
         except grpc.aio.AbortError:
@@ -157,13 +163,13 @@ def _guarded_stream(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         except Exception as exc:  # noqa: BLE001 - the same mapping as for unary calls
             await context.abort_with_status(rich_status(to_status_error(exc)))
 
-    return grpc.stream_stream_rpc_method_handler(
-        guarded, request_deserializer=_lenient(handler.request_deserializer),
-        response_serializer=handler.response_serializer)
+    make = grpc.unary_stream_rpc_method_handler if single else grpc.stream_stream_rpc_method_handler
+    return make(guarded, request_deserializer=_lenient(handler.request_deserializer),
+                response_serializer=handler.response_serializer)
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps every unary handler of ModelExecutorService with the exception mapping."""
+    """Wraps every handler of ModelExecutorService with the exception mapping."""
 
     def __init__(self) -> None:
         self.handlers = WrappedHandlers(self._wrap)
@@ -180,11 +186,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     def _wrap(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         if not method.startswith(SERVICE_PREFIX):
             return _refusing_undecodable(handler)
-        if handler.stream_stream is not None:
+        if handler.stream_stream is not None or handler.unary_stream is not None:
             return _guarded_stream(handler)
-        if handler.unary_unary is None:
-            return handler
-        inner = handler.unary_unary
+        # A request stream's messages that do not parse reach its handler as _Undecodable.
+        inner = handler.unary_unary or handler.stream_unary
 
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
@@ -196,8 +201,6 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             except Exception as exc:  # noqa: BLE001 - this is the one place that maps them all
                 await context.abort_with_status(rich_status(to_status_error(exc)))
 
-        return grpc.unary_unary_rpc_method_handler(
-            guarded,
-            request_deserializer=_lenient(handler.request_deserializer),
-            response_serializer=handler.response_serializer,
-        )
+        make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
+        return make(guarded, request_deserializer=_lenient(handler.request_deserializer),
+                    response_serializer=handler.response_serializer)

@@ -15,9 +15,10 @@ import grpc
 from executors.base import ModelExecutor
 from executors.errors import InvalidParameter, PermissionDenied
 from executors.timing import CallTimer, current_call_timer
+from executors.transfer_types import DEFAULT_MAX_CHUNK_BYTES
 from generated.modelexec.v1 import executor_pb2 as pb
 from generated.modelexec.v1 import executor_pb2_grpc as pb_grpc
-from service import convert
+from service import convert, convert_transfer
 from service.config import ServeConfig
 from service.errors import _malformed, _Undecodable, to_status_error
 
@@ -182,8 +183,51 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
 
     async def ReleaseCache(self, request: pb.ReleaseCacheRequest, context) -> pb.ReleaseCacheResponse:
         call = _Call()
-        out = await self.executor.release_cache(convert.cache_id(request.cache_id))
+        expected = request.expected_length if request.HasField("expected_length") else None
+        out = await self.executor.release_cache(convert.cache_id(request.cache_id), expected)
         return pb.ReleaseCacheResponse(released=out.released, freed_blocks=out.freed_blocks, timing=call.timing())
+
+    # -- moving caches between executors --------------------------------------------------
+    async def ExportKv(self, request: pb.ExportKvRequest, context):
+        # Chunks stay under the message limit; each yield waits for flow control, so a slow
+        # reader holds at most a few chunks here.
+        max_chunk = min(request.max_chunk_bytes or DEFAULT_MAX_CHUNK_BYTES, self.config.max_message_bytes - 65536)
+        start, end = convert_transfer.export_range(request)
+        export = await self.executor.export_kv(convert.cache_id(request.cache_id), start, end, max_chunk)
+        try:
+            yield pb.ExportKvResponse(description=convert_transfer.description(export.description))
+            async for chunk in export.chunks():
+                yield pb.ExportKvResponse(chunk=convert_transfer.chunk(chunk))
+        finally:
+            export.close()
+
+    async def ImportKv(self, requests, context) -> pb.ImportKvResponse:
+        call = _Call()
+        session = None
+        try:
+            index = 0
+            async for message in requests:
+                if isinstance(message, _Undecodable):
+                    raise _malformed(message)
+                if session is None:
+                    session = await self.executor.import_kv(*convert_transfer.import_start(message))
+                    if session.replayed is not None:  # a retry of an import that completed
+                        return convert_transfer.import_response(session.replayed, call.timing())
+                else:
+                    await session.write(convert_transfer.import_chunk(message, index))
+                index += 1
+            if session is None:
+                raise InvalidParameter("the ImportKv stream ended before its first message", field="start")
+            result = await session.finish()
+            return convert_transfer.import_response(result, call.timing())
+        finally:
+            if session is not None:
+                session.abort()  # a no-op once the import was adopted
+
+    async def ListCaches(self, request: pb.ListCachesRequest, context) -> pb.ListCachesResponse:
+        call = _Call()
+        infos = await self.executor.list_caches(list(request.cache_ids))
+        return pb.ListCachesResponse(caches=[convert_transfer.cache_info(i) for i in infos], timing=call.timing())
 
     # -- LoRA adapters --------------------------------------------------------------------
     async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context) -> pb.LoadLoraAdapterResponse:

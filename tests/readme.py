@@ -10,8 +10,8 @@ running the tests, and `3f9c...` (the README's placeholder token) a real token. 
 blocks (`$ command` lines, each followed by its output) are compared with their output:
 - timings (a number of seconds, tokens/s or requests/s) may differ; every other text
   must be equal, generated text included;
-- an output that is a JSON object is compared as JSON, its `timing` values ignored and its
-  floating-point numbers within 1e-3;
+- an output that is a JSON object is compared as JSON, its `timing` and `idle_seconds`
+  values ignored and its floating-point numbers within 1e-3;
 - a line ending in `(stderr)` is the last line the command wrote to stderr;
 - an output that starts with `ERROR:` is a failed call (grpcurl's non-zero exit).
 """
@@ -30,6 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 MARKER = re.compile(r"^<!-- (example: (?P<name>[\w-]+)|not an example: (?P<why>.+)) -->$")
 TIMING = re.compile(r"\b\d+(\.\d+)?(?=( ?(s|tok/s|tokens/s|requests/s)\b))")
 PLACEHOLDER_TOKEN = "3f9c..."
+# JSON keys whose values are times, which may differ: how long a call took, and how long
+# a cache has been idle (ListCaches).
+VARYING = frozenset({"timing", "idle_seconds"})
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ def _same_json(actual, expected, where: str = "") -> None:
     if isinstance(expected, dict):
         assert isinstance(actual, dict) and set(actual) == set(expected), (where, actual, expected)
         for key in expected:
-            if key != "timing":  # how long it took is the one thing that may differ
+            if key not in VARYING:
                 _same_json(actual[key], expected[key], f"{where}.{key}")
     elif isinstance(expected, list):
         assert isinstance(actual, list) and len(actual) == len(expected), (where, actual, expected)

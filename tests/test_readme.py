@@ -8,6 +8,7 @@ every block is an example with its test here, or says why it is not one.
 from __future__ import annotations
 
 import ast
+import base64
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from client import ExecutorClient
+from client import DecodeInput, ExecutorClient, LogitsPolicy, PrefillInput
 from generated.modelexec.v1 import executor_pb2 as pb
 from service.config import ServeConfig
 from tests import readme
@@ -49,6 +50,15 @@ def embedded(smollm2_dir):
 @pytest.fixture
 def fresh_embedded(smollm2_dir):
     running = start_server(llm_config(smollm2_dir))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def other_embedded(smollm2_dir):
+    """A second server of the embedded model (localhost:50052 in the README): where caches move to.
+    A small pool (1024 tokens): the moves need a few blocks, and the weights take memory enough."""
+    running = start_server(llm_config(smollm2_dir, num_blocks=64))
     yield running
     running.stop()
 
@@ -170,6 +180,23 @@ def test_example_router(embedded, smollm2_dir):
             running.stop()
 
 
+def test_example_disaggregated(embedded, smollm2_dir):
+    decode = [start_server(llm_config(smollm2_dir, num_blocks=256)) for _ in range(2)]
+    try:
+        (line,) = readme.commands(readme.example("disaggregated"))
+        addresses = {"gpu0:50051": embedded.address, "gpu1:50051": decode[0].address,
+                     "gpu2:50051": decode[1].address}
+        out = ok(readme.shell(readme.substitute(line, addresses), REPO))
+        assert "8 requests (0 failed) on 1 prefill + 2 decode executors" in out
+        assert "\nmoves: " in out and "latency: first token mean" in out  # a request that stops at once never moves
+        for running in (embedded, *decode):
+            with ExecutorClient(running.address) as c:
+                assert c.status().kv_pool.used_blocks == 0 and c.list_caches() == []
+    finally:
+        for running in decode:
+            running.stop()
+
+
 def test_example_typescript(paged_server, tmp_path):
     """The package's commands as written, in a copy laid out as the repository (its own npm ci)."""
     shutil.copytree(REPO / "protos", tmp_path / "protos")
@@ -213,6 +240,74 @@ def test_example_prefill_answer(fresh_embedded):
 
 def test_example_stale_handle(fresh_embedded):
     readme.run_console(readme.example("stale-handle"), {ADDRESS: fresh_embedded.address}, REPO)
+
+
+# -- moving caches ---------------------------------------------------------------------------
+MOVED_PROMPT = [1, 504, 1013, 314, 4235, 282]
+
+
+def json_messages(text: str) -> list[dict]:
+    """The JSON objects grpcurl printed one after another (one per response message)."""
+    decoder, out, at = json.JSONDecoder(), [], 0
+    while (at := text.find("{", at)) >= 0:
+        message, at = decoder.raw_decode(text, at)
+        out.append(message)
+    return out
+
+
+def test_example_move_grpcurl(embedded, other_embedded, tmp_path):
+    """The block as one bash script (its Python lines span several), stopping at the first
+    failure; then the cache is on the target only, as the README says, and the target's
+    decode step answers as the source's own does."""
+    block = readme.example("move-grpcurl")
+    script = "set -euo pipefail\n" + readme.substitute(
+        block.code, {ADDRESS: embedded.address, "localhost:50052": other_embedded.address})
+    prefill, imported, decode, release = json_messages(ok(readme.shell(script, tmp_path, timeout=120)))
+    assert prefill["output"]["kv_cache"]["cache_id"] == "chat-7"
+    assert prefill["output"]["logits"]["token_id"] == 260  # the token the Decode line appends
+    assert imported["kv_cache"]["cache_id"] == "chat-7" and imported["kv_cache"]["block_table"]["sequence_length"] == 6
+    assert imported["imported_tokens"] == 6 and "replayed" not in imported
+
+    export = json_messages((tmp_path / "chat-7.export.json").read_text())
+    description, chunks = export[0]["description"], [m["chunk"] for m in export[1:]]
+    assert description["cache_id"] == "chat-7" and description["token_ids"] == MOVED_PROMPT
+    assert description["end_position"] == description["cache_length"] == 6
+    sizes = [len(base64.b64decode(c["key"])) + len(base64.b64decode(c["value"])) for c in chunks]
+    # The README's comment: one chunk, 270 KiB.
+    assert description["num_chunks"] == len(chunks) == 1 and int(description["total_bytes"]) == sum(sizes) == 270 * 1024
+    sent = [json.loads(x) for x in (tmp_path / "chat-7.import.json").read_text().splitlines()]
+    assert sent == [{"start": {"description": description, "cache_id": "chat-7"}}] + [{"chunk": c} for c in chunks]
+
+    with ExecutorClient(embedded.address) as source, ExecutorClient(other_embedded.address) as target:
+        assert release["released"] is True and "chat-7" not in [c.cache_id for c in source.list_caches()]
+        (moved,) = target.list_caches(["chat-7"])
+        assert moved.sequence_length == 7  # the imported 6 and the decoded token
+        # The source's own answer to the same step, computed from scratch.
+        out = source.prefill(PrefillInput(MOVED_PROMPT, logits_policy=LogitsPolicy.argmax()))
+        step = source.decode(DecodeInput(260, out.kv_cache, logits_policy=LogitsPolicy.top_k(3)))
+        source.release_cache(step.kv_cache)
+        target.release_cache("chat-7")
+    logits = decode["output"]["logits"]
+    assert logits["top_token_ids"] == step.logits.top_token_ids.tolist()
+    # Not bit for bit: each server times its float32 weight layouts at load
+    # (executors/models/cpu_layout.py), and two may sum in different orders.
+    assert logits["top_logprobs"] == pytest.approx(step.logits.top_logprobs.tolist(), abs=1e-4)
+
+
+def test_example_list_and_release(fresh_embedded, tmp_path):
+    readme.run_console(readme.example("list-and-release"), {ADDRESS: fresh_embedded.address}, tmp_path)
+
+
+def test_example_move_cache(embedded, other_embedded, tmp_path):
+    code = readme.substitute(readme.example("move-cache").code,
+                             {ADDRESS: embedded.address, "localhost:50052": other_embedded.address})
+    out = ok(run_python(code, tmp_path, prelude=f"prompt_ids = {MOVED_PROMPT}\n"))
+    assert out.split() == ["chat-8", "6", "1", str(270 * 1024)]  # id, length, rounds, K and V bytes
+    with ExecutorClient(embedded.address) as source, ExecutorClient(other_embedded.address) as target:
+        assert "chat-8" not in [c.cache_id for c in source.list_caches()]
+        (moved,) = target.list_caches(["chat-8"])
+        assert moved.sequence_length == 6
+        target.release_cache("chat-8")
 
 
 # -- LoRA ------------------------------------------------------------------------------------

@@ -287,3 +287,24 @@ def test_schedule_cli_runs_a_prompt_file_through_the_scheduler(make_server, smol
             pool_is_clean(c)
     finally:
         running.stop()
+
+
+def test_a_sequence_preempted_on_one_replica_frees_its_cache_there_when_it_moves_to_another(make_server):
+    """Replica 0's pool is too small for its sequences, replica 1 has room: the preempted one
+    is recomputed (on either), and its old cache is released on the replica it left."""
+    small, big = make_server(num_blocks=12), make_server(num_blocks=256)
+    prompts = [p[:20] for p in PROMPTS if len(p) >= 20][:4]
+    with ExecutorClient(big.address) as c:
+        expected = [plain(c, p, 20) for p in prompts]
+
+    async def run():
+        router = AsyncExecutorRouter([small.address, big.address])
+        async with router, Scheduler(router, max_num_batched_tokens=128) as sched:
+            out = await asyncio.gather(*(sched.generate(p, max_tokens=20) for p in prompts))
+            return out, sched.stats
+
+    out, stats = asyncio.run(run())
+    assert [c.token_ids for c in out] == expected and stats.preemptions > 0
+    for s in (small, big):
+        with ExecutorClient(s.address) as c:
+            pool_is_clean(c)

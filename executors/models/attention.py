@@ -31,6 +31,14 @@ tokens, and per-sequence calls cost ~40 us each regardless of length; see bench/
 A third implementation, for CUDA, is the Triton kernels of triton_attention.py
 (StepContext.backend == "triton"): they read K and V through the block tables directly,
 with no plan of views and gathers.
+
+Per-layer options (`LayerAttention`, set by the decoder on the context): a sliding window
+(a query at position p sees keys p-W+1..p) and the score scale. Every path
+honours the window: the plan of a sliding layer reads only the blocks that hold keys inside
+it (one plan per distinct window, built on the first layer that needs it) and masks the
+keys of its first block that fell out; the reference gathers only the positions inside it.
+Blocks wholly out of every layer's window may have been returned to the pool (the block
+table holds FREED there), so nothing reads them.
 """
 
 from __future__ import annotations
@@ -71,6 +79,17 @@ class Segment:
     block_ids: list[int] | None = None  # the sequence's block table (fast path); None without a cache
 
 
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """One layer's attention options."""
+
+    window: int | None = None  # keys p-window+1..p for a query at p; None: every earlier key
+    scale: float | None = None  # of q.k; None: 1/sqrt(head_dim)
+
+
+PLAIN = LayerAttention()
+
+
 @dataclass(slots=True)
 class StepContext:
     """What attention needs besides q, k and v; passed explicitly down the model."""
@@ -86,6 +105,11 @@ class StepContext:
     # triton_attention.py (CUDA, or Triton's interpreter in tests), whose plan is kernel_plan.
     backend: str = "sdpa"
     kernel_plan: KernelPlan | None = None
+    layers: tuple[LayerAttention, ...] = ()  # per layer (set by the decoder); empty: all PLAIN
+    window_plans: dict[int, AttentionPlan] = field(default_factory=dict)  # sliding layers' plans
+
+    def layer(self, i: int) -> LayerAttention:
+        return self.layers[i] if self.layers else PLAIN
 
 
 # -- the reference -----------------------------------------------------------------------
@@ -93,57 +117,80 @@ def attend_reference(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """q [M, H, D], k and v [M, KVH, D] -> [M, H * D]; gathers every segment's context by slot."""
     if ctx.pool is not None:
         ctx.pool.write(layer, ctx.slot_mapping, k, v)
+    spec = ctx.layer(layer)
     out = torch.empty_like(q)
     for seg in ctx.segments:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
         if seg.start == 0 or ctx.pool is None:
-            ks, vs = k[rows], v[rows]
+            ks, vs, key_start = k[rows], v[rows], 0
         else:
-            ks, vs = ctx.pool.read(layer, _context_slots(seg, ctx.pool))
+            # Only the positions some query of the segment sees: its first query's window on.
+            key_start = 0 if spec.window is None else max(0, seg.start - spec.window + 1)
+            ks, vs = ctx.pool.read(layer, _context_slots(seg, ctx.pool, key_start))
             ks, vs = ks.to(q.dtype), vs.to(q.dtype)
-        out[rows] = _sdpa(q[rows], ks, vs, seg.start)
+        out[rows] = _sdpa(q[rows], ks, vs, seg.start, spec, key_start)
     return out.flatten(1)
 
 
-def _context_slots(seg: Segment, pool: PagedKvPool) -> torch.Tensor:
-    if seg.context_slots is None:
+def _context_slots(seg: Segment, pool: PagedKvPool, key_start: int = 0) -> torch.Tensor:
+    """Pool slots of positions key_start..start+q_len-1 (cached on the segment for key_start 0)."""
+    if key_start or seg.context_slots is None:
         bs, ids = pool.block_size, seg.block_ids
-        seg.context_slots = torch.tensor([ids[p // bs] * bs + p % bs for p in range(seg.start + seg.q_len)],
-                                         device=pool.device)
+        slots = torch.tensor([ids[p // bs] * bs + p % bs for p in range(key_start, seg.start + seg.q_len)],
+                             device=pool.device)
+        if key_start:
+            return slots
+        seg.context_slots = slots
     return seg.context_slots
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """Causal attention of n queries at positions start.. over L = start + n keys."""
+def visibility(n: int, start: int, keys: int, key_start: int, window: int | None, device) -> torch.Tensor:
+    """[n, keys] bool: query i (position start+i) sees key j (position key_start+j)."""
+    kpos = key_start + torch.arange(keys, device=device)[None, :]
+    qpos = start + torch.arange(n, device=device)[:, None]
+    visible = kpos <= qpos
+    if window is not None:
+        visible &= kpos > qpos - window
+    return visible
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, spec: LayerAttention = PLAIN,
+          key_start: int = 0) -> torch.Tensor:
+    """Causal attention of n queries at positions start.. over the keys at positions
+    key_start..start+n-1, within spec's window, with its scale."""
     n, length = q.shape[0], k.shape[0]
     qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-    if n == 1:
+    windowed = spec.window is not None and start + n - key_start > spec.window
+    if n == 1 and not windowed:
         mask, causal = None, False  # a single query sees every cached key
-    elif n == length:
+    elif n == length and not windowed:
         mask, causal = None, True
     else:
-        mask = torch.arange(length, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
-        causal = False
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        mask, causal = visibility(n, start, length, key_start, spec.window, q.device), False
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, enable_gqa=True,
+                                         scale=spec.scale)
     return out.squeeze(0).transpose(0, 1)
 
 
 # -- the plan ----------------------------------------------------------------------------
 @dataclass(slots=True)
 class _Fresh:
-    """`count` consecutive fresh segments of n tokens each, from row r0: causal over themselves."""
+    """`count` consecutive fresh segments of n tokens each, from row r0: causal over themselves
+    (mask: [n, n] when a window is shorter than n, else None)."""
 
     r0: int
     count: int
     n: int
+    mask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
 class _Views:
-    """One decode row reading contiguous block runs of the pool: (first block, blocks, tokens)."""
+    """One decode row reading contiguous block runs of the pool: (first block, blocks, keys
+    to skip at the run's start (out of the window), keys used)."""
 
     row: int
-    runs: list[tuple[int, int, int]]
+    runs: list[tuple[int, int, int, int]]
 
 
 @dataclass(slots=True)
@@ -159,14 +206,16 @@ class _Gathered:
 
 @dataclass(slots=True)
 class _Chunk:
-    """n new tokens at positions start.. on a cached context, read by view or block gather."""
+    """n new tokens at positions start.. on a cached context, read by view or block gather;
+    the keys read are positions key_start..start+n-1 (key_start: a block boundary)."""
 
     r0: int
     n: int
     start: int
     run: tuple[int, int] | None  # (first block, blocks) when the context is one contiguous run
     blocks: torch.Tensor | None
-    mask: torch.Tensor  # [n, start + n]
+    mask: torch.Tensor  # [n, start + n - key_start]
+    key_start: int = 0
 
 
 @dataclass(slots=True)
@@ -192,8 +241,14 @@ def runs_of(block_ids: list[int], nblocks: int) -> list[tuple[int, int]]:
     return runs
 
 
-def plan_attention(ctx: StepContext, num_rows: int) -> AttentionPlan:
-    """Decide once per step how each segment reads the pool (see the module docstring)."""
+def first_block(first_key: int, window: int | None, bs: int) -> int:
+    """The first block holding a key visible to a query at position `first_key`."""
+    return 0 if window is None else max(0, first_key - window + 1) // bs
+
+
+def plan_attention(ctx: StepContext, num_rows: int, window: int | None = None,
+                   device: torch.device | None = None) -> AttentionPlan:
+    """Decide once per step (and window) how each segment reads the pool (module docstring)."""
     plan = AttentionPlan()
     pool = ctx.pool
     decode: list[tuple[Segment, int]] = []
@@ -203,24 +258,29 @@ def plan_attention(ctx: StepContext, num_rows: int) -> AttentionPlan:
             if last is not None and last.n == seg.q_len and last.r0 + last.count * last.n == seg.q_start:
                 last.count += 1
             else:
-                plan.fresh.append(_Fresh(seg.q_start, 1, seg.q_len))
+                mask = None
+                if window is not None and seg.q_len > window:
+                    dev = device or (pool.device if pool is not None else "cpu")
+                    mask = visibility(seg.q_len, 0, seg.q_len, 0, window, dev)
+                plan.fresh.append(_Fresh(seg.q_start, 1, seg.q_len, mask))
             continue
         bs = pool.block_size
         length = seg.start + seg.q_len
         nb = -(-length // bs)
         if seg.q_len > 1:
-            runs = runs_of(seg.block_ids, nb)
+            lb = first_block(seg.start, window, bs)
             dev = pool.device
-            mask = torch.arange(length, device=dev)[None, :] <= (seg.start + torch.arange(seg.q_len, device=dev))[:, None]
+            mask = visibility(seg.q_len, seg.start, length - lb * bs, lb * bs, window, dev)
+            runs = runs_of(seg.block_ids[lb:], nb - lb)
             if len(runs) == 1:
-                plan.chunks.append(_Chunk(seg.q_start, seg.q_len, seg.start, runs[0], None, mask))
+                plan.chunks.append(_Chunk(seg.q_start, seg.q_len, seg.start, runs[0], None, mask, lb * bs))
             else:
-                blocks = torch.tensor(seg.block_ids[:nb], device=dev)
-                plan.chunks.append(_Chunk(seg.q_start, seg.q_len, seg.start, None, blocks, mask))
+                blocks = torch.tensor(seg.block_ids[lb:nb], device=dev)
+                plan.chunks.append(_Chunk(seg.q_start, seg.q_len, seg.start, None, blocks, mask, lb * bs))
             continue
         decode.append((seg, nb))
     if decode:
-        _plan_decode(plan, decode, pool, lone=len(decode) == 1)
+        _plan_decode(plan, decode, pool, lone=len(decode) == 1, window=window)
     groups = len(plan.fresh) + len(plan.views) + len(plan.gathered) + len(plan.chunks)
     if groups == 1:
         if plan.fresh:
@@ -231,59 +291,68 @@ def plan_attention(ctx: StepContext, num_rows: int) -> AttentionPlan:
     return plan
 
 
-def _plan_decode(plan: AttentionPlan, decode: list[tuple[Segment, int]], pool: PagedKvPool, lone: bool) -> None:
+def _plan_decode(plan: AttentionPlan, decode: list[tuple[Segment, int]], pool: PagedKvPool, lone: bool,
+                 window: int | None = None) -> None:
     bs = pool.block_size
-    rest: list[tuple[Segment, int]] = []
+    rest: list[tuple[Segment, int, int]] = []  # (segment, blocks to its end, first block read)
     for seg, nb in decode:
         length = seg.start + 1
-        runs = runs_of(seg.block_ids, nb)
+        lb = first_block(seg.start, window, bs)
+        skip = 0 if window is None else max(0, length - window) - lb * bs  # out-of-window keys of block lb
+        runs = runs_of(seg.block_ids[lb:], nb - lb)
         r = len(runs)
         merge = _flash_with_lse is not None and pool.device.type == "cpu"  # the LSE-returning op is CPU's
         max_runs = MAX_VIEW_RUNS if merge else min(MAX_VIEW_RUNS, 1)
-        by_view = r <= max_runs and (lone or length >= VIEW_MIN_TOKENS * r)
+        by_view = r <= max_runs and (lone or length - lb * bs - skip >= VIEW_MIN_TOKENS * r)
         if not by_view:
-            rest.append((seg, nb))  # short or fragmented: cheaper in the batched gather
+            rest.append((seg, nb, lb))  # short or fragmented: cheaper in the batched gather
             continue
-        left, view_runs = length, []
+        left, view_runs = length - lb * bs, []
         for first, n in runs:
             used = min(left, n * bs)
-            view_runs.append((first, n, used))
+            view_runs.append((first, n, skip, used))
             left -= used
+            skip = 0
         plan.views.append(_Views(seg.q_start, view_runs))
     if not rest:
         return
-    # Group by block count (sorted) so that padding stays small and each group's gather
+    # Group by blocks read (sorted) so that padding stays small and each group's gather
     # stays cache-sized; rows keep their order within a group.
     per_block = 2 * bs * pool.num_kv_heads * pool.head_dim * pool.dtype.itemsize
-    rest.sort(key=lambda sn: sn[1])
-    groups: list[list[tuple[Segment, int]]] = [[]]
-    for seg, nb in rest:
+    rest.sort(key=lambda s: s[1] - s[2])
+    groups: list[list[tuple[Segment, int, int]]] = [[]]
+    for seg, nb, lb in rest:
         g = groups[-1]
-        if g and ((len(g) + 1) * nb * per_block > GATHER_GROUP_BYTES or nb > 2 * g[0][1] + 1):
+        n = nb - lb
+        if g and ((len(g) + 1) * n * per_block > GATHER_GROUP_BYTES or n > 2 * (g[0][1] - g[0][2]) + 1):
             groups.append([])
-        groups[-1].append((seg, nb))
+        groups[-1].append((seg, nb, lb))
     dev = pool.device
     for g in groups:
-        nb = max(n for _, n in g)
-        rows = [seg.q_start for seg, _ in g]
+        width = max(nb - lb for _, nb, lb in g)
+        rows = [seg.q_start for seg, _, _ in g]
         ids: list[int] = []
-        lengths: list[int] = []
-        for seg, n in g:
-            ids.extend(seg.block_ids[:n])
-            ids.extend([seg.block_ids[n - 1]] * (nb - n))  # padding: the row's own last block, masked
-            lengths.append(seg.start + 1)
+        bounds: list[tuple[int, int]] = []  # visible keys [lo, hi) of each row, in its gathered blocks
+        for seg, nb, lb in g:
+            ids.extend(seg.block_ids[lb:nb])
+            ids.extend([seg.block_ids[nb - 1]] * (width - (nb - lb)))  # padding: the row's own last block, masked
+            length = seg.start + 1
+            lo = 0 if window is None else max(0, length - window)
+            bounds.append((lo - lb * bs, length - lb * bs))
         mask = None
-        if any(n != nb * bs for n in lengths):
-            mask = (torch.arange(nb * bs, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None])
-            mask = mask.view(len(g), 1, 1, nb * bs)
+        if any(lo != 0 or hi != width * bs for lo, hi in bounds):
+            keys = torch.arange(width * bs, device=dev)[None, :]
+            lo, hi = torch.tensor(bounds, device=dev).unbind(1)
+            mask = ((keys >= lo[:, None]) & (keys < hi[:, None])).view(len(g), 1, 1, width * bs)
         contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
         sel = slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=dev)
-        plan.gathered.append(_Gathered(sel, torch.tensor(ids, device=dev), len(g), nb, mask))
+        plan.gathered.append(_Gathered(sel, torch.tensor(ids, device=dev), len(g), width, mask))
 
 
 # -- the fast path -----------------------------------------------------------------------
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """q [M, H, D], k and v [M, KVH, D] -> [M, H * D] (the plan is built on the first layer)."""
+    spec = ctx.layer(layer)
     if ctx.reference:
         return attend_reference(layer, q, k, v, ctx)
     pool = ctx.pool
@@ -299,56 +368,64 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: S
             vf.index_fill_(0, ctx.zero_slots, 0)
     m, heads, d = q.shape
     kvh = k.shape[1]
-    plan = ctx.plan
-    if plan is None:
-        plan = ctx.plan = plan_attention(ctx, m)
+    scale = spec.scale
+    if spec.window is None:
+        plan = ctx.plan
+        if plan is None:
+            plan = ctx.plan = plan_attention(ctx, m)
+    else:
+        plan = ctx.window_plans.get(spec.window)
+        if plan is None:
+            plan = ctx.window_plans[spec.window] = plan_attention(ctx, m, spec.window, q.device)
     if plan.whole and plan.fresh:
         f = plan.fresh[0]
-        return _fresh(q, k, v, 0, f.count, f.n).reshape(m, heads * d)
+        return _fresh(q, k, v, 0, f, scale).reshape(m, heads * d)
     if plan.whole and plan.gathered:
-        return _gathered(q, pool, layer, plan.gathered[0]).to(q.dtype).reshape(m, heads * d)
+        return _gathered(q, pool, layer, plan.gathered[0], scale).to(q.dtype).reshape(m, heads * d)
     out = q.new_empty(m, heads, d)
     for f in plan.fresh:
-        out[f.r0:f.r0 + f.count * f.n] = _fresh(q, k, v, f.r0, f.count, f.n).view(f.count * f.n, heads, d)
+        out[f.r0:f.r0 + f.count * f.n] = _fresh(q, k, v, f.r0, f, scale).view(f.count * f.n, heads, d)
     if plan.views:
         kl, vl = pool.key[layer], pool.value[layer]
         bs = pool.block_size
         for vw in plan.views:
             qr = q[vw.row].view(1, kvh, heads // kvh, d).to(kl.dtype)
-            out[vw.row] = _over_views(qr, kl, vl, vw.runs, bs, kvh, d).view(heads, d)
+            out[vw.row] = _over_views(qr, kl, vl, vw.runs, bs, kvh, d, scale).view(heads, d)
     for g in plan.gathered:
-        res = _gathered(q, pool, layer, g)
+        res = _gathered(q, pool, layer, g, scale)
         if isinstance(g.rows, slice):
             out[g.rows] = res
         else:
             out.index_copy_(0, g.rows, res.to(out.dtype))
     for c in plan.chunks:
-        out[c.r0:c.r0 + c.n] = _chunk(q, pool, layer, c)
+        out[c.r0:c.r0 + c.n] = _chunk(q, pool, layer, c, scale)
     return out.view(m, heads * d)
 
 
-def _fresh(q, k, v, r0: int, count: int, n: int) -> torch.Tensor:
+def _fresh(q, k, v, r0: int, f: _Fresh, scale: float | None) -> torch.Tensor:
     """Causal attention within `count` consecutive prompts of n tokens: [count, n, H, D]."""
+    count, n = f.count, f.n
     end = r0 + count * n
     qh = q[r0:end].view(count, n, q.shape[1], q.shape[2]).transpose(1, 2)
     kh = k[r0:end].view(count, n, k.shape[1], k.shape[2]).transpose(1, 2)
     vh = v[r0:end].view(count, n, v.shape[1], v.shape[2]).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=n > 1, enable_gqa=True)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=f.mask, is_causal=n > 1 and f.mask is None,
+                                         enable_gqa=True, scale=scale)
     return out.transpose(1, 2)
 
 
-def _over_views(qr, kl, vl, runs, bs: int, kvh: int, d: int) -> torch.Tensor:
+def _over_views(qr, kl, vl, runs, bs: int, kvh: int, d: int, scale: float | None = None) -> torch.Tensor:
     """One query row ([1, KVH, group, D]) over contiguous runs of pool blocks, no copy."""
     if len(runs) == 1:
-        first, n, used = runs[0]
-        kr = kl[first:first + n].view(n * bs, kvh, d)[:used].transpose(0, 1).unsqueeze(0)
-        vr = vl[first:first + n].view(n * bs, kvh, d)[:used].transpose(0, 1).unsqueeze(0)
-        return F.scaled_dot_product_attention(qr, kr, vr)
+        first, n, skip, used = runs[0]
+        kr = kl[first:first + n].view(n * bs, kvh, d)[skip:used].transpose(0, 1).unsqueeze(0)
+        vr = vl[first:first + n].view(n * bs, kvh, d)[skip:used].transpose(0, 1).unsqueeze(0)
+        return F.scaled_dot_product_attention(qr, kr, vr, scale=scale)
     outs, lses = [], []
-    for first, n, used in runs:
-        kr = kl[first:first + n].view(n * bs, kvh, d)[:used].transpose(0, 1).unsqueeze(0)
-        vr = vl[first:first + n].view(n * bs, kvh, d)[:used].transpose(0, 1).unsqueeze(0)
-        o, lse = _flash_with_lse(qr, kr, vr, 0.0, False)[:2]
+    for first, n, skip, used in runs:
+        kr = kl[first:first + n].view(n * bs, kvh, d)[skip:used].transpose(0, 1).unsqueeze(0)
+        vr = vl[first:first + n].view(n * bs, kvh, d)[skip:used].transpose(0, 1).unsqueeze(0)
+        o, lse = _flash_with_lse(qr, kr, vr, 0.0, False, scale=scale)[:2]
         outs.append(o)
         lses.append(lse)
     lse = torch.stack(lses)  # [R, 1, KVH, group], float32
@@ -356,7 +433,7 @@ def _over_views(qr, kl, vl, runs, bs: int, kvh: int, d: int) -> torch.Tensor:
     return (torch.stack(outs).float() * weights).sum(0).to(qr.dtype)
 
 
-def _gathered(q, pool: PagedKvPool, layer: int, g: _Gathered) -> torch.Tensor:
+def _gathered(q, pool: PagedKvPool, layer: int, g: _Gathered, scale: float | None = None) -> torch.Tensor:
     """Decode rows over one block gather: [G, H, D]."""
     bs, kvh, d = pool.block_size, pool.num_kv_heads, pool.head_dim
     heads = q.shape[1]
@@ -365,14 +442,15 @@ def _gathered(q, pool: PagedKvPool, layer: int, g: _Gathered) -> torch.Tensor:
     kg = kl.view(nblocks, -1).index_select(0, g.blocks).view(g.count, g.nb * bs, kvh, d).transpose(1, 2)
     vg = vl.view(nblocks, -1).index_select(0, g.blocks).view(g.count, g.nb * bs, kvh, d).transpose(1, 2)
     qg = (q[g.rows] if isinstance(g.rows, slice) else q.index_select(0, g.rows)).to(kg.dtype)
-    out = F.scaled_dot_product_attention(qg.view(g.count, kvh, heads // kvh, d), kg, vg, attn_mask=g.mask)
+    out = F.scaled_dot_product_attention(qg.view(g.count, kvh, heads // kvh, d), kg, vg, attn_mask=g.mask,
+                                         scale=scale)
     return out.reshape(g.count, heads, d)
 
 
-def _chunk(q, pool: PagedKvPool, layer: int, c: _Chunk) -> torch.Tensor:
+def _chunk(q, pool: PagedKvPool, layer: int, c: _Chunk, scale: float | None = None) -> torch.Tensor:
     """n new tokens over their cached context plus themselves (offset-causal): [n, H, D]."""
     bs, kvh, d = pool.block_size, pool.num_kv_heads, pool.head_dim
-    length = c.start + c.n
+    length = c.start + c.n - c.key_start
     kl, vl = pool.key[layer], pool.value[layer]
     if c.run is not None:
         first, n = c.run
@@ -384,5 +462,5 @@ def _chunk(q, pool: PagedKvPool, layer: int, c: _Chunk) -> torch.Tensor:
         vs = vl.view(nblocks, -1).index_select(0, c.blocks).view(-1, kvh, d)[:length]
     qh = q[c.r0:c.r0 + c.n].transpose(0, 1).unsqueeze(0).to(ks.dtype)
     out = F.scaled_dot_product_attention(qh, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                                         attn_mask=c.mask, enable_gqa=True)
+                                         attn_mask=c.mask, enable_gqa=True, scale=scale)
     return out.squeeze(0).transpose(0, 1)

@@ -70,9 +70,13 @@ def one_row_speedup(weights: list[torch.Tensor]) -> float:
 def choose(model: DecoderLM) -> dict[str, float]:
     """The one-row speed-up of the column-major layout, for each kind of weight."""
     fused = model.fused
-    step = max(len(fused) // SAMPLE_LAYERS, 1)
-    picked = fused[::step][:SAMPLE_LAYERS]
-    speedups = {kind: one_row_speedup([getattr(w, kind) for w in picked]) for kind in KINDS if kind != "lm_head"}
+    speedups = {}
+    for kind in KINDS[:-1]:
+        # Sparse (MoE) layers have no dense gate_up/down: their experts keep the row-major stacks.
+        present = [w for w in fused if getattr(w, kind) is not None]
+        step = max(len(present) // SAMPLE_LAYERS, 1)
+        picked = present[::step][:SAMPLE_LAYERS]
+        speedups[kind] = one_row_speedup([getattr(w, kind) for w in picked]) if picked else 0.0
     speedups["lm_head"] = one_row_speedup([head_weight(model)])
     return speedups
 
@@ -95,18 +99,22 @@ def apply(model: DecoderLM, speedups: dict[str, float]) -> list[str]:
     chosen = [k for k in KINDS if speedups[k] > 1 / WIN]
     fused = []
     for layer, w in zip(model.model.layers, model.fused):
-        a, mlp = layer.self_attn, layer.mlp
+        a, mlp = layer.self_attn, layer.ffn
         changes = {}
-        if "qkv" in chosen:
+        if w.gate_up is None:  # a sparse layer: attention only
+            chosen_here = [k for k in chosen if k in ("qkv", "o")]
+        else:
+            chosen_here = chosen
+        if "qkv" in chosen_here:
             changes["qkv"] = column_major(w.qkv)
             _reparent([a.q_proj, a.k_proj, a.v_proj], changes["qkv"])
-        if "gate_up" in chosen:
+        if "gate_up" in chosen_here:
             changes["gate_up"] = column_major(w.gate_up)
             _reparent([mlp.gate_proj, mlp.up_proj], changes["gate_up"])
-        if "o" in chosen:
+        if "o" in chosen_here:
             changes["o"] = column_major(w.o)
             _reparent([a.o_proj], changes["o"])
-        if "down" in chosen:
+        if "down" in chosen_here:
             changes["down"] = column_major(w.down)
             _reparent([mlp.down_proj], changes["down"])
         fused.append(w._replace(**changes))

@@ -1,4 +1,5 @@
-"""DecoderLM: one decoder-only transformer for Qwen3, Llama/SmolLM2 and Qwen2, by config flags.
+"""DecoderLM: one decoder-only transformer for Qwen3, Llama/SmolLM2, Qwen2, Mistral, Gemma 3
+and the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral, by config flags.
 
 Parameter names follow the Hugging Face checkpoints (model.layers.N.self_attn.q_proj...),
 so a safetensors state dict loads as it is. The forward takes a flat batch of tokens
@@ -20,7 +21,13 @@ each row's adapter delta to every adapted projection's output, in place. The fas
 q/k/v deltas into the column slices of the fused qkv output and gate/up deltas into those
 of gate_up (before q/k norm, rope and the SiLU), and o/down deltas straight into the
 residual stream after its fused add. Without adapters it pays one `is not None` test per
-fused projection.
+fused projection. Sparse (MoE) layers take adapters on attention only.
+
+Family flags (config.py): a sparse layer's MLP is a SparseMoe (moe.py), its experts'
+weights stacked for grouped compute; Gemma 3 norms attention's and the MLP's outputs
+before the residual add ("sandwich" norms, so no add fuses into a matmul there), scales
+the embeddings, uses a second rotary table on its sliding layers and soft-caps the final
+logits; each layer's window and score scale reach attention through StepContext.layers.
 """
 
 from __future__ import annotations
@@ -33,9 +40,10 @@ from torch import nn
 
 from executors.lora import LoraBatch
 from executors.models import cpu_layout
-from executors.models.attention import StepContext, attend, attend_reference
+from executors.models.attention import LayerAttention, StepContext, attend, attend_reference
 from executors.models.config import DecoderConfig
-from executors.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope
+from executors.models.layers import MLP, RMSNorm, RotaryEmbedding, activation, apply_rope
+from executors.models.moe import MoeWeights, SparseMoe, grouped_backend, moe_forward, stack
 
 
 class Attention(nn.Module):
@@ -49,8 +57,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_offset)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_offset)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: StepContext) -> torch.Tensor:
         m, lora = x.shape[0], ctx.lora
@@ -75,17 +83,40 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: DecoderConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        h, eps, off = config.hidden_size, config.rms_norm_eps, config.norm_offset
+        self.input_layernorm = RMSNorm(h, eps, off)
         self.self_attn = Attention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        # Gemma: the norm of attention's output; elsewhere the norm before the MLP.
+        self.post_attention_layernorm = RMSNorm(h, eps, off)
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, off)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, off)
+        self.sparse = config.moe is not None and config.moe.sparse_layers[layer]
+        self.ffn_name = config.moe.module_name if self.sparse else "mlp"
+        setattr(self, self.ffn_name, SparseMoe(config) if self.sparse else MLP(config))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: StepContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
-        h = self.post_attention_layernorm(x)
-        if ctx.lora is None:
-            return x + self.mlp(h)
-        return x + _mlp_with_lora(self.mlp, h, ctx.lora, self.self_attn.layer)
+    @property
+    def ffn(self) -> MLP | SparseMoe:
+        return getattr(self, self.ffn_name)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: StepContext,
+                load: torch.Tensor | None = None) -> torch.Tensor:
+        a = self.self_attn(self.input_layernorm(x), positions, rope, ctx)
+        if hasattr(self, "pre_feedforward_layernorm"):
+            x = x + self.post_attention_layernorm(a)
+            h = self.pre_feedforward_layernorm(x)
+        else:
+            x = x + a
+            h = self.post_attention_layernorm(x)
+        if self.sparse:
+            y = self.ffn(h, load)
+        elif ctx.lora is None:
+            y = self.ffn(h)
+        else:
+            y = _mlp_with_lora(self.ffn, h, ctx.lora, self.self_attn.layer)
+        if hasattr(self, "post_feedforward_layernorm"):
+            y = self.post_feedforward_layernorm(y)
+        return x + y
 
 
 def _mlp_with_lora(mlp: MLP, x: torch.Tensor, lora: LoraBatch, layer: int) -> torch.Tensor:
@@ -93,7 +124,7 @@ def _mlp_with_lora(mlp: MLP, x: torch.Tensor, lora: LoraBatch, layer: int) -> to
     gate, up = mlp.gate_proj(x), mlp.up_proj(x)
     lora.apply(layer, "gate_proj", x, gate)
     lora.apply(layer, "up_proj", x, up)
-    act = F.silu(gate) * up
+    act = mlp.act(gate) * up
     out = mlp.down_proj(act)
     lora.apply(layer, "down_proj", act, out)
     return out
@@ -104,7 +135,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
 
 
 class FusedLayer(NamedTuple):
@@ -117,11 +148,14 @@ class FusedLayer(NamedTuple):
     o_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    post_norm: torch.Tensor  # Gemma: of attention's output; else before the MLP
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a sparse layer
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: torch.Tensor | None
     down_bias: torch.Tensor | None
+    pre_ff_norm: torch.Tensor | None = None  # Gemma's norms before and after the MLP
+    post_ff_norm: torch.Tensor | None = None
+    moe: MoeWeights | None = None  # a sparse layer's router and stacked experts
 
 
 def _fuse(modules: list[nn.Linear], bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -143,13 +177,39 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config)
-        self.rope = RotaryEmbedding(config)
+        self.reset_buffers()
+        # Each layer's attention options; () when every layer is plain (no window, default scale).
+        specs = tuple(LayerAttention(config.window(i), config.attn_scale)
+                      for i in range(config.num_layers))
+        self.attn_layers = specs if any(s != LayerAttention() for s in specs) else ()
+        self.act = activation(config.hidden_act)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.fused: list[FusedLayer] | None = None
         self.packed_head: torch.Tensor | None = None
         self.fused_fp32_packed: list[FusedLayer] | None = None  # float32: for PACKED_FP32_ROWS-row steps
         self.packed_head_fp32: torch.Tensor | None = None
+
+    def reset_buffers(self, device: torch.device | str | None = None) -> None:
+        """The rotary tables and the expert-load counters (not in checkpoints: made here, on
+        `device`, also after a load onto the meta device)."""
+        c = self.config
+        self.rope = RotaryEmbedding(c).to(device) if device is not None else RotaryEmbedding(c)
+        self.rope_local = None
+        if c.local_rope_theta is not None:
+            self.rope_local = RotaryEmbedding(c, local=True)
+            if device is not None:
+                self.rope_local = self.rope_local.to(device)
+        if c.moe is not None:
+            # Rows routed to each expert of each layer since start (dense layers' rows stay 0).
+            self.register_buffer("expert_load", torch.zeros(c.num_layers, c.moe.num_experts, dtype=torch.int64,
+                                                            device=device), persistent=False)
+
+    def rope_for(self, layer: int) -> RotaryEmbedding:
+        """The rotary table of a layer: Gemma's sliding layers have their own base."""
+        if self.rope_local is not None and self.config.window(layer) is not None:
+            return self.rope_local
+        return self.rope
 
     def fuse(self) -> DecoderLM:
         """Build the fast forward's fused weights (idempotent; no extra memory, see the module doc)."""
@@ -158,20 +218,30 @@ class DecoderLM(nn.Module):
         c = self.config
         fused = []
         for layer in self.model.layers:
-            a, mlp = layer.self_attn, layer.mlp
+            a, ffn = layer.self_attn, layer.ffn
             qkv, qkv_bias = _fuse([a.q_proj, a.k_proj, a.v_proj], c.qkv_bias)
-            gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj], c.mlp_bias)
+            dense = dict(gate_up=None, gate_up_bias=None, down=None, down_bias=None)
+            if not layer.sparse:
+                gate_up, gate_up_bias = _fuse([ffn.gate_proj, ffn.up_proj], c.mlp_bias)
+                dense = dict(gate_up=gate_up, gate_up_bias=gate_up_bias, down=ffn.down_proj.weight.detach(),
+                             down_bias=ffn.down_proj.bias.detach() if c.mlp_bias else None)
+            sandwich = hasattr(layer, "pre_feedforward_layernorm")
             fused.append(FusedLayer(
-                input_norm=layer.input_layernorm.weight.detach(),
+                input_norm=layer.input_layernorm.fused_weight(),
                 qkv=qkv, qkv_bias=qkv_bias,
                 o=a.o_proj.weight.detach(), o_bias=a.o_proj.bias.detach() if c.o_bias else None,
-                q_norm=a.q_norm.weight.detach() if c.qk_norm else None,
-                k_norm=a.k_norm.weight.detach() if c.qk_norm else None,
-                post_norm=layer.post_attention_layernorm.weight.detach(),
-                gate_up=gate_up, gate_up_bias=gate_up_bias,
-                down=mlp.down_proj.weight.detach(), down_bias=mlp.down_proj.bias.detach() if c.mlp_bias else None,
+                q_norm=a.q_norm.fused_weight() if c.qk_norm else None,
+                k_norm=a.k_norm.fused_weight() if c.qk_norm else None,
+                post_norm=layer.post_attention_layernorm.fused_weight(),
+                **dense,
+                pre_ff_norm=layer.pre_feedforward_layernorm.fused_weight() if sandwich else None,
+                post_ff_norm=layer.post_feedforward_layernorm.fused_weight() if sandwich else None,
+                moe=stack(ffn) if layer.sparse else None,
             ))
         self.fused = fused
+        if c.moe is not None:  # pick the grouped GEMM for this device and dtype now, not inside a graph capture
+            embed = self.model.embed_tokens.weight
+            grouped_backend(embed.device, embed.dtype)
         if cpu_layout.wanted(self):
             cpu_layout.relayout(self)  # float32 on CPU: each kind of weight in its faster layout
             fused = self.fused
@@ -196,8 +266,8 @@ class DecoderLM(nn.Module):
         """Memory of the oneDNN packed copies of the matmul weights kept beside the parameters."""
         layers = [w for group in (self.fused_fp32_packed, self.fused) for w in group or ()]
         tensors = [t for w in layers for t in (w.qkv, w.o, w.gate_up, w.down)]
-        tensors += [t for t in (self.packed_head, self.packed_head_fp32) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors if t.is_mkldnn)
+        tensors += [self.packed_head, self.packed_head_fp32]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None and t.is_mkldnn)
 
     def _apply(self, fn, recurse: bool = True):
         """.to(), .cuda(), .half() and the like: the fused tensors are not parameters, so they
@@ -213,12 +283,20 @@ class DecoderLM(nn.Module):
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Final (normed) hidden states of a flat batch: [M] ids -> [M, hidden]."""
+        if self.attn_layers and not ctx.layers:
+            ctx.layers = self.attn_layers
         if self.fused is not None and not ctx.reference:
             return self._fast_hidden_states(input_ids, positions, ctx)
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, positions, self.rope, ctx)
+        x = self._embed(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, self.rope_for(i), ctx, self.expert_load[i] if layer.sparse else None)
         return self.model.norm(x)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        if self.config.embed_scale is not None:  # Gemma: sqrt(hidden), rounded to the model's dtype
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
+        return x
 
     def _fast_hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         c = self.config
@@ -226,12 +304,14 @@ class DecoderLM(nn.Module):
         hq, hk, inter = heads * d, kv_heads * d, c.intermediate_size
         norm_shape, head_shape = (c.hidden_size,), (d,)
         m = input_ids.shape[0]
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)
-        cos, sin = self.rope.tables(positions, x.dtype)
+        x = self._embed(input_ids)
+        tables = self.rope.tables(positions, x.dtype)
+        local = self.rope_local.tables(positions, x.dtype) if self.rope_local is not None else tables
         layers, lora = self.fused, ctx.lora
         if self.fused_fp32_packed is not None and m in PACKED_FP32_ROWS:
             layers = self.fused_fp32_packed
         for i, w in enumerate(layers):
+            cos, sin = local if c.window(i) is not None else tables
             h = F.rms_norm(x, norm_shape, w.input_norm, eps)
             qkv = _linear(h, w.qkv, w.qkv_bias)
             if lora is not None:  # deltas into the fused output's column slices, before q/k norm and rope
@@ -246,29 +326,55 @@ class DecoderLM(nn.Module):
                 k = apply_rope(F.rms_norm(qkv[:, hq:hq + hk].view(m, kv_heads, d), head_shape, w.k_norm, eps), cos, sin)
             v = qkv[:, hq + hk:].view(m, kv_heads, d)
             a = attend(i, q, k, v, ctx)
-            x = _residual_linear(x, a, w.o, w.o_bias)
-            if lora is not None:  # o_proj's delta straight into the residual stream
-                lora.apply(i, "o_proj", a, x)
-            h = F.rms_norm(x, norm_shape, w.post_norm, eps)
+            if w.pre_ff_norm is not None:
+                x, h = self._sandwich_attention_out(i, x, a, w, ctx)
+            else:
+                x = _residual_linear(x, a, w.o, w.o_bias)
+                if lora is not None:  # o_proj's delta straight into the residual stream
+                    lora.apply(i, "o_proj", a, x)
+                h = F.rms_norm(x, norm_shape, w.post_norm, eps)
+            if w.moe is not None:
+                y = moe_forward(h, w.moe, self.act, self.expert_load[i])
+                x = x + (F.rms_norm(y, norm_shape, w.post_ff_norm, eps) if w.post_ff_norm is not None else y)
+                continue
             gu = _linear(h, w.gate_up, w.gate_up_bias)
             if lora is not None:  # before the SiLU
                 lora.apply(i, "gate_proj", h, gu[:, :inter])
                 lora.apply(i, "up_proj", h, gu[:, inter:])
-            act = F.silu(gu[:, :inter]).mul_(gu[:, inter:])
+            act = self.act(gu[:, :inter]).mul_(gu[:, inter:])
+            if w.post_ff_norm is not None:
+                y = _linear(act, w.down, w.down_bias)
+                if lora is not None:
+                    lora.apply(i, "down_proj", act, y)
+                x = x + F.rms_norm(y, norm_shape, w.post_ff_norm, eps)
+                continue
             x = _residual_linear(x, act, w.down, w.down_bias)
             if lora is not None:
                 lora.apply(i, "down_proj", act, x)
-        return F.rms_norm(x, norm_shape, self.model.norm.weight, eps)
+        return F.rms_norm(x, norm_shape, self.model.norm.fused_weight(), eps)
+
+    def _sandwich_attention_out(self, i: int, x: torch.Tensor, a: torch.Tensor, w: FusedLayer,
+                                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gemma: x + norm(o_proj(a)), and the pre-MLP norm of that (no add to fuse into the matmul)."""
+        norm_shape, eps = (self.config.hidden_size,), self.config.rms_norm_eps
+        o = _linear(a, w.o, w.o_bias)
+        if ctx.lora is not None:
+            ctx.lora.apply(i, "o_proj", a, o)
+        x = x + F.rms_norm(o, norm_shape, w.post_norm, eps)
+        return x, F.rms_norm(x, norm_shape, w.pre_ff_norm, eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, reference: bool = False) -> torch.Tensor:
         """float32 logits of the given hidden rows; the lm_head runs only on these rows."""
         if self.packed_head is not None and not reference:
-            return _linear(hidden.contiguous(), self.packed_head, None).float()
-        if self.packed_head_fp32 is not None and not reference and hidden.shape[0] in PACKED_FP32_ROWS:
-            return _linear(hidden.contiguous(), self.packed_head_fp32, None)
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+            out = _linear(hidden.contiguous(), self.packed_head, None).float()
+        elif self.packed_head_fp32 is not None and not reference and hidden.shape[0] in PACKED_FP32_ROWS:
+            out = _linear(hidden.contiguous(), self.packed_head_fp32, None)
+        else:
+            weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+            out = torch.nn.functional.linear(hidden, weight).float()
+        cap = self.config.final_softcap
+        return out if cap is None else torch.tanh(out / cap) * cap
 
 
 # float32 steps with this many rows use oneDNN prepacked weights (see DecoderLM.fuse).
@@ -289,7 +395,9 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _packed(w: FusedLayer) -> FusedLayer:
-    return w._replace(qkv=_pack(w.qkv), o=_pack(w.o), gate_up=_pack(w.gate_up), down=_pack(w.down))
+    """The layer with its matmul weights prepacked (a sparse layer's experts stay as they are)."""
+    dense = {} if w.gate_up is None else dict(gate_up=_pack(w.gate_up), down=_pack(w.down))
+    return w._replace(qkv=_pack(w.qkv), o=_pack(w.o), **dense)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Small building blocks: RMSNorm, rotary embedding (with Llama 3 scaling), SwiGLU MLP."""
+"""Small building blocks: RMSNorm, rotary embedding (Llama 3 or linear scaling), gated MLP."""
 
 from __future__ import annotations
 
@@ -12,17 +12,27 @@ from executors.models.config import DecoderConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """`offset` 1: Gemma's norm, whose checkpoints store w - 1 (it multiplies by 1 + w, in float32)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 whatever the weights' dtype, as the reference implementation does.
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (self.offset + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
+
+    def fused_weight(self) -> torch.Tensor:
+        """The weight F.rms_norm multiplies by (offset added once, at fuse time)."""
+        w = self.weight.detach()
+        return (w.float() + self.offset).to(w.dtype) if self.offset else w
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -31,6 +41,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv
+    if scaling.kind == "linear":
+        return inv / scaling.factor
     # Llama 3: keep high frequencies, divide low ones by `factor`, blend in between.
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -46,9 +58,13 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 class RotaryEmbedding(nn.Module):
     """NeoX-style rotary embedding (rotate_half), cos/sin tables precomputed to max positions."""
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, local: bool = False) -> None:
+        """`local`: the sliding layers' table (config.local_rope_theta, unscaled)."""
         super().__init__()
-        inv = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        if local:
+            inv = inverse_frequencies(config.head_dim, config.local_rope_theta, None)
+        else:
+            inv = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, inv.float())
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -89,13 +105,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+def activation(name: str):
+    """The gate's activation: SiLU (SwiGLU), or GELU with the tanh approximation (Gemma's GeGLU)."""
+    if name == "gelu_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    return F.silu
+
+
 class MLP(nn.Module):
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, intermediate_size: int | None = None, bias: bool | None = None) -> None:
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        h, i = config.hidden_size, intermediate_size or config.intermediate_size
+        bias = config.mlp_bias if bias is None else bias
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

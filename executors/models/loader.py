@@ -18,7 +18,6 @@ from safetensors import safe_open
 
 from executors.models.config import DecoderConfig, UnsupportedModel
 from executors.models.decoder import DecoderLM
-from executors.models.layers import RotaryEmbedding
 
 log = logging.getLogger(__name__)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -97,7 +96,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         shown = ", ".join(sorted(unexpected)[:5])
         raise UnsupportedModel(f"{model_dir}: tensors the {config.architecture} config does not expect: {shown}")
     model.load_state_dict(state, assign=True, strict=True)
-    model.rope = RotaryEmbedding(config).to(device)
+    model.reset_buffers(device)  # rotary tables and expert-load counters: built, not loaded
     log.info("fusing %s's q/k/v and gate/up weights for the fast forward", model_dir.name)
     model.fuse()  # the fast forward's fused q/k/v and gate/up weights; the parameters become views
     log.info("loaded %s (%s) in %.1f s", model_dir.name, config.architecture, time.perf_counter() - started)

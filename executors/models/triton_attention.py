@@ -15,7 +15,9 @@ key by key through each sequence's block table, with an online (flash) softmax i
 
 The new tokens' K and V are written into the pool (by slot mapping) before a kernel runs,
 so the kernels read every key from the pool. Keys past a sequence's length are masked out
-of the loads themselves: stale K and V in a block's tail are never read.
+of the loads themselves: stale K and V in a block's tail are never read. A sliding layer's
+window bounds the key loop from below (a query at p reads keys p-W+1..p), so the blocks
+before it, which may have been returned to the pool, are never read either.
 
 Triton compiles these for CUDA tensors. A process started with TRITON_INTERPRET=1 runs
 them in Triton's interpreter instead (NumPy, slow, CPU tensors welcome): that is how the
@@ -67,7 +69,7 @@ def _prefill_kernel(
     tile_seg_ptr, tile_qoff_ptr, seg_qstart_ptr, seg_qlen_ptr, seg_start_ptr,
     stride_qm, stride_qh, stride_om, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_t,
-    scale_log2,
+    scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -92,15 +94,18 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # The tile's last query sees keys 0 .. start + q_off + BLOCK_M - 1 (causal), within the sequence.
     kv_end = start + tl.minimum(q_off + BLOCK_M, q_len)
+    # ... and its first query keys from start + q_off - window + 1 on (the sliding window).
+    kv_lo = tl.maximum(start + q_off - window + 1, 0)
     table = tables_ptr + seg.to(tl.int64) * stride_t
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_lo, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         within = offs_n % BLOCK_SIZE
         k = tl.load(k_ptr + block[None, :] * stride_kb + within[None, :] * stride_ks + kv_head * stride_kh
                     + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        visible = n_mask[None, :] & (offs_n[None, :] <= (start + offs_m)[:, None])
+        visible = n_mask[None, :] & (offs_n[None, :] <= (start + offs_m)[:, None]) \
+            & (offs_n[None, :] > (start + offs_m)[:, None] - window)
         s = tl.where(visible, _dot(q, k, IEEE) * scale_log2, float("-inf"))
         v = tl.load(v_ptr + block[:, None] * stride_vb + within[:, None] * stride_vs + kv_head * stride_vh
                     + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -116,7 +121,7 @@ def _decode_kernel(
     stride_qm, stride_qh, stride_om, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_t,
     stride_pb, stride_ph, stride_pp, stride_lb, stride_lh,
-    scale_log2, partition_tokens,
+    scale_log2, partition_tokens, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -138,6 +143,7 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     lo = part * partition_tokens
     hi = tl.minimum(length, lo + partition_tokens)
+    lo = tl.maximum(lo, length - window)  # the sliding window (a partition before it sees no key)
     table = tables_ptr + b.to(tl.int64) * stride_t
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -205,13 +211,28 @@ def prefill_launch(segments: list[tuple[int, int, int, list[int]]], block_size: 
     def i32(values):
         return torch.tensor(values, dtype=torch.int32, device=device)
 
+    tables = [[max(b, 0) for b in t] for t in tables]  # FREED blocks: never loaded (window), any id will do
     return PrefillLaunch(i32(tables), i32(tile_seg), i32(tile_qoff), i32([s[0] for s in segments]),
                          i32([s[1] for s in segments]), i32([s[2] for s in segments]), block_m)
 
 
+def _window_arg(window: int | None) -> int:
+    return NO_WINDOW if window is None else window
+
+
+# A window no sequence reaches (int32): the kernels' one code path for global layers too.
+NO_WINDOW = 1 << 30
+
+
+def _scale_log2(d: int, scale: float | None) -> float:
+    return LOG2E * (scale if scale is not None else 1 / math.sqrt(d))
+
+
 def paged_prefill(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
-                  launch: PrefillLaunch, block_n: int | None = None) -> None:
-    """Attention of the segments' rows of q ([M, H, D]) over their paged contexts, into out's rows."""
+                  launch: PrefillLaunch, block_n: int | None = None, window: int | None = None,
+                  scale: float | None = None) -> None:
+    """Attention of the segments' rows of q ([M, H, D]) over their paged contexts, into out's rows;
+    `window`: a sliding layer's, `scale`: of q.k (None: 1/sqrt(D))."""
     _check_pool(key, value, q)
     heads, d = q.shape[1], q.shape[2]
     kv_heads, block_size = key.shape[2], key.shape[1]
@@ -223,7 +244,7 @@ def paged_prefill(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: 
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
         launch.tables.stride(0),
-        LOG2E / math.sqrt(d),
+        _scale_log2(d, scale), _window_arg(window),
         GROUP=heads // kv_heads, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=block_size,
         BLOCK_M=launch.block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
     )
@@ -267,7 +288,8 @@ def decode_launch(rows: list[int], tables: list[list[int]], lengths: list[int], 
                   kv_heads: int, device: torch.device, partitions: int | None = None) -> DecodeLaunch:
     """`partitions`: None picks them with decode_partitions."""
     width = max(-(-n // block_size) for n in lengths)
-    padded = [list(t[:-(-n // block_size)]) + [0] * (width - -(-n // block_size)) for t, n in zip(tables, lengths)]
+    padded = [[max(b, 0) for b in t[:-(-n // block_size)]] + [0] * (width - -(-n // block_size))
+              for t, n in zip(tables, lengths)]  # FREED blocks: never loaded (window), any id will do
     if partitions is None:
         partitions = decode_partitions(len(rows), kv_heads, max(lengths), device)
 
@@ -278,7 +300,8 @@ def decode_launch(rows: list[int], tables: list[list[int]], lengths: list[int], 
 
 
 def paged_decode(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
-                 launch: DecodeLaunch, block_n: int | None = None) -> None:
+                 launch: DecodeLaunch, block_n: int | None = None, window: int | None = None,
+                 scale: float | None = None) -> None:
     """One query token per row of launch.rows (q and out [M, H, D]) over its paged context."""
     _check_pool(key, value, q)
     heads, d = q.shape[1], q.shape[2]
@@ -299,7 +322,7 @@ def paged_decode(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
         launch.tables.stride(0),
         part_out.stride(0) if split else 0, part_out.stride(1) if split else 0,
         part_out.stride(2) if split else 0, part_lse.stride(0) if split else 0, part_lse.stride(1) if split else 0,
-        LOG2E / math.sqrt(d), launch.partition_tokens,
+        _scale_log2(d, scale), launch.partition_tokens, _window_arg(window),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SPLIT=split, IEEE=q.dtype == torch.float32,
@@ -352,10 +375,11 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: S
     m, heads, d = q.shape
     out = q.new_empty(m, heads, d)
     key, value = pool.key[layer], pool.value[layer]
+    spec = ctx.layer(layer)
     if plan.prefill is not None:
-        paged_prefill(q, key, value, out, plan.prefill)
+        paged_prefill(q, key, value, out, plan.prefill, window=spec.window, scale=spec.scale)
     if plan.decode is not None:
-        paged_decode(q, key, value, out, plan.decode)
+        paged_decode(q, key, value, out, plan.decode, window=spec.window, scale=spec.scale)
     return out.view(m, heads * d)
 
 

@@ -1,4 +1,6 @@
-"""Tiny random Qwen3, Llama and Qwen2 checkpoints built with transformers (the test oracle)."""
+"""Tiny random checkpoints built with transformers (the test oracle): the dense Qwen3, Llama
+and Qwen2; the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral; the sliding-window
+Mistral and Gemma 3."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ def build(family: str, out_dir: Path, **save_kwargs):
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed({"qwen3": 1, "llama": 2, "qwen2": 3}[family])
-    if family == "qwen3":
+    torch.manual_seed({"qwen3": 1, "llama": 2, "qwen2": 3, **SEEDS}[family])
+    if family in SEEDS:
+        model = _new_family(tf, family, common)
+    elif family == "qwen3":
         # Qwen3: explicit head_dim larger than hidden/heads, q/k norms, separate lm_head.
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False))
     elif family == "llama":
@@ -37,3 +41,38 @@ def build(family: str, out_dir: Path, **save_kwargs):
     model.eval()
     model.save_pretrained(out_dir, **save_kwargs)
     return model
+
+
+SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8}
+WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
+
+
+def _new_family(tf, family: str, common: dict):
+    if family == "qwen3_moe":
+        # 8 experts, top 2, renormalised; layer 1 dense (mlp_only_layers).
+        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            **common, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False))
+    if family == "qwen2_moe":
+        # Shared expert beside 8 routed ones, weights not renormalised; layers 1 and 3 sparse.
+        return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+            **dict(common, num_hidden_layers=4), num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, decoder_sparse_step=2, tie_word_embeddings=False))
+    if family == "mixtral":
+        return tf.MixtralForCausalLM(tf.MixtralConfig(**dict(common, intermediate_size=48), num_local_experts=4,
+                                                      num_experts_per_tok=2, sliding_window=None))
+    if family == "mistral":
+        return tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=WINDOW, tie_word_embeddings=False))
+    if family == "gemma3":
+        # Sliding layers around a global one, their own rope base, linear scaling on the global
+        # one, a query scale that is not 1/sqrt(head_dim), both soft-caps. Eager attention: the
+        # SDPA one of transformers ignores attn_logit_softcapping.
+        rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+        config = tf.Gemma3TextConfig(
+            **dict(common, num_hidden_layers=4), head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+            rope_parameters=rope, final_logit_softcapping=30.0, attn_logit_softcapping=20.0)
+        config._attn_implementation = "eager"
+        return tf.Gemma3ForCausalLM(config)
+    raise ValueError(family)

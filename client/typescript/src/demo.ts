@@ -81,7 +81,8 @@ async function main(): Promise<void> {
 }
 
 main().catch((err: unknown) => {
-  if (err instanceof ExecutorError) console.error(JSON.stringify({ error: err.codeName, code: err.code, details: err.details }));
-  else console.error(JSON.stringify({ error: String(err) }));
+  if (err instanceof ExecutorError) {
+    console.error(JSON.stringify({ error: err.codeName, code: err.code, details: err.details, reason: err.reason }));
+  } else console.error(JSON.stringify({ error: String(err) }));
   process.exit(1);
 });

@@ -466,10 +466,12 @@ class TruncateKvResponse(_message.Message):
     def __init__(self, kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., freed_blocks: _Optional[int] = ..., timing: _Optional[_Union[CallTiming, _Mapping]] = ...) -> None: ...
 
 class ReleaseCacheRequest(_message.Message):
-    __slots__ = ("cache_id",)
+    __slots__ = ("cache_id", "expected_length")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
-    def __init__(self, cache_id: _Optional[str] = ...) -> None: ...
+    expected_length: int
+    def __init__(self, cache_id: _Optional[str] = ..., expected_length: _Optional[int] = ...) -> None: ...
 
 class ReleaseCacheResponse(_message.Message):
     __slots__ = ("released", "freed_blocks", "timing")
@@ -567,7 +569,7 @@ class ServiceLimits(_message.Message):
     def __init__(self, max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., max_concurrent_rpcs: _Optional[int] = ..., cache_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class ExecutorCapabilities(_message.Message):
-    __slots__ = ("max_batch_size", "max_sequence_length", "attention_mechanisms", "supports_dynamic_batching", "supports_continuous_batching", "supports_speculative_decoding", "supports_tensor_parallelism", "supports_pipeline_parallelism", "supported_dtypes", "supported_devices", "memory_requirements", "kv_capacity", "supports_native_unified_decode", "kv_block_size", "kv_total_blocks", "limits", "supports_prefix_caching", "max_lora_adapters", "max_lora_rank")
+    __slots__ = ("max_batch_size", "max_sequence_length", "attention_mechanisms", "supports_dynamic_batching", "supports_continuous_batching", "supports_speculative_decoding", "supports_tensor_parallelism", "supports_pipeline_parallelism", "supported_dtypes", "supported_devices", "memory_requirements", "kv_capacity", "supports_native_unified_decode", "kv_block_size", "kv_total_blocks", "limits", "supports_prefix_caching", "max_lora_adapters", "max_lora_rank", "supports_kv_transfer")
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MECHANISMS_FIELD_NUMBER: _ClassVar[int]
@@ -587,6 +589,7 @@ class ExecutorCapabilities(_message.Message):
     SUPPORTS_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTS_KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     max_batch_size: int
     max_sequence_length: int
     attention_mechanisms: _containers.RepeatedScalarFieldContainer[AttentionType]
@@ -606,7 +609,8 @@ class ExecutorCapabilities(_message.Message):
     supports_prefix_caching: bool
     max_lora_adapters: int
     max_lora_rank: int
-    def __init__(self, max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., attention_mechanisms: _Optional[_Iterable[_Union[AttentionType, str]]] = ..., supports_dynamic_batching: _Optional[bool] = ..., supports_continuous_batching: _Optional[bool] = ..., supports_speculative_decoding: _Optional[bool] = ..., supports_tensor_parallelism: _Optional[bool] = ..., supports_pipeline_parallelism: _Optional[bool] = ..., supported_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., supported_devices: _Optional[_Iterable[_Union[DeviceType, str]]] = ..., memory_requirements: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., kv_capacity: _Optional[int] = ..., supports_native_unified_decode: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., limits: _Optional[_Union[ServiceLimits, _Mapping]] = ..., supports_prefix_caching: _Optional[bool] = ..., max_lora_adapters: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+    supports_kv_transfer: bool
+    def __init__(self, max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., attention_mechanisms: _Optional[_Iterable[_Union[AttentionType, str]]] = ..., supports_dynamic_batching: _Optional[bool] = ..., supports_continuous_batching: _Optional[bool] = ..., supports_speculative_decoding: _Optional[bool] = ..., supports_tensor_parallelism: _Optional[bool] = ..., supports_pipeline_parallelism: _Optional[bool] = ..., supported_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., supported_devices: _Optional[_Iterable[_Union[DeviceType, str]]] = ..., memory_requirements: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., kv_capacity: _Optional[int] = ..., supports_native_unified_decode: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., limits: _Optional[_Union[ServiceLimits, _Mapping]] = ..., supports_prefix_caching: _Optional[bool] = ..., max_lora_adapters: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., supports_kv_transfer: _Optional[bool] = ...) -> None: ...
 
 class GetCapabilitiesRequest(_message.Message):
     __slots__ = ()
@@ -633,7 +637,7 @@ class MemoryUsage(_message.Message):
     def __init__(self, allocated_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ..., utilization_percent: _Optional[float] = ...) -> None: ...
 
 class KvPoolStatus(_message.Message):
-    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "block_size", "active_caches", "block_allocations", "allocation_failures", "leases_expired", "cached_blocks")
+    __slots__ = ("total_blocks", "used_blocks", "free_blocks", "block_size", "active_caches", "block_allocations", "allocation_failures", "leases_expired", "cached_blocks", "window_freed_blocks")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -643,6 +647,7 @@ class KvPoolStatus(_message.Message):
     ALLOCATION_FAILURES_FIELD_NUMBER: _ClassVar[int]
     LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     used_blocks: int
     free_blocks: int
@@ -652,10 +657,25 @@ class KvPoolStatus(_message.Message):
     allocation_failures: int
     leases_expired: int
     cached_blocks: int
-    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., active_caches: _Optional[int] = ..., block_allocations: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., leases_expired: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
+    window_freed_blocks: int
+    def __init__(self, total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., active_caches: _Optional[int] = ..., block_allocations: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., leases_expired: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., window_freed_blocks: _Optional[int] = ...) -> None: ...
+
+class ExpertLoad(_message.Message):
+    __slots__ = ("num_experts", "experts_per_token", "sparse_layers", "tokens_per_expert", "layer_tokens_per_expert")
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_EXPERT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_TOKENS_PER_EXPERT_FIELD_NUMBER: _ClassVar[int]
+    num_experts: int
+    experts_per_token: int
+    sparse_layers: _containers.RepeatedScalarFieldContainer[int]
+    tokens_per_expert: _containers.RepeatedScalarFieldContainer[int]
+    layer_tokens_per_expert: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_experts: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., sparse_layers: _Optional[_Iterable[int]] = ..., tokens_per_expert: _Optional[_Iterable[int]] = ..., layer_tokens_per_expert: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecutorStatus(_message.Message):
-    __slots__ = ("state", "is_ready", "current_batch_size", "prefill_operations", "decode_operations", "avg_prefill_time_ms", "avg_decode_time_ms", "memory_usage", "last_operation", "kv_pool")
+    __slots__ = ("state", "is_ready", "current_batch_size", "prefill_operations", "decode_operations", "avg_prefill_time_ms", "avg_decode_time_ms", "memory_usage", "last_operation", "kv_pool", "expert_load")
     STATE_FIELD_NUMBER: _ClassVar[int]
     IS_READY_FIELD_NUMBER: _ClassVar[int]
     CURRENT_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -666,6 +686,7 @@ class ExecutorStatus(_message.Message):
     MEMORY_USAGE_FIELD_NUMBER: _ClassVar[int]
     LAST_OPERATION_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
     state: ExecutorState
     is_ready: bool
     current_batch_size: int
@@ -676,7 +697,8 @@ class ExecutorStatus(_message.Message):
     memory_usage: MemoryUsage
     last_operation: _timestamp_pb2.Timestamp
     kv_pool: KvPoolStatus
-    def __init__(self, state: _Optional[_Union[ExecutorState, str]] = ..., is_ready: _Optional[bool] = ..., current_batch_size: _Optional[int] = ..., prefill_operations: _Optional[int] = ..., decode_operations: _Optional[int] = ..., avg_prefill_time_ms: _Optional[float] = ..., avg_decode_time_ms: _Optional[float] = ..., memory_usage: _Optional[_Union[MemoryUsage, _Mapping]] = ..., last_operation: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., kv_pool: _Optional[_Union[KvPoolStatus, _Mapping]] = ...) -> None: ...
+    expert_load: ExpertLoad
+    def __init__(self, state: _Optional[_Union[ExecutorState, str]] = ..., is_ready: _Optional[bool] = ..., current_batch_size: _Optional[int] = ..., prefill_operations: _Optional[int] = ..., decode_operations: _Optional[int] = ..., avg_prefill_time_ms: _Optional[float] = ..., avg_decode_time_ms: _Optional[float] = ..., memory_usage: _Optional[_Union[MemoryUsage, _Mapping]] = ..., last_operation: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., kv_pool: _Optional[_Union[KvPoolStatus, _Mapping]] = ..., expert_load: _Optional[_Union[ExpertLoad, _Mapping]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
@@ -954,3 +976,139 @@ class StepSessionResponse(_message.Message):
     error: StepError
     timing: CallTiming
     def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[UnifiedItemResult, _Mapping]]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., timing: _Optional[_Union[CallTiming, _Mapping]] = ...) -> None: ...
+
+class KvFingerprint(_message.Message):
+    __slots__ = ("model_id", "weights_digest", "kv_dtype", "num_layers", "num_kv_heads", "head_dim", "device_type")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    weights_digest: str
+    kv_dtype: DataType
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    device_type: DeviceType
+    def __init__(self, model_id: _Optional[str] = ..., weights_digest: _Optional[str] = ..., kv_dtype: _Optional[_Union[DataType, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., device_type: _Optional[_Union[DeviceType, str]] = ...) -> None: ...
+
+class KvExportDescription(_message.Message):
+    __slots__ = ("fingerprint", "cache_id", "block_size", "start_position", "end_position", "cache_length", "token_ids", "lora_adapter", "num_chunks", "total_bytes")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    END_POSITION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: KvFingerprint
+    cache_id: str
+    block_size: int
+    start_position: int
+    end_position: int
+    cache_length: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    lora_adapter: str
+    num_chunks: int
+    total_bytes: int
+    def __init__(self, fingerprint: _Optional[_Union[KvFingerprint, _Mapping]] = ..., cache_id: _Optional[str] = ..., block_size: _Optional[int] = ..., start_position: _Optional[int] = ..., end_position: _Optional[int] = ..., cache_length: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., lora_adapter: _Optional[str] = ..., num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("position_start", "position_count", "layer_start", "layer_count", "key", "value", "crc32")
+    POSITION_START_FIELD_NUMBER: _ClassVar[int]
+    POSITION_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    position_start: int
+    position_count: int
+    layer_start: int
+    layer_count: int
+    key: bytes
+    value: bytes
+    crc32: int
+    def __init__(self, position_start: _Optional[int] = ..., position_count: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_count: _Optional[int] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class ExportKvRequest(_message.Message):
+    __slots__ = ("cache_id", "start_position", "end_position", "max_chunk_bytes")
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    END_POSITION_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    cache_id: str
+    start_position: int
+    end_position: int
+    max_chunk_bytes: int
+    def __init__(self, cache_id: _Optional[str] = ..., start_position: _Optional[int] = ..., end_position: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class ExportKvResponse(_message.Message):
+    __slots__ = ("description", "chunk")
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    description: KvExportDescription
+    chunk: KvChunk
+    def __init__(self, description: _Optional[_Union[KvExportDescription, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ...) -> None: ...
+
+class ImportKvStart(_message.Message):
+    __slots__ = ("description", "cache_id")
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    description: KvExportDescription
+    cache_id: str
+    def __init__(self, description: _Optional[_Union[KvExportDescription, _Mapping]] = ..., cache_id: _Optional[str] = ...) -> None: ...
+
+class ImportKvRequest(_message.Message):
+    __slots__ = ("start", "chunk")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    start: ImportKvStart
+    chunk: KvChunk
+    def __init__(self, start: _Optional[_Union[ImportKvStart, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ...) -> None: ...
+
+class ImportKvResponse(_message.Message):
+    __slots__ = ("kv_cache", "imported_tokens", "replayed", "timing")
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    IMPORTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    kv_cache: KvCacheHandle
+    imported_tokens: int
+    replayed: bool
+    timing: CallTiming
+    def __init__(self, kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., imported_tokens: _Optional[int] = ..., replayed: _Optional[bool] = ..., timing: _Optional[_Union[CallTiming, _Mapping]] = ...) -> None: ...
+
+class CacheInfo(_message.Message):
+    __slots__ = ("cache_id", "sequence_length", "lora_adapter", "idle_seconds", "num_blocks")
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    cache_id: str
+    sequence_length: int
+    lora_adapter: str
+    idle_seconds: float
+    num_blocks: int
+    def __init__(self, cache_id: _Optional[str] = ..., sequence_length: _Optional[int] = ..., lora_adapter: _Optional[str] = ..., idle_seconds: _Optional[float] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class ListCachesRequest(_message.Message):
+    __slots__ = ("cache_ids",)
+    CACHE_IDS_FIELD_NUMBER: _ClassVar[int]
+    cache_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cache_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListCachesResponse(_message.Message):
+    __slots__ = ("caches", "timing")
+    CACHES_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    caches: _containers.RepeatedCompositeFieldContainer[CacheInfo]
+    timing: CallTiming
+    def __init__(self, caches: _Optional[_Iterable[_Union[CacheInfo, _Mapping]]] = ..., timing: _Optional[_Union[CallTiming, _Mapping]] = ...) -> None: ...

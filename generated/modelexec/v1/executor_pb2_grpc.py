@@ -136,6 +136,21 @@ class ModelExecutorServiceStub:
                 request_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ListLoraAdaptersRequest.SerializeToString,
                 response_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ListLoraAdaptersResponse.FromString,
                 _registered_method=True)
+        self.ExportKv = channel.unary_stream(
+                '/modelexec.v1.ModelExecutorService/ExportKv',
+                request_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ExportKvRequest.SerializeToString,
+                response_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ExportKvResponse.FromString,
+                _registered_method=True)
+        self.ImportKv = channel.stream_unary(
+                '/modelexec.v1.ModelExecutorService/ImportKv',
+                request_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ImportKvRequest.SerializeToString,
+                response_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ImportKvResponse.FromString,
+                _registered_method=True)
+        self.ListCaches = channel.unary_unary(
+                '/modelexec.v1.ModelExecutorService/ListCaches',
+                request_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ListCachesRequest.SerializeToString,
+                response_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ListCachesResponse.FromString,
+                _registered_method=True)
 
 
 class ModelExecutorServiceServicer:
@@ -295,6 +310,35 @@ class ModelExecutorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportKv(self, request, context):
+        """ExportKv streams what another executor needs to continue a cache: first a
+        KvExportDescription (the model fingerprint, the tokens, the adapter), then the K and
+        V of every layer in chunks, each with a CRC-32. It reads a snapshot taken when the
+        call starts: steps, truncation or release of the cache meanwhile do not change what
+        is streamed. NOT_FOUND for an unknown cache, OUT_OF_RANGE for positions past its end.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportKv(self, request_iterator, context):
+        """ImportKv creates a cache from an ExportKv stream (or extends one, when the stream
+        starts past position 0), all or nothing: nothing exists until the last chunk has
+        arrived and checked. FAILED_PRECONDITION for another model, dtype or geometry
+        (before any data is read), DATA_LOSS for a bad checksum or a short stream,
+        RESOURCE_EXHAUSTED when the pool lacks the blocks (metadata says how many).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCaches(self, request, context):
+        """ListCaches lists the caller's live caches (all of them, or those named).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelExecutorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -397,6 +441,21 @@ def add_ModelExecutorServiceServicer_to_server(servicer, server):
                     servicer.ListLoraAdapters,
                     request_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ListLoraAdaptersRequest.FromString,
                     response_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ListLoraAdaptersResponse.SerializeToString,
+            ),
+            'ExportKv': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportKv,
+                    request_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ExportKvRequest.FromString,
+                    response_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ExportKvResponse.SerializeToString,
+            ),
+            'ImportKv': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportKv,
+                    request_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ImportKvRequest.FromString,
+                    response_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ImportKvResponse.SerializeToString,
+            ),
+            'ListCaches': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCaches,
+                    request_deserializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ListCachesRequest.FromString,
+                    response_serializer=generated_dot_modelexec_dot_v1_dot_executor__pb2.ListCachesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -941,6 +1000,87 @@ class ModelExecutorService:
             '/modelexec.v1.ModelExecutorService/ListLoraAdapters',
             generated_dot_modelexec_dot_v1_dot_executor__pb2.ListLoraAdaptersRequest.SerializeToString,
             generated_dot_modelexec_dot_v1_dot_executor__pb2.ListLoraAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/modelexec.v1.ModelExecutorService/ExportKv',
+            generated_dot_modelexec_dot_v1_dot_executor__pb2.ExportKvRequest.SerializeToString,
+            generated_dot_modelexec_dot_v1_dot_executor__pb2.ExportKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportKv(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/modelexec.v1.ModelExecutorService/ImportKv',
+            generated_dot_modelexec_dot_v1_dot_executor__pb2.ImportKvRequest.SerializeToString,
+            generated_dot_modelexec_dot_v1_dot_executor__pb2.ImportKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCaches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/modelexec.v1.ModelExecutorService/ListCaches',
+            generated_dot_modelexec_dot_v1_dot_executor__pb2.ListCachesRequest.SerializeToString,
+            generated_dot_modelexec_dot_v1_dot_executor__pb2.ListCachesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,107 @@
+"""`python -m bench.moe`: a decode step of a small random mixture of experts against a dense
+model with the same active parameters.
+
+Both are Mixtral-shaped random models built in process (no checkpoint): the MoE has
+`--experts` experts of intermediate size I per layer and routes each token to `--top-k` of
+them; the dense model has one MLP of intermediate size top_k * I, so a token runs the
+same number of multiply-adds through either. At batch 1 both read the same weight bytes per
+step; at larger batches the MoE's rows spread over more experts, and it reads more of its
+(experts / top_k times larger) weights. Decode steps (ARGMAX, context ~64) alternate
+between the two executors; each reports its median step in-process, and the MoE's experts
+touched per layer and step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import torch
+
+from executors.llm import LlmExecutor, LlmExecutorConfig
+from executors.models.config import DecoderConfig
+from executors.models.decoder import DecoderLM
+from executors.types import DecodeInput, LogitsKind, LogitsPolicy, PrefillInput
+
+ARGMAX = LogitsPolicy(kind=LogitsKind.ARGMAX)
+
+
+def model(experts: int, top_k: int, args, device: str) -> DecoderLM:
+    cfg = dict(architectures=["MixtralForCausalLM"], vocab_size=args.vocab, hidden_size=args.hidden,
+               num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=4,
+               max_position_embeddings=4096, intermediate_size=args.expert_size, num_local_experts=experts,
+               num_experts_per_tok=top_k)
+    if experts == 0:  # dense: a Mistral-shaped model with one MLP as wide as the active experts
+        cfg.update(architectures=["MistralForCausalLM"], intermediate_size=args.expert_size * top_k)
+    torch.manual_seed(0)
+    with torch.device(device):
+        m = DecoderLM(DecoderConfig.from_dict(cfg))
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            # Norms at 1 (not random around 0), so that the router sees the hidden states' spread.
+            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
+    return m.eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.moe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--expert-size", type=int, default=1024, help="intermediate size of one expert")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    args = p.parse_args(argv)
+    executors = {}
+    for name, experts in (("dense", 0), ("moe", args.experts)):
+        m = model(experts, args.top_k, args, args.device)
+        cfg = LlmExecutorConfig(model_dir=f"/bench/{name}", device=args.device, dtype=args.dtype, num_blocks=1024,
+                                prefix_caching=False)
+        executors[name] = LlmExecutor(cfg, m.to(cfg.torch_dtype))
+        total = sum(t.numel() for t in m.parameters())
+        print(f"{name}: {total / 1e6:.1f} M parameters, {m.config.moe or 'dense MLPs'}", flush=True)
+    loop = asyncio.new_event_loop()
+    gen = torch.Generator().manual_seed(1)
+    for b in (int(x) for x in args.batches.split(",")):
+        handles = {}
+        for name, ex in executors.items():
+            prompts = [torch.randint(0, args.vocab, (args.context,), generator=gen).tolist() for _ in range(b)]
+            outs = loop.run_until_complete(ex.batch_prefill([PrefillInput(input_ids=q, logits_policy=ARGMAX)
+                                                             for q in prompts]))
+            handles[name] = [o.kv_cache for o in outs]
+        times: dict[str, list[float]] = {name: [] for name in executors}
+        load = executors["moe"].model.expert_load
+        touched: list[float] = []  # experts with rows, per layer, in each MoE step
+        for r in range(args.rounds + 1):
+            for name, ex in executors.items():
+                before = load.clone()
+                t0 = time.perf_counter()
+                steps = loop.run_until_complete(ex.batch_decode(
+                    [DecodeInput(token_id=(5 + 31 * r + 977 * i) % args.vocab, kv_cache=h, logits_policy=ARGMAX)
+                     for i, h in enumerate(handles[name])]))  # a different token per row: rows route apart
+                if r:
+                    times[name].append(time.perf_counter() - t0)
+                if name == "moe":
+                    touched.append(((load - before) > 0).sum(1).float().mean().item())
+                handles[name] = [s.kv_cache for s in steps]
+        for name, ex in executors.items():
+            for h in handles[name]:
+                loop.run_until_complete(ex.release_cache(h.cache_id))
+        dense, sparse = (statistics.median(times[n]) * 1e3 for n in ("dense", "moe"))
+        print(f"batch {b:2d}: dense {dense:6.1f} ms, moe {sparse:6.1f} ms ({sparse / dense:.2f}x); "
+              f"experts with rows per layer and step: {statistics.mean(touched):.1f} of {args.experts}",
+              flush=True)
+    for ex in executors.values():
+        ex.worker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""`python -m client schedule`: a file of prompts through the reference scheduler, colocated on
+--targets (client/scheduler.py) or disaggregated, prefill on --prefill-targets and decode on
+--decode-targets (client/disaggregated.py). Prints each completion with its time to first
+token and inter-token latency, then throughput and a latency summary (client/latency.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+from .latency import summarize_latency
+from .router import AsyncExecutorRouter, parse_targets
+from .scheduler import Completion, Scheduler, SchedulerConfig, _Progress, run_batch
+from .types import LogitsPolicy
+
+
+def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
+    from .tokenizer import DEFAULT_TOKENIZER_DIR
+
+    p.add_argument("--targets", default=None,
+                   help="HOST:PORT[,HOST:PORT...] of the executor replicas (default: --target)")
+    p.add_argument("--prefill-targets", default=None,
+                   help="disaggregated: HOST:PORT[,...] of the executors that prefill the prompts")
+    p.add_argument("--decode-targets", default=None,
+                   help="disaggregated: HOST:PORT[,...] of the executors that decode; each cache moves "
+                        "there from its prefill executor once its prompt is in")
+    p.add_argument("--prompts-file", required=True, help="one prompt per line (blank lines are skipped)")
+    p.add_argument("--max-tokens", type=int, default=64, help="most new tokens per prompt (default %(default)s)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
+    p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER_DIR),
+                   help="directory with the served model's tokenizer.json (default: the embedded model)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; else sampled on the server")
+    p.add_argument("--seed", type=int, default=None, help="seed of server-side sampling (per prompt: seed + index)")
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig().max_num_seqs,
+                   help="sequences per step and replica (default %(default)s)")
+    p.add_argument("--max-batched-tokens", type=int, default=SchedulerConfig().max_num_batched_tokens,
+                   help="tokens per step and replica; longer prompts are prefilled in chunks (default %(default)s)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+
+
+def _target_groups(args: argparse.Namespace) -> list[list[str]]:
+    """[replicas] colocated, or [prefill, decode] disaggregated."""
+    if args.prefill_targets is None and args.decode_targets is None:
+        return [parse_targets(args.targets or args.target)]
+    if not (args.prefill_targets and args.decode_targets):
+        raise ValueError("--prefill-targets and --decode-targets go together")
+    if args.targets:
+        raise ValueError("--targets is the colocated mode; give --prefill-targets and --decode-targets instead")
+    return [parse_targets(args.prefill_targets), parse_targets(args.decode_targets)]
+
+
+def run_schedule_command(args: argparse.Namespace) -> None:
+    """The `schedule` subcommand: prints each completion, then throughput, to stdout."""
+    from .tokenizer import TextTokenizer
+
+    groups = _target_groups(args)
+    tok = TextTokenizer(args.tokenizer)
+    with open(args.prompts_file, encoding="utf-8") as f:
+        texts = [line.rstrip("\n") for line in f if line.strip()]
+    if not texts:
+        raise ValueError(f"{args.prompts_file} holds no prompts")
+    rendered = [tok.apply_chat_template([{"role": "user", "content": t}]) if args.chat else t for t in texts]
+    prompts = [tok.encode(t) for t in rendered]
+
+    async def main() -> tuple[list[Completion], float, Any]:
+        routers = [AsyncExecutorRouter(g, timeout=args.timeout) for g in groups]
+        try:
+            options: dict[str, Any] = {
+                "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_batched_tokens,
+                "eos_token_ids": None if args.ignore_eos else tuple(sorted(tok.eos_ids)) or None}
+            if len(routers) == 2:
+                from .disaggregated import DisaggregatedScheduler
+
+                sched: Any = DisaggregatedScheduler(*routers, **options)
+            else:
+                sched = Scheduler(routers[0], **options)
+            async with sched:
+                progress = _Progress(len(prompts))
+                started = time.monotonic()
+                policies = None
+                if args.temperature > 0:
+                    # One seed per prompt: prompts differ from each other, and a run repeats exactly.
+                    policies = [LogitsPolicy.sample(args.temperature, seed=None if args.seed is None else args.seed + i)
+                                for i in range(len(prompts))]
+                completions = await run_batch(sched, prompts, max_tokens=args.max_tokens, policy=policies,
+                                              progress=progress, ignore_eos=args.ignore_eos)
+                elapsed = time.monotonic() - started
+                progress.close()
+                return completions, elapsed, sched.stats
+        finally:
+            for router in routers:
+                await router.close()
+
+    completions, elapsed, stats = asyncio.run(main())
+    failed = 0
+    for i, (text, c) in enumerate(zip(texts, completions)):
+        print(f"--- [{i}] {text}")
+        if c.finish_reason == "error":
+            failed += 1
+            print(f"error: {c.error}")
+        else:
+            print(tok.decode(c.token_ids).strip())
+        print(f"    ({len(c.token_ids)} tokens, {c.finish_reason}, first token {c.ttft_s or 0:.2f}s, "
+              f"inter-token {c.itl_s or 0:.3f}s, done {c.latency_s or 0:.2f}s)")
+    generated = sum(len(c.token_ids) for c in completions)
+    prompt_tokens = sum(len(p) for p in prompts)
+    where = (f"{len(groups[0])} executor(s)" if len(groups) == 1 else
+             f"{len(groups[0])} prefill + {len(groups[1])} decode executors")
+    print(f"{len(completions)} requests ({failed} failed) on {where}: {prompt_tokens} prompt + "
+          f"{generated} generated tokens in {elapsed:.2f}s")
+    print(f"throughput: {generated / elapsed:.1f} tokens/s, {len(completions) / elapsed:.2f} requests/s "
+          f"({stats.steps} steps, up to {stats.max_items_per_step} sequences per step, "
+          f"{stats.preemptions} preemptions)")
+    print(summarize_latency(completions))
+    if len(groups) == 2:
+        print(f"moves: {stats.moves} caches, {stats.bytes_moved / 1e6:.3g} MB, "
+              f"{stats.move_seconds / max(stats.moves, 1):.3f}s each on average "
+              f"({stats.move_refusals} refused by a full pool, {stats.failed_moves} failed)")

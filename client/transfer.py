@@ -1,0 +1,236 @@
+"""Moving caches between executors: one cache (`move_cache`), or a whole replica (`drain`).
+
+A move streams ExportKv from the source straight into ImportKv on the target (no whole
+cache is ever buffered here), then releases the source copy only if it still holds the
+length that was moved (ReleaseCache's expected_length). If a step grew it meanwhile, the
+new tail is moved the same way and the release tried again, so a scheduler that keeps
+decoding during the move loses nothing: each of its steps lands either on the source
+before the release (and its token is moved with the tail) or, after it, on the target.
+If the source shrank (a truncate) the target copy is dropped and the move starts over.
+
+Caches are listed and moved under the caller's identity: run a drain with the token of
+the identity that owns the caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ._proto import executor_pb2 as pb
+from .aio import AsyncExecutorClient
+from .convert import cache_id_of
+from .errors import AlreadyExistsError, ExecutorError, FailedPreconditionError, NotFoundError, ResourceExhaustedError
+from .types import KvCacheHandle
+
+if TYPE_CHECKING:
+    from .router import AsyncExecutorRouter
+
+__all__ = ["DrainReport", "MoveResult", "drain", "drain_replica", "move_cache"]
+
+MAX_MOVE_ROUNDS = 16
+
+
+@dataclass(slots=True)
+class MoveResult:
+    """The cache on the target, and what it took to get it there."""
+
+    kv_cache: KvCacheHandle
+    rounds: int  # exports streamed (1, plus one per tail a concurrent step added)
+    bytes_moved: int  # K and V bytes streamed
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_moved / self.seconds / 1e9 if self.seconds else 0.0
+
+
+@dataclass(slots=True)
+class DrainReport:
+    """Where each cache of a drained replica went (target index), and those that failed."""
+
+    moved: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, ExecutorError] = field(default_factory=dict)
+    bytes_moved: int = 0
+    seconds: float = 0.0
+    shut_down: bool = False
+
+
+async def _counted(stream: AsyncIterator[pb.ExportKvResponse], counter: list[int]) -> AsyncIterator[pb.ExportKvResponse]:
+    async for message in stream:
+        if message.WhichOneof("item") == "chunk":
+            counter[0] += len(message.chunk.key) + len(message.chunk.value)
+        yield message
+
+
+async def move_cache(source: AsyncExecutorClient, target: AsyncExecutorClient, cache: KvCacheHandle | str, *,
+                     target_id: str | None = None, release_source: bool = True, max_chunk_bytes: int = 0,
+                     max_rounds: int = MAX_MOVE_ROUNDS,
+                     before_release: Callable[[], Awaitable[None]] | None = None) -> MoveResult:
+    """Copy a cache to `target` (under `target_id`, by default its own id), then release it
+    on `source` once no step has grown it since (see the module doc). `before_release` is
+    awaited before each release attempt (a router holds the cache's calls there)."""
+    cid = cache_id_of(cache)
+    tid = target_id or cid
+    moved = [0]
+    started = time.perf_counter()
+    result = await target.import_kv(_counted(source.export_kv(cid, max_chunk_bytes=max_chunk_bytes), moved), tid)
+    try:
+        rounds = await _release_source(source, target, cid, tid, result, release_source, max_chunk_bytes, max_rounds,
+                                       before_release, moved)
+    except BaseException:
+        with contextlib.suppress(ExecutorError):  # the source keeps the cache: drop the copy
+            await target.release_cache(tid)
+        raise
+    return MoveResult(rounds[1].kv_cache, rounds[0], moved[0], time.perf_counter() - started)
+
+
+async def _release_source(source, target, cid, tid, result, release_source, max_chunk_bytes, max_rounds,
+                          before_release, moved) -> tuple[int, object]:
+    length, rounds = result.kv_cache.sequence_length, 1
+    while release_source:
+        if before_release is not None:
+            await before_release()
+        try:
+            await source.release_cache(cid, expected_length=length)
+            break
+        except FailedPreconditionError as e:
+            if e.reason != "STALE_CACHE_HANDLE" or rounds >= max_rounds:
+                raise
+            now = int(e.metadata.get("cache_length", "-1"))
+        rounds += 1
+        tail = source.export_kv(cid, start=length, max_chunk_bytes=max_chunk_bytes) if now > length else None
+        try:
+            if tail is None:
+                raise FailedPreconditionError("the source cache shrank", reason="KV_TOKENS_MISMATCH")
+            result = await target.import_kv(_counted(tail, moved), tid)
+        except FailedPreconditionError:
+            # Shrunk, or rewritten past the moved length: the copy is stale; move it anew.
+            await target.release_cache(tid)
+            result = await target.import_kv(_counted(source.export_kv(cid, max_chunk_bytes=max_chunk_bytes), moved),
+                                            tid)
+        length = result.kv_cache.sequence_length
+    return rounds, result
+
+
+async def drain(source: AsyncExecutorClient, targets: Sequence[AsyncExecutorClient], *, shutdown: bool = True,
+                grace_seconds: float = 0.0, concurrency: int = 4, max_chunk_bytes: int = 0) -> DrainReport:
+    """Move every cache the caller owns on `source` to the targets (the one with the most
+    free blocks first; the next when one is full), then shut `source` down if asked and
+    every cache moved. `report.failed` names caches that could not be moved."""
+    if not targets:
+        raise ValueError("drain needs at least one target to move the caches to")
+    report = DrainReport()
+    started = time.perf_counter()
+    caches = await source.list_caches()
+    free = [s.kv_pool.free_blocks for s in await asyncio.gather(*(t.status() for t in targets))]
+    gate = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(info: pb.CacheInfo) -> None:
+        async with gate:
+            order = sorted(range(len(targets)), key=lambda i: -free[i])
+            for i in order:
+                try:
+                    moved = await move_cache(source, targets[i], info.cache_id, max_chunk_bytes=max_chunk_bytes)
+                except ResourceExhaustedError as e:
+                    report.failed[info.cache_id] = e
+                    free[i] = 0
+                    continue
+                except AlreadyExistsError as e:  # server-chosen ids (kv-N) are per server
+                    report.failed[info.cache_id] = e
+                    continue
+                except ExecutorError as e:
+                    report.failed[info.cache_id] = e
+                    return
+                report.failed.pop(info.cache_id, None)
+                report.moved[info.cache_id] = i
+                report.bytes_moved += moved.bytes_moved
+                free[i] -= info.num_blocks
+                return
+
+    await asyncio.gather(*(one(c) for c in caches))
+    report.seconds = time.perf_counter() - started
+    if shutdown and not report.failed:
+        await source.shutdown(grace_seconds)
+        report.shut_down = True
+    return report
+
+
+async def drain_replica(router: AsyncExecutorRouter, replica: int, *, shutdown: bool = True,
+                        grace_seconds: float = 0.0, max_chunk_bytes: int = 0) -> DrainReport:
+    """Move every cache the caller owns on one of a router's replicas to the others while
+    the router keeps serving: each cache's calls are held only for its final release (in
+    flight ones finish first), then go to its new replica. No new sequence is placed on
+    the replica meanwhile; it is shut down at the end if asked and every cache moved."""
+    if not 0 <= replica < len(router.replicas) or len(router.replicas) < 2:
+        raise ValueError(f"replica {replica} cannot be drained: the router has {len(router.replicas)} replicas")
+    router.draining.add(replica)
+    report = DrainReport()
+    started = time.perf_counter()
+    source = router.replicas[replica]
+    await router.refresh()
+    # Listed again until none is left: a step in flight when draining began may create one.
+    for _ in range(MAX_MOVE_ROUNDS):
+        left = [i.cache_id for i in await source.list_caches() if i.cache_id not in report.failed]
+        if not left:
+            break
+        await _move_all(router, replica, left, report, max_chunk_bytes)
+    report.seconds = time.perf_counter() - started
+    if shutdown and not report.failed:
+        await source.shutdown(grace_seconds)
+        report.shut_down = True
+    return report
+
+
+async def _move_all(router: AsyncExecutorRouter, replica: int, cache_ids: list[str], report: DrainReport,
+                    max_chunk_bytes: int) -> None:
+    source = router.replicas[replica]
+    for cid in cache_ids:
+        for target in router.placement_order(exclude=replica):
+            try:
+                moved = await move_cache(source, router.replicas[target], cid, max_chunk_bytes=max_chunk_bytes,
+                                         before_release=lambda c=cid: router.hold_calls(c))
+            except BaseException as e:
+                router.release_calls(cid, None)  # it stays where it was
+                if not isinstance(e, ExecutorError):
+                    raise
+                if isinstance(e, NotFoundError):
+                    break  # released meanwhile (its request ended): nothing to move
+                report.failed[cid] = e
+                if isinstance(e, ResourceExhaustedError | AlreadyExistsError):
+                    continue  # the next replica may have room, or not the id already
+                break
+            router.release_calls(cid, target)
+            report.failed.pop(cid, None)
+            report.moved[cid] = target
+            report.bytes_moved += moved.bytes_moved
+            break
+
+
+def run_drain_command(args) -> bool:
+    """`python -m client --target SOURCE drain --to A,B`: prints one line per cache moved and
+    a summary; True when every cache moved."""
+    from .router import parse_targets
+
+    async def run() -> DrainReport:
+        source = AsyncExecutorClient(args.target, timeout=args.timeout)
+        targets = [AsyncExecutorClient(t, timeout=args.timeout) for t in parse_targets(args.to)]
+        try:
+            return await drain(source, targets, shutdown=not args.keep_running, grace_seconds=args.grace_seconds)
+        finally:
+            await asyncio.gather(source.close(), *(t.close() for t in targets))
+
+    report = asyncio.run(run())
+    names = parse_targets(args.to)
+    for cid, i in report.moved.items():
+        print(f"moved {cid} -> {names[i]}")
+    for cid, e in report.failed.items():
+        print(f"failed {cid}: {e}", file=sys.stderr)
+    print(f"{len(report.moved)} caches moved ({report.bytes_moved / 1e6:.1f} MB in {report.seconds:.2f} s), "
+          f"{len(report.failed)} failed; source {'shut down' if report.shut_down else 'left running'}")
+    return not report.failed

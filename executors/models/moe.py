@@ -1,0 +1,237 @@
+"""Mixture-of-experts layers: top-k routing and grouped expert compute.
+
+`SparseMoe` holds the parameters under the checkpoint's names (moe_config.py) and its
+`forward` is the reference: every expert in turn over the rows that picked it, as plainly
+as the computation can be written. The fast forward (`moe_forward`) runs on `MoeWeights`,
+the experts' weights stacked into [E, 2I, hidden] (gate and up) and [E, hidden, I] (down)
+tensors whose slices the expert modules' parameters become (one copy, as decoder.py's
+fused q/k/v):
+
+1. the router's softmax and top-k pick k (expert, weight) pairs per row;
+2. the M*k pairs are sorted by expert (a stable sort), so each expert's rows are one
+   contiguous slice of a gathered [M*k, hidden] matrix;
+3. every expert with rows runs one gate/up matmul and one down matmul over its slice
+   (`grouped_swiglu`: a loop over the experts that have rows, on a CPU; on CUDA torch's
+   grouped GEMM or the Triton kernel of moe_triton.py, one launch for all experts);
+4. the rows are scaled by their weights and added back in place (index_add_).
+
+An expert that no row picked costs nothing; a decode step at batch 1 with top-2 reads two
+experts' weights. Each call adds its per-expert row counts to a `load` tensor (no host
+sync), which GetStatus reports so a scheduler can see imbalance.
+
+Tensor parallelism (not implemented yet) will split experts whole across ranks (expert
+parallelism) rather than each expert like a dense MLP: a rank's slice of the stacks stays
+a set of whole [2I, hidden] / [hidden, I] matrices, so the grouped GEMM runs unchanged on
+it with full-width tiles, and routing costs one exchange of rows per sparse layer instead
+of an all-reduce of every expert's partial sums. The router is replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executors.models.config import DecoderConfig
+from executors.models.layers import MLP, activation
+from executors.types import ExpertLoad
+
+# Grouped GEMM implementation on CUDA: "torch" (torch._grouped_mm), "triton"
+# (moe_triton.py) or "loop" (the CPU loop); chosen at the first use by `grouped_backend`.
+_BACKENDS: dict[tuple[str, torch.dtype], str] = {}
+
+
+class Expert(nn.Module):
+    """One routed expert's gated MLP, its projections named as the checkpoint names them."""
+
+    def __init__(self, hidden: int, inter: int, names: tuple[str, str, str]) -> None:
+        super().__init__()
+        self.names = names
+        gate, up, down = names
+        setattr(self, gate, nn.Linear(hidden, inter, bias=False))
+        setattr(self, up, nn.Linear(hidden, inter, bias=False))
+        setattr(self, down, nn.Linear(inter, hidden, bias=False))
+
+    def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        return tuple(getattr(self, n) for n in self.names)
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        moe = config.moe
+        self.top_k, self.norm_topk_prob, self.num_experts = moe.top_k, moe.norm_topk_prob, moe.num_experts
+        self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(Expert(config.hidden_size, moe.intermediate_size, moe.expert_names)
+                                     for _ in range(moe.num_experts))
+        if moe.shared_intermediate_size:
+            self.shared_expert = MLP(config, moe.shared_intermediate_size, bias=False)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        self.act = activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor, load: torch.Tensor | None = None) -> torch.Tensor:
+        """The reference: each expert over the rows that picked it, in expert order."""
+        weights, experts = route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
+        if load is not None:
+            load += expert_counts(experts, self.num_experts)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(experts == e)
+            if rows.numel() == 0:
+                continue
+            gate, up, down = expert.projections()
+            y = down(self.act(gate(x[rows])) * up(x[rows]))
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        if hasattr(self, "shared_expert"):
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class MoeWeights(NamedTuple):
+    """One sparse layer's tensors for the fast forward (the expert parameters are views of them)."""
+
+    router: torch.Tensor  # [E, hidden]
+    gate_up: torch.Tensor  # [E, 2I, hidden]
+    down: torch.Tensor  # [E, hidden, I]
+    shared_gate_up: torch.Tensor | None  # [2S, hidden]
+    shared_down: torch.Tensor | None  # [hidden, S]
+    shared_gate: torch.Tensor | None  # [1, hidden]
+    top_k: int
+    norm_topk_prob: bool
+
+
+def stack(moe: SparseMoe) -> MoeWeights:
+    """Stack the experts' weights and make each expert's parameters views of the stacks."""
+    gate_up = torch.stack([torch.cat([g.weight.detach(), u.weight.detach()])
+                           for g, u, _ in (e.projections() for e in moe.experts)])
+    down = torch.stack([e.projections()[2].weight.detach() for e in moe.experts])
+    inter = gate_up.shape[1] // 2
+    for i, expert in enumerate(moe.experts):
+        g, u, d = expert.projections()
+        g.weight = nn.Parameter(gate_up[i, :inter], requires_grad=False)
+        u.weight = nn.Parameter(gate_up[i, inter:], requires_grad=False)
+        d.weight = nn.Parameter(down[i], requires_grad=False)
+    shared_gate_up = shared_down = shared_gate = None
+    if hasattr(moe, "shared_expert"):
+        s = moe.shared_expert
+        shared_gate_up = torch.cat([s.gate_proj.weight.detach(), s.up_proj.weight.detach()])
+        n = s.gate_proj.weight.shape[0]
+        s.gate_proj.weight = nn.Parameter(shared_gate_up[:n], requires_grad=False)
+        s.up_proj.weight = nn.Parameter(shared_gate_up[n:], requires_grad=False)
+        shared_down, shared_gate = s.down_proj.weight.detach(), moe.shared_expert_gate.weight.detach()
+    return MoeWeights(moe.gate.weight.detach(), gate_up, down, shared_gate_up, shared_down, shared_gate,
+                      moe.top_k, moe.norm_topk_prob)
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts in float32, the top k per row: (weights [M, k] in x's dtype, experts [M, k])."""
+    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renorm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), experts
+
+
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert ([E] int64). A scatter-add, not bincount, which reads the largest id
+    back to the host: a CUDA graph can capture this."""
+    flat = experts.flatten()
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def moe_forward(x: torch.Tensor, w: MoeWeights, act: Callable, load: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, hidden] -> [M, hidden]: routed experts grouped by expert (module docstring), plus the shared expert."""
+    weights, experts = route(x, w.router, w.top_k, w.norm_topk_prob)
+    flat = experts.flatten()
+    counts = expert_counts(flat, w.gate_up.shape[0])
+    if load is not None:
+        load += counts
+    order = torch.argsort(flat, stable=True)
+    rows = order // w.top_k
+    ys = grouped_swiglu(x.index_select(0, rows), counts, w.gate_up, w.down, act)
+    ys.mul_(weights.flatten().index_select(0, order).unsqueeze(1))
+    out = torch.zeros_like(x).index_add_(0, rows, ys)
+    if w.shared_gate_up is not None:
+        s = w.shared_down.shape[1]
+        gu = F.linear(x, w.shared_gate_up)
+        shared = F.linear(act(gu[:, :s]).mul_(gu[:, s:]), w.shared_down)
+        out.addcmul_(torch.sigmoid(F.linear(x, w.shared_gate)), shared)
+    return out
+
+
+def grouped_swiglu(xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                   act: Callable) -> torch.Tensor:
+    """Rows sorted by expert (counts[e] rows for expert e, in order) through their experts."""
+    backend = grouped_backend(xs.device, xs.dtype)
+    if backend == "loop":
+        return grouped_swiglu_loop(xs, counts, gate_up, down, act)
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    inter = down.shape[2]
+    if backend == "torch":
+        gu = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends)
+        return torch._grouped_mm(act(gu[:, :inter]).mul_(gu[:, inter:]), down.transpose(1, 2), offs=ends)
+    from executors.models import moe_triton
+
+    gu = moe_triton.grouped_matmul(xs, gate_up, ends)
+    return moe_triton.grouped_matmul(act(gu[:, :inter]).mul_(gu[:, inter:]), down, ends)
+
+
+def grouped_swiglu_loop(xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                        act: Callable) -> torch.Tensor:
+    """One gate/up and one down matmul per expert that has rows, over its contiguous slice."""
+    out = torch.empty(xs.shape[0], down.shape[1], dtype=xs.dtype, device=xs.device)
+    inter, start = down.shape[2], 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            gu = F.linear(xs[start:start + n], gate_up[e])
+            torch.mm(act(gu[:, :inter]).mul_(gu[:, inter:]), down[e].t(), out=out[start:start + n])
+            start += n
+    return out
+
+
+def grouped_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """"loop" on a CPU; on CUDA torch's grouped GEMM where this torch has one that runs for the
+    dtype here, else the Triton kernel where triton is installed, else the loop."""
+    key = (str(device), dtype)
+    if key not in _BACKENDS:
+        _BACKENDS[key] = _pick_backend(device, dtype)
+    return _BACKENDS[key]
+
+
+def _pick_backend(device: torch.device, dtype: torch.dtype) -> str:
+    if device.type != "cuda":
+        return "loop"
+    gate_up = torch.randn(3, 64, 32, device=device, dtype=dtype)
+    xs = torch.randn(5, 32, device=device, dtype=dtype)
+    counts = torch.tensor([2, 0, 3], device=device)
+    want = torch.cat([xs[:2] @ gate_up[0].t(), xs[2:] @ gate_up[2].t()]).float()
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    if hasattr(torch, "_grouped_mm"):
+        try:  # some builds have it only for bfloat16 on recent GPUs: check it here
+            got = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends).float()
+            if torch.allclose(got, want, atol=5e-2, rtol=5e-2):
+                return "torch"
+        except (RuntimeError, NotImplementedError):
+            pass
+    try:
+        from executors.models import moe_triton
+
+        got = moe_triton.grouped_matmul(xs, gate_up, ends).float()
+        if torch.allclose(got, want, atol=5e-2, rtol=5e-2):
+            return "triton"
+    except Exception:  # noqa: BLE001 - no triton, or a kernel that does not build here: the loop works
+        pass
+    return "loop"
+
+
+def load_report(model) -> ExpertLoad | None:
+    """GetStatus's per-expert routing counts of a DecoderLM (None without experts)."""
+    moe = model.config.moe
+    if moe is None:
+        return None
+    sparse = tuple(i for i, s in enumerate(moe.sparse_layers) if s)
+    counts = model.expert_load.tolist()
+    return ExpertLoad(moe.num_experts, moe.top_k, sparse, tuple(tuple(counts[i]) for i in sparse))
