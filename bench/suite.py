@@ -21,6 +21,9 @@ Parts, on the embedded SmolLM2-135M (fixed, seeded workloads):
   peers     ours beside llama.cpp (F32 and Q8_0 GGUFs made by its own quantizer) and CTranslate2
             (fp32) on the same weights: decode at batch 1 and 32, a 128-token prefill, batched
             prefill against the fp32 peak (bench/peers.py; bench/requirements-peers.txt)
+  transfer  one KV cache of 1k and 8k tokens (fp32) moved between two servers in processes of their
+            own (ExportKv into ImportKv, TCP loopback and unix sockets) vs its prefill, and vs a plain
+            memory copy, each move checked by a decode step (bench/transfer.py; --quick: 1k only)
 
 Prefix caching is off in every part but `prefix`, so repeated workloads are computed each time.
 
@@ -56,7 +59,7 @@ from executors.types import DecodeInput, LogitsKind, LogitsPolicy, LoraSource, P
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("prefill", "decode", "grpc", "hf", "gpu", "offline", "prefix", "lora", "peers")
+PARTS = ("prefill", "decode", "grpc", "hf", "gpu", "offline", "prefix", "lora", "peers", "transfer")
 GPU_PARTS = ("gpu", "offline")  # bench/gpu.py and bench/offline.py: their own random model, no MODEL_DIR
 SYSTEM_PROMPT_LEN = 1024
 QUESTION_LEN = 32
@@ -593,6 +596,10 @@ def table(results: dict) -> str:
         from bench.peers import table_lines as peer_lines
 
         out.extend(peer_lines(r["peers"]))
+    if "transfer" in r:
+        from bench.transfer import table_lines as transfer_lines
+
+        out.extend(transfer_lines(r["transfer"]))
     return "\n".join(out)
 
 
@@ -740,6 +747,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench.peers import bench_peers
 
             results["results"]["peers"] = bench_peers(args)
+        elif part == "transfer":
+            from bench.transfer import bench_transfer
+
+            results["results"]["transfer"] = bench_transfer(args)
         for x in results["results"].get(part, []):
             if "skipped" in x:
                 print(f"  skipped: {x['skipped']}", flush=True)

@@ -28,7 +28,7 @@ from ._common import (
 )
 from ._proto import executor_pb2 as pb
 from ._proto import executor_pb2_grpc as pb_grpc
-from .errors import from_rpc_error
+from .errors import AbortedError, ExecutorError, from_rpc_error
 from .limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, HEALTH_SERVICE_NAME
 from .session import AsyncStepSession
 from .types import (
@@ -256,16 +256,52 @@ class AsyncExecutorClient:
         """Create a cache (named cache_id, or server-chosen when None) from an ExportKv stream
         (this client's `export_kv` on another server, or its messages in a list); a stream
         starting past position 0 extends cache_id."""
-        async def requests() -> AsyncIterator[pb.ImportKvRequest]:
-            if isinstance(export, AsyncIterable):
-                async for message in export:
-                    yield convert.import_kv_request(message, cache_id)
-            else:
-                for message in export:
-                    yield convert.import_kv_request(message, cache_id)
+        first: list[pb.ImportKvRequest] = []
 
-        resp = await self._call(self.stub.ImportKv, requests(), timeout)
+        messages = export if isinstance(export, AsyncIterable) else _aiter(export)
+
+        async def requests() -> AsyncIterator[pb.ImportKvRequest]:
+            async for message in messages:
+                request = convert.import_kv_request(message, cache_id)
+                if not first:
+                    first.append(request)
+                yield request
+
+        upload = requests()
+        call = self.stub.ImportKv(upload, timeout=self._config.deadline(timeout), metadata=self._config.metadata)
+        try:
+            resp = await call
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL) and first:
+                raise await self._why_import_ended(first[0], timeout) from e
+            raise from_rpc_error(e) from e
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling() or not first:
+                raise  # our own caller cancelled us
+            raise await self._why_import_ended(first[0], timeout) from None
+        finally:
+            # An import that ended early leaves the export stream open (its server holding a
+            # snapshot, its call a slot) until collected: close both now.
+            await _close(upload, messages)
         return convert.import_kv_response(resp)
+
+    async def _why_import_ended(self, start: pb.ImportKvRequest, timeout: Timeout) -> ExecutorError:
+        """A server that refuses an import after its first message ends the call while the
+        upload goes on, and grpc.aio then reports the interrupted upload (CANCELLED, or
+        INTERNAL) instead of the server's status. Asking again with check_only (one message,
+        nothing kept) gets that status; if the start is accepted now, the stream failed
+        later: ABORTED, worth a retry."""
+        check = pb.ImportKvRequest()
+        check.CopyFrom(start)
+        check.start.check_only = True
+        try:
+            await self.stub.ImportKv(iter([check]), timeout=self._config.deadline(timeout),
+                                     metadata=self._config.metadata)
+        except grpc.RpcError as e:
+            return from_rpc_error(e)
+        return AbortedError("the target ended the import before it had read the whole stream, and would accept "
+                            "its start now: retry the move", reason="KV_IMPORT_INTERRUPTED")
 
     async def list_caches(self, cache_ids: Sequence[str] = (), *, timeout: Timeout = USE_DEFAULT) -> list[pb.CacheInfo]:
         """The caller's live caches (all, or those of cache_ids that are live)."""
@@ -308,3 +344,23 @@ class AsyncExecutorClient:
                 last = e.code().name
             await asyncio.sleep(max(0.0, min(poll_interval, deadline - time.monotonic())))
         raise not_ready_error(self.target, timeout, last)
+
+
+async def _aiter(items: Iterable[Any]) -> AsyncIterator[Any]:
+    for item in items:
+        yield item
+
+
+async def _close(*generators: Any) -> None:
+    """aclose() each async generator; one grpc.aio's request poller is still iterating stops
+    at its next write, so it is retried for a while (~1 s)."""
+    for gen in generators:
+        aclose = getattr(gen, "aclose", None)
+        for _ in range(100):
+            if aclose is None:
+                break
+            try:
+                await aclose()
+                break
+            except RuntimeError:  # "asynchronous generator is already running"
+                await asyncio.sleep(0.01)

@@ -5,6 +5,7 @@ Mirrors `client.aio.AsyncExecutorClient` method for method; both share `client.c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -250,7 +251,14 @@ class ExecutorClient:
         """Create a cache (named cache_id, or server-chosen when None) from an ExportKv stream;
         a stream starting past position 0 extends cache_id."""
         requests = (convert.import_kv_request(m, cache_id) for m in export)
-        return convert.import_kv_response(self._call(self.stub.ImportKv, requests, timeout))
+        try:
+            return convert.import_kv_response(self._call(self.stub.ImportKv, requests, timeout))
+        finally:
+            # An import that ended early leaves the export stream open until collected.
+            close = getattr(export, "close", None)
+            if close is not None:
+                with contextlib.suppress(ValueError):  # still being read by grpc's sender thread
+                    close()
 
     def list_caches(self, cache_ids: Sequence[str] = (), *, timeout: Timeout = USE_DEFAULT) -> list[pb.CacheInfo]:
         """The caller's live caches (all, or those of cache_ids that are live)."""

@@ -50,7 +50,8 @@ def export_range(msg: pb.ExportKvRequest) -> tuple[int | None, int | None]:
 
 
 def import_start(msg: pb.ImportKvRequest) -> tuple[tt.KvExportDescription, str | None]:
-    """The first message of an ImportKv stream: the description and the target id."""
+    """The first message of an ImportKv stream: the description and the target id (its
+    check_only flag is read by the handler)."""
     if msg.WhichOneof("item") != "start":
         raise InvalidParameter("the first message of an ImportKv stream must carry `start` (the description "
                                "ExportKv sent, and the target cache id)", field="start")

@@ -219,7 +219,10 @@ def request_id(metadata: Iterable[tuple[str, Any]] | None) -> str:
 
 
 def _code_name(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
-    if isinstance(error, asyncio.CancelledError):
+    # A stream closed by its caller ends here as CancelledError, or as GeneratorExit when
+    # grpc closes the handler's generator later; the call may be gone by then, and its
+    # context must not be read (grpc.aio crashes the process on context.peer() there).
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):
         return "CANCELLED"
     code = context.code()
     if code is None:
@@ -252,7 +255,7 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
             if inspect.isasyncgenfunction(behaviour):
                 async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
                     started = self._begin()
-                    rid = request_id(context.invocation_metadata())
+                    rid, peer = request_id(context.invocation_metadata()), context.peer()
                     error: BaseException | None = None
                     try:
                         await context.send_initial_metadata(((REQUEST_ID, rid),))
@@ -271,13 +274,13 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
                         error = e
                         raise
                     finally:
-                        self._end(method, rid, context, started, error)
+                        self._end(method, rid, peer, context, started, error)
 
                 return stream
 
             async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 started = self._begin()
-                rid = request_id(context.invocation_metadata())
+                rid, peer = request_id(context.invocation_metadata()), context.peer()
                 error: BaseException | None = None
                 try:
                     await context.send_initial_metadata(((REQUEST_ID, rid),))
@@ -289,7 +292,7 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
                     error = e
                     raise
                 finally:
-                    self._end(method, rid, context, started, error)
+                    self._end(method, rid, peer, context, started, error)
 
             return call
 
@@ -299,7 +302,7 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
         self.metrics.in_flight.inc()
         return time.perf_counter()
 
-    def _end(self, method: str, rid: str, context: grpc.aio.ServicerContext, started: float,
+    def _end(self, method: str, rid: str, peer: str, context: grpc.aio.ServicerContext, started: float,
              error: BaseException | None) -> None:
         seconds = time.perf_counter() - started
         self.metrics.in_flight.dec()
@@ -311,7 +314,7 @@ class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
         level = logging.DEBUG if code == "OK" else logging.INFO
         if rpc_log.isEnabledFor(level):
             fields = {"method": name, "code": code, "duration_ms": round(seconds * 1e3, 3), "request_id": rid,
-                      "identity": current_identity.get(), "peer": context.peer()}
+                      "identity": current_identity.get(), "peer": peer}
             rpc_log.log(level, "%s %s %.3f ms request_id=%s identity=%s peer=%s", name, code, fields["duration_ms"],
                         rid, fields["identity"], fields["peer"], extra={"rpc": fields})
 

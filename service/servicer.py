@@ -210,6 +210,8 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
                 if isinstance(message, _Undecodable):
                     raise _malformed(message)
                 if session is None:
+                    if message.WhichOneof("item") == "start" and message.start.check_only:
+                        return await self._check_import(message, requests, call)
                     session = await self.executor.import_kv(*convert_transfer.import_start(message))
                     if session.replayed is not None:  # a retry of an import that completed
                         return convert_transfer.import_response(session.replayed, call.timing())
@@ -223,6 +225,20 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         finally:
             if session is not None:
                 session.abort()  # a no-op once the import was adopted
+
+    async def _check_import(self, message: pb.ImportKvRequest, requests, call: _Call) -> pb.ImportKvResponse:
+        # Answered once the client has half-closed: a client-streaming call answered before
+        # that races the client's last write, which grpc.aio reports as a cancelled call.
+        error = None
+        try:
+            (await self.executor.import_kv(*convert_transfer.import_start(message))).abort()
+        except Exception as e:  # noqa: BLE001 - raised below, once the stream has ended
+            error = e
+        async for _ in requests:
+            error = error or InvalidParameter("a check_only ImportKv takes its start alone, no chunks", field="chunk")
+        if error is not None:
+            raise error
+        return pb.ImportKvResponse(timing=call.timing())
 
     async def ListCaches(self, request: pb.ListCachesRequest, context) -> pb.ListCachesResponse:
         call = _Call()

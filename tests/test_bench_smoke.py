@@ -108,3 +108,25 @@ def test_the_grpc_floor_is_a_bare_echo_of_the_same_sizes():
     finally:
         loop.close()
     assert set(trips) == {"unary", "stream"} and all(0 < t < 1 for t in trips.values())
+
+
+def test_the_transfer_part_moves_checked_caches_between_two_server_processes():
+    """bench/transfer.py against two paged reference servers of 64 tokens (no 8k prefill here) on
+    unix sockets (the real run adds TCP): two chunk sizes, the decode-step check of the moved
+    cache, the CPU each process spent, and the table."""
+    from bench import transfer
+
+    args = ["--executor", "paged", "--block-size", "16", "--num-blocks", "64", "--no-prefix-caching",
+            "--cache-ttl-seconds", "0"]
+    chunks = (256, 1 << 20)  # one layer of a position or so per chunk, and a whole block per chunk
+    rows = transfer.run((64,), ("unix",), args=args, rounds=1, prefills=lambda n: 1, chunks=chunks)
+    assert [r["max_chunk_bytes"] for r in rows] == list(chunks)
+    for r in rows:
+        # positions x layers x (K, V) x KV heads x head dim x fp32
+        assert r["tokens"] == 64 and r["bytes"] == 64 * 2 * 2 * 4 * 8 * 4
+        assert r["move_s"] > 0 and r["prefill_s"] > 0 and r["memcpy_gb_s"] > 0 and r["import_only_s"] > 0
+        assert r["cpu_source_s"] >= 0 and r["cpu_target_s"] >= 0
+        assert r["check"]["argmax_source"] == r["check"]["argmax_moved"]
+    assert rows[0]["chunks_planned"] > rows[1]["chunks_planned"] == 4  # the 4 blocks of 16 positions
+    text = "\n".join(transfer.table_lines(rows))
+    assert "prefill/move" in text and "ImportKv from memory" in text and text.count("same KV, ") == 2

@@ -28,6 +28,7 @@ of an all-reduce of every expert's partial sums. The router is replicated.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -42,6 +43,8 @@ from executors.types import ExpertLoad
 # Grouped GEMM implementation on CUDA: "torch" (torch._grouped_mm), "triton"
 # (moe_triton.py) or "loop" (the CPU loop); chosen at the first use by `grouped_backend`.
 _BACKENDS: dict[tuple[str, torch.dtype], str] = {}
+
+log = logging.getLogger(__name__)
 
 
 class Expert(nn.Module):
@@ -216,14 +219,17 @@ def _pick_backend(device: torch.device, dtype: torch.dtype) -> str:
                 return "torch"
         except (RuntimeError, NotImplementedError):
             pass
+    why = "its result differs from the plain matmuls"
     try:
         from executors.models import moe_triton
 
         got = moe_triton.grouped_matmul(xs, gate_up, ends).float()
         if torch.allclose(got, want, atol=5e-2, rtol=5e-2):
             return "triton"
-    except Exception:  # noqa: BLE001 - no triton, or a kernel that does not build here: the loop works
-        pass
+    except Exception as e:  # noqa: BLE001 - no triton, or a kernel that does not build here: the loop works
+        why = f"{type(e).__name__}: {e}"
+    log.warning("MoE on %s: no grouped GEMM (torch._grouped_mm unusable here, the Triton kernel: %s); experts run "
+                "one matmul each", xs.device, why)
     return "loop"
 
 

@@ -1058,12 +1058,14 @@ class ExportKvResponse(_message.Message):
     def __init__(self, description: _Optional[_Union[KvExportDescription, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ...) -> None: ...
 
 class ImportKvStart(_message.Message):
-    __slots__ = ("description", "cache_id")
+    __slots__ = ("description", "cache_id", "check_only")
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
     description: KvExportDescription
     cache_id: str
-    def __init__(self, description: _Optional[_Union[KvExportDescription, _Mapping]] = ..., cache_id: _Optional[str] = ...) -> None: ...
+    check_only: bool
+    def __init__(self, description: _Optional[_Union[KvExportDescription, _Mapping]] = ..., cache_id: _Optional[str] = ..., check_only: _Optional[bool] = ...) -> None: ...
 
 class ImportKvRequest(_message.Message):
     __slots__ = ("start", "chunk")

@@ -1,0 +1,93 @@
+"""`python -m service` in a process of its own, on a TCP port or a unix socket, for bench parts
+that need servers apart from the process that measures (bench/transfer.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    address: str  # 127.0.0.1:PORT or unix:///PATH
+    where: Path
+
+    def log_tail(self) -> str:
+        return (self.where / "server.log").read_text(errors="replace")[-3000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(transport: str, args: list[str]) -> Server:
+    where = Path(tempfile.mkdtemp(prefix="mx-xfer-", dir="/tmp"))  # short: unix socket paths are capped
+    if transport == "unix":
+        listen, address = ["--unix-socket", str(where / "s.sock")], f"unix://{where / 's.sock'}"
+    else:
+        port = _free_port()
+        listen, address = ["--host", "127.0.0.1", "--port", str(port)], f"127.0.0.1:{port}"
+    with open(where / "server.log", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "service", *listen, *args], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return Server(proc, address, where)
+
+
+def wait_ready(server: Server, timeout: float = 300.0) -> None:
+    """Wait for the listener first (a channel that finds none backs off for seconds), then SERVING."""
+    from client import ExecutorClient
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.proc.returncode}:\n{server.log_tail()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not listen within {timeout} s:\n{server.log_tail()}")
+        if server.address.startswith("unix://"):
+            if Path(server.address.removeprefix("unix://")).exists():
+                break
+        else:
+            host, port = server.address.rsplit(":", 1)
+            try:
+                socket.create_connection((host, int(port)), 0.5).close()
+                break
+            except OSError:
+                pass
+        time.sleep(0.05)
+    with ExecutorClient(server.address) as c:
+        c.wait_ready(max(deadline - time.monotonic(), 1.0))
+
+
+def stop(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.terminate()
+        try:
+            server.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait(30)
+    shutil.rmtree(server.where, ignore_errors=True)
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU seconds (user + system, all threads) a process has used: this one when pid is None."""
+    if pid is None:
+        return time.process_time()
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime: fields 14 and 15 of stat
