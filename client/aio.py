@@ -51,6 +51,9 @@ from .types import (
 
 __all__ = ["AsyncExecutorClient"]
 
+_EXPORT_KV = "/modelexec.v1.ModelExecutorService/ExportKv"
+_IMPORT_KV = "/modelexec.v1.ModelExecutorService/ImportKv"
+
 _Resp = TypeVar("_Resp")
 
 
@@ -235,12 +238,15 @@ class AsyncExecutorClient:
 
     async def export_kv(
         self, cache: KvCacheHandle | str, start: int | None = None, end: int | None = None, *,
-        max_chunk_bytes: int = 0, timeout: Timeout = USE_DEFAULT,
-    ) -> AsyncIterator[pb.ExportKvResponse]:
+        max_chunk_bytes: int = 0, raw: bool = False, timeout: Timeout = USE_DEFAULT,
+    ) -> AsyncIterator[pb.ExportKvResponse | bytes]:
         """The ExportKv stream of positions [start, end) of a cache: its description, then
-        its chunks. Read it to the end (or pass it to import_kv) to release the snapshot."""
-        call = self.stub.ExportKv(convert.export_kv_request(cache, start, end, max_chunk_bytes),
-                                  timeout=self._config.deadline(timeout), metadata=self._config.metadata)
+        its chunks. Read it to the end (or pass it to import_kv) to release the snapshot.
+        raw=True yields each message still serialized, for import_kv to forward unparsed."""
+        method = (self.channel.unary_stream(_EXPORT_KV, request_serializer=pb.ExportKvRequest.SerializeToString,
+                                            response_deserializer=None) if raw else self.stub.ExportKv)
+        call = method(convert.export_kv_request(cache, start, end, max_chunk_bytes),
+                      timeout=self._config.deadline(timeout), metadata=self._config.metadata)
         try:
             async for message in call:
                 yield message
@@ -250,12 +256,13 @@ class AsyncExecutorClient:
             call.cancel()  # a no-op once the stream has ended
 
     async def import_kv(
-        self, export: AsyncIterable[pb.ExportKvResponse] | Iterable[pb.ExportKvResponse],
+        self, export: AsyncIterable[pb.ExportKvResponse | bytes] | Iterable[pb.ExportKvResponse | bytes],
         cache_id: str | None = None, *, timeout: Timeout = USE_DEFAULT,
     ) -> ImportResult:
         """Create a cache (named cache_id, or server-chosen when None) from an ExportKv stream
         (this client's `export_kv` on another server, or its messages in a list); a stream
-        starting past position 0 extends cache_id."""
+        starting past position 0 extends cache_id. Serialized messages (export_kv(raw=True))
+        are forwarded as they are: a chunk's bytes are the same in both RPCs' messages."""
         first: list[pb.ImportKvRequest] = []
 
         messages = export if isinstance(export, AsyncIterable) else _aiter(export)
@@ -268,7 +275,9 @@ class AsyncExecutorClient:
                 yield request
 
         upload = requests()
-        call = self.stub.ImportKv(upload, timeout=self._config.deadline(timeout), metadata=self._config.metadata)
+        method = self.channel.stream_unary(_IMPORT_KV, request_serializer=convert.serialize_import_kv_request,
+                                           response_deserializer=pb.ImportKvResponse.FromString)
+        call = method(upload, timeout=self._config.deadline(timeout), metadata=self._config.metadata)
         try:
             resp = await call
         except grpc.RpcError as e:

@@ -479,13 +479,27 @@ def export_kv_request(cache: KvCacheHandle | str, start: int | None = None, end:
     return msg
 
 
-def import_kv_request(export: pb.ExportKvResponse, cache_id: str | None = None) -> pb.ImportKvRequest:
+def import_kv_request(export: pb.ExportKvResponse | bytes,
+                      cache_id: str | None = None) -> pb.ImportKvRequest | bytes:
     """One message of an ExportKv stream as the ImportKv message that forwards it: the
     description becomes the start (naming the cache to create, or none for a server-chosen
-    id), a chunk stays a chunk."""
+    id), a chunk stays a chunk. A serialized chunk stays serialized: ExportKvResponse and
+    ImportKvRequest both carry it as field 2, so its bytes are already the import's message."""
+    if isinstance(export, bytes):
+        parsed = pb.ExportKvResponse.FromString(export) if export[:1] != _CHUNK_TAG else None
+        if parsed is None:
+            return export
+        export = parsed
     if export.WhichOneof("item") == "description":
         return pb.ImportKvRequest(start=pb.ImportKvStart(description=export.description, cache_id=cache_id or ""))
     return pb.ImportKvRequest(chunk=export.chunk)
+
+
+_CHUNK_TAG = bytes([2 << 3 | 2])  # field 2, length-delimited: the oneof's chunk
+
+
+def serialize_import_kv_request(message: pb.ImportKvRequest | bytes) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 def import_kv_response(resp: pb.ImportKvResponse) -> ImportResult:

@@ -1,7 +1,8 @@
 """Moving caches between executors: one cache (`move_cache`), or a whole replica (`drain`).
 
 A move streams ExportKv from the source straight into ImportKv on the target (no whole
-cache is ever buffered here), then releases the source copy only if it still holds the
+cache is ever buffered here, and chunks are forwarded as the bytes they arrived as, never
+parsed: both RPCs carry a chunk as the same field), then releases the source copy only if it still holds the
 length that was moved (ReleaseCache's expected_length). If a step grew it meanwhile, the
 new tail is moved the same way and the release tried again, so a scheduler that keeps
 decoding during the move loses nothing: each of its steps lands either on the source
@@ -61,10 +62,17 @@ class DrainReport:
     shut_down: bool = False
 
 
-async def _counted(stream: AsyncIterator[pb.ExportKvResponse], counter: list[int]) -> AsyncIterator[pb.ExportKvResponse]:
+def _export(source: AsyncExecutorClient, cache_id: str, start: int, max_chunk_bytes: int) -> AsyncIterator[bytes]:
+    return source.export_kv(cache_id, start=start or None, max_chunk_bytes=max_chunk_bytes, raw=True)
+
+
+async def _counted(stream: AsyncIterator[bytes], counter: list[int]) -> AsyncIterator[bytes]:
+    """The stream's serialized messages, their chunks' bytes (K, V and framing) counted."""
+    first = True
     async for message in stream:
-        if message.WhichOneof("item") == "chunk":
-            counter[0] += len(message.chunk.key) + len(message.chunk.value)
+        if not first:
+            counter[0] += len(message)
+        first = False
         yield message
 
 
@@ -79,7 +87,7 @@ async def move_cache(source: AsyncExecutorClient, target: AsyncExecutorClient, c
     tid = target_id or cid
     moved = [0]
     started = time.perf_counter()
-    result = await target.import_kv(_counted(source.export_kv(cid, max_chunk_bytes=max_chunk_bytes), moved), tid)
+    result = await target.import_kv(_counted(_export(source, cid, 0, max_chunk_bytes), moved), tid)
     try:
         rounds = await _release_source(source, target, cid, tid, result, release_source, max_chunk_bytes, max_rounds,
                                        before_release, moved)
@@ -104,7 +112,7 @@ async def _release_source(source, target, cid, tid, result, release_source, max_
                 raise
             now = int(e.metadata.get("cache_length", "-1"))
         rounds += 1
-        tail = source.export_kv(cid, start=length, max_chunk_bytes=max_chunk_bytes) if now > length else None
+        tail = _export(source, cid, length, max_chunk_bytes) if now > length else None
         try:
             if tail is None:
                 raise FailedPreconditionError("the source cache shrank", reason="KV_TOKENS_MISMATCH")
@@ -112,8 +120,7 @@ async def _release_source(source, target, cid, tid, result, release_source, max_
         except FailedPreconditionError:
             # Shrunk, or rewritten past the moved length: the copy is stale; move it anew.
             await target.release_cache(tid)
-            result = await target.import_kv(_counted(source.export_kv(cid, max_chunk_bytes=max_chunk_bytes), moved),
-                                            tid)
+            result = await target.import_kv(_counted(_export(source, cid, 0, max_chunk_bytes), moved), tid)
         length = result.kv_cache.sequence_length
     return rounds, result
 

@@ -20,7 +20,7 @@ from executors.types import DType
 
 
 class KvMoves:
-    """Mixed into KvCacheExecutor: uses its kv, pool, caches, worker, _run, _adapter and info()."""
+    """Mixed into KvCacheExecutor: uses its kv, pool, caches, worker, _run and _adapter."""
 
     async def kv_fingerprint(self) -> KvFingerprint:
         """This executor's model and KV layout; the weights' digest is computed once, off the worker."""
@@ -29,10 +29,12 @@ class KvMoves:
                 if self._fingerprint is None:
                     digest = await asyncio.to_thread(self._weights_digest)
                     p = self.pool
-                    self._fingerprint = KvFingerprint(self.info().model_id, digest,
+                    self._fingerprint = KvFingerprint(self.model_id, digest,
                                                       DType(str(p.dtype).removeprefix("torch.")), p.num_layers,
                                                       p.num_kv_heads, p.head_dim, p.device.type)
         return self._fingerprint
+
+    model_id = ""  # ModelInfo.model_id; executors that move caches name their model
 
     def _weights_digest(self) -> str:
         raise Unsupported(f"the {self.name} executor cannot name its weights, so it cannot move KV caches")

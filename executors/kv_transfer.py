@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import warnings
 from collections.abc import AsyncIterator, Iterable, Sequence
 
 import torch
@@ -57,7 +58,19 @@ def _slots(hold: Hold, block_size: int, start: int, count: int, device: torch.de
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    """The tensor's elements in row-major order: one copy on a CPU, straight from a strided
+    view of the pool (NumPy's tobytes walks the strides)."""
+    t = t.cpu()
+    if t.element_size() == 2:  # bfloat16 has no NumPy dtype: its bits travel as int16
+        t = t.view(torch.int16)
+    return t.numpy().tobytes()
+
+
+def _from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A read-only tensor over the message's own bytes (no copy; the pool write copies)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given buffer is not writable"
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class KvExport:
@@ -85,9 +98,10 @@ class KvExport:
             self._ex.worker.submit(self._ex.kv.drop_hold, hold)
 
     def _read_now(self, span) -> KvChunk:
-        pool = self._ex.pool
-        slots = _slots(self._hold, pool.block_size, span.position_start, span.position_count, pool.device)
-        k, v = pool.read_layers(span.layer_start, span.layer_count, slots)
+        pool, bs = self._ex.pool, self._ex.pool.block_size
+        # A span lies inside one block (plan_chunks): its slots are a contiguous run, read as a view.
+        first = _slots(self._hold, bs, span.position_start, 1, "cpu")[0].item()
+        k, v = pool.view_layers(span.layer_start, span.layer_count, first, span.position_count)
         key, value = _to_bytes(k), _to_bytes(v)
         return KvChunk(span.position_start, span.position_count, span.layer_start, span.layer_count, key, value,
                        KvChunk.checksum(key, value))
@@ -213,8 +227,7 @@ class KvImport:
                            reason="KV_CHUNK_CHECKSUM")
         pool = self._ex.pool
         shape = (lc, n, fp.num_kv_heads, fp.head_dim)
-        k = torch.frombuffer(bytearray(chunk.key), dtype=torch.uint8).view(pool.dtype).view(shape)
-        v = torch.frombuffer(bytearray(chunk.value), dtype=torch.uint8).view(pool.dtype).view(shape)
+        k, v = _from_bytes(chunk.key, pool.dtype, shape), _from_bytes(chunk.value, pool.dtype, shape)
         await self._ex._run(self._write_now, self._position, self._layer, k, v)
         self._chunks += 1
         self._bytes += 2 * size

@@ -206,6 +206,10 @@ class LlmExecutor(KvCacheExecutor):
         # Base weights, their packed copies (oneDNN, for some CPU steps) and the adapters loaded.
         return self._param_bytes + self._packed_bytes + self.loras.nbytes
 
+    @property
+    def model_id(self) -> str:
+        return Path(self.config.model_dir).name
+
     def _weights_digest(self) -> str:
         # The parameters as served (dtype included), in their logical layout: the same
         # checkpoint gives the same digest on a CPU (whose float32 layouts differ) and a GPU.
@@ -302,7 +306,7 @@ class LlmExecutor(KvCacheExecutor):
     def info(self) -> ModelInfo:
         mc = self.model_config
         return ModelInfo(
-            model_id=Path(self.config.model_dir).name,
+            model_id=self.model_id,
             model_type=FAMILY_TYPES[mc.family],
             model_type_name=mc.architecture,
             num_parameters=self.num_parameters,

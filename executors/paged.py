@@ -74,6 +74,8 @@ class PagedAttentionExecutor(KvCacheExecutor):
         # Output element i of [heads * head_dim] adds to logit i mod vocab.
         self.vocab_index = torch.arange(c.num_heads * c.head_dim) % c.vocab_size
 
+    model_id = "paged-test-model"
+
     def _weights_digest(self) -> str:
         # Weight-free: what its K and V depend on is the geometry.
         c = self.config
@@ -135,7 +137,7 @@ class PagedAttentionExecutor(KvCacheExecutor):
     def info(self) -> ModelInfo:
         c = self.config
         return ModelInfo(
-            model_id="paged-test-model",
+            model_id=self.model_id,
             model_type=ModelType.CUSTOM,
             model_type_name="paged-test",
             num_parameters=0,

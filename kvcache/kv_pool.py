@@ -79,10 +79,11 @@ class PagedKvPool:
         kf, vf = self.flat(layer)
         return kf.index_select(0, slots), vf.index_select(0, slots)
 
-    def read_layers(self, layer_start: int, layer_count: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ([layer_count, n, H, D]) of layers layer_start.. at the given flat slots."""
-        return (self._layers(0, layer_start, layer_count).index_select(1, slots),
-                self._layers(1, layer_start, layer_count).index_select(1, slots))
+    def view_layers(self, layer_start: int, layer_count: int, first_slot: int,
+                    count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (no copy) of K and V ([layer_count, count, H, D]) of consecutive slots."""
+        return (self._layers(0, layer_start, layer_count)[:, first_slot:first_slot + count],
+                self._layers(1, layer_start, layer_count)[:, first_slot:first_slot + count])
 
     def write_layers(self, layer_start: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([layers, n, H, D]) for layers layer_start.. at the given flat slots."""

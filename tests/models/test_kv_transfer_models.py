@@ -21,6 +21,7 @@ import torch
 
 from client import DecodeInput, ExecutorClient, FailedPreconditionError, LogitsPolicy, NotFoundError, PrefillInput
 from executors.llm import LlmExecutor, LlmExecutorConfig
+from generated.modelexec.v1 import executor_pb2 as pb
 from service.config import ServeConfig
 from tests.conftest import start_server
 from tests.models.tiny_models import VOCAB, build
@@ -29,10 +30,10 @@ FULL = LogitsPolicy.full()
 rng = np.random.default_rng(41)
 
 
-def serve(model_dir, block_size: int, lora_dir=None, model=None):
+def serve(model_dir, block_size: int, lora_dir=None, model=None, dtype: str = "float32"):
     executor = LlmExecutor(LlmExecutorConfig(model_dir=str(model_dir), block_size=block_size, num_blocks=128,
                                              lora_dir=str(lora_dir) if lora_dir else None, max_loras=1,
-                                             max_lora_rank=8), model)
+                                             max_lora_rank=8, dtype=dtype), model)
     return start_server(ServeConfig(port=0, executor="llm", model=str(model_dir)), executor)
 
 
@@ -122,5 +123,27 @@ def test_a_cache_moves_with_its_lora_adapter(tmp_path):
                                       a.decode(DecodeInput(7, h, logits_policy=FULL)).logits.logits)
     finally:
         for c, s in zip((a, b, bare), servers):
+            c.close()
+            s.stop()
+
+
+def test_a_bfloat16_cache_moves_bit_for_bit(tmp_path):
+    build("llama", tmp_path / "model")
+    first = serve(tmp_path / "model", 4, dtype="bfloat16")
+    servers = [first, serve(tmp_path / "model", 4, model=first.executor.model, dtype="bfloat16"),
+               serve(tmp_path / "model", 4)]
+    a, b, fp32 = (ExecutorClient(s.address, timeout=60) for s in servers)
+    try:
+        prompt = rng.integers(0, VOCAB, size=19).tolist()
+        h = a.prefill(PrefillInput(prompt)).kv_cache
+        first_message = next(a.export_kv(h))
+        assert first_message.description.fingerprint.kv_dtype == pb.DATA_TYPE_BFLOAT16
+        with pytest.raises(FailedPreconditionError, match="kv_dtype is BFLOAT16 in the stream but FLOAT32 here"):
+            fp32.import_kv(a.export_kv(h), "x")
+        moved = b.import_kv(a.export_kv(h, max_chunk_bytes=1000), "x").kv_cache
+        np.testing.assert_array_equal(a.decode(DecodeInput(3, h, logits_policy=FULL)).logits.logits,
+                                      b.decode(DecodeInput(3, moved, logits_policy=FULL)).logits.logits)
+    finally:
+        for c, s in zip((a, b, fp32), servers):
             c.close()
             s.stop()
