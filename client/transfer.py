@@ -67,12 +67,12 @@ def _export(source: AsyncExecutorClient, cache_id: str, start: int, max_chunk_by
 
 
 async def _counted(stream: AsyncIterator[bytes], counter: list[int]) -> AsyncIterator[bytes]:
-    """The stream's serialized messages, their chunks' bytes (K, V and framing) counted."""
+    """The stream's serialized messages; the K and V bytes its description announces counted."""
     first = True
     async for message in stream:
-        if not first:
-            counter[0] += len(message)
-        first = False
+        if first:
+            counter[0] += pb.ExportKvResponse.FromString(message).description.total_bytes
+            first = False
         yield message
 
 
