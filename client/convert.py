@@ -492,7 +492,9 @@ def import_kv_request(export: pb.ExportKvResponse | bytes,
         export = parsed
     if export.WhichOneof("item") == "description":
         return pb.ImportKvRequest(start=pb.ImportKvStart(description=export.description, cache_id=cache_id or ""))
-    return pb.ImportKvRequest(chunk=export.chunk)
+    out = pb.ImportKvRequest()
+    out.chunk.CopyFrom(export.chunk)  # not ImportKvRequest(chunk=...): that serialises ~7x slower (upb)
+    return out
 
 
 _CHUNK_TAG = bytes([2 << 3 | 2])  # field 2, length-delimited: the oneof's chunk

@@ -197,7 +197,7 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         try:
             yield pb.ExportKvResponse(description=convert_transfer.description(export.description))
             async for chunk in export.chunks():
-                yield pb.ExportKvResponse(chunk=convert_transfer.chunk(chunk))
+                yield convert_transfer.chunk_response(chunk)
         finally:
             export.close()
 
