@@ -264,15 +264,19 @@ class AsyncExecutorClient:
         starting past position 0 extends cache_id. Serialized messages (export_kv(raw=True))
         are forwarded as they are: a chunk's bytes are the same in both RPCs' messages."""
         first: list[pb.ImportKvRequest] = []
-
+        failed: list[Exception] = []  # what the stream fed in raised (an export's error, say)
         messages = export if isinstance(export, AsyncIterable) else _aiter(export)
 
         async def requests() -> AsyncIterator[pb.ImportKvRequest]:
-            async for message in messages:
-                request = convert.import_kv_request(message, cache_id)
-                if not first:
-                    first.append(request)
-                yield request
+            try:
+                async for message in messages:
+                    request = convert.import_kv_request(message, cache_id)
+                    if not first:
+                        first.append(request)
+                    yield request
+            except Exception as e:
+                failed.append(e)  # grpc.aio only cancels the call: re-raised below
+                raise
 
         upload = requests()
         method = self.channel.stream_unary(_IMPORT_KV, request_serializer=convert.serialize_import_kv_request,
@@ -281,13 +285,19 @@ class AsyncExecutorClient:
         try:
             resp = await call
         except grpc.RpcError as e:
+            if failed:
+                raise failed[0] from e
             if e.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL) and first:
                 raise await self._why_import_ended(first[0], timeout) from e
             raise from_rpc_error(e) from e
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if task is None or task.cancelling() or not first:
+            if task is None or task.cancelling():
                 raise  # our own caller cancelled us
+            if failed:
+                raise failed[0] from None
+            if not first:
+                raise
             raise await self._why_import_ended(first[0], timeout) from None
         finally:
             # An import that ended early leaves the export stream open (its server holding a

@@ -28,7 +28,7 @@ from ._common import (
 )
 from ._proto import executor_pb2 as pb
 from ._proto import executor_pb2_grpc as pb_grpc
-from .errors import from_rpc_error
+from .errors import ExecutorError, from_rpc_error
 from .limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, HEALTH_SERVICE_NAME
 from .session import StepSession
 from .types import (
@@ -250,9 +250,22 @@ class ExecutorClient:
                   timeout: Timeout = USE_DEFAULT) -> ImportResult:
         """Create a cache (named cache_id, or server-chosen when None) from an ExportKv stream;
         a stream starting past position 0 extends cache_id."""
-        requests = (convert.import_kv_request(m, cache_id) for m in export)
+        failed: list[Exception] = []  # what the stream fed in raised (an export's error, say)
+
+        def requests() -> Iterator[pb.ImportKvRequest]:
+            try:
+                for message in export:
+                    yield convert.import_kv_request(message, cache_id)
+            except Exception as e:
+                failed.append(e)  # grpc only cancels the call ("Exception iterating requests!")
+                raise
+
         try:
-            return convert.import_kv_response(self._call(self.stub.ImportKv, requests, timeout))
+            return convert.import_kv_response(self._call(self.stub.ImportKv, requests(), timeout))
+        except ExecutorError:
+            if failed:
+                raise failed[0] from None
+            raise
         finally:
             # An import that ended early leaves the export stream open until collected.
             close = getattr(export, "close", None)

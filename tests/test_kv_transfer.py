@@ -321,3 +321,19 @@ def test_caches_move_under_their_owners_identity(make_server, tmp_path):
             bob_dst.decode(DecodeInput(1, moved))
         alice_dst.release_cache(moved)
         alice.release_cache(h)
+
+
+def test_an_export_that_fails_fails_the_async_import_with_its_own_error(servers, clients):
+    async def drive() -> None:
+        async with AsyncExecutorClient(servers[0].address) as ca, AsyncExecutorClient(servers[1].address) as cb:
+            with pytest.raises(NotFoundError, match="no-such-cache"):
+                await cb.import_kv(ca.export_kv("no-such-cache"), "x")
+            h = (await ca.prefill(PrefillInput(PROMPT))).kv_cache
+            with pytest.raises(OutOfRangeError):
+                await cb.import_kv(ca.export_kv(h, end=len(PROMPT) + 5), "x")
+            await ca.release_cache(h)
+
+    asyncio.run(drive())
+    with pytest.raises(NotFoundError, match="no-such-cache"):
+        clients[1].import_kv(clients[0].export_kv("no-such-cache"), "x")
+    wait_all_free(clients[1])
