@@ -60,17 +60,18 @@ async def _schedule(target: str, requests: list[tuple[list[int], int]]) -> tuple
 
 
 def ours(model_dir: Path, requests, device: str) -> dict:
-    from tests import server_process
+    from bench import service_process
 
-    server = server_process.start("--executor", "llm", "--model", str(model_dir), "--device", device,
-                                  "--dtype", str(run_dtype(device)).removeprefix("torch."),
-                                  "--max-batch-size", str(REQUESTS), "--cache-ttl-seconds", "0")
+    server = service_process.launch("unix", [
+        "--executor", "llm", "--model", str(model_dir), "--device", device,
+        "--dtype", str(run_dtype(device)).removeprefix("torch."), "--max-batch-size", str(REQUESTS),
+        "--cache-ttl-seconds", "0"])
     try:
-        server_process.ready(server, timeout=600)
+        service_process.wait_ready(server, timeout=600)
         elapsed, generated, stats = asyncio.run(_schedule(server.target, requests))
     finally:
         log = server.output()
-        server_process.stop(server)
+        service_process.stop(server, graceful=False)
     pool = next((line.split("KV pool: ", 1)[1] for line in log.splitlines() if "KV pool: " in line), "")
     return {"elapsed_s": elapsed, "generated": generated, "tok_s": generated / elapsed, "pool": pool, **stats}
 

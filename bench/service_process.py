@@ -1,5 +1,6 @@
-"""`python -m service` in a process of its own, on a TCP port or a unix socket, for bench parts
-that need servers apart from the process that measures (bench/transfer.py)."""
+"""`python -m service` in a process of its own, on a TCP port or a unix socket: for bench parts
+that need servers apart from the process that measures (bench/transfer.py, bench/offline.py),
+and, through tests/server_process.py, for the load, shutdown and fault tests."""
 
 from __future__ import annotations
 
@@ -23,8 +24,19 @@ class Server:
     address: str  # 127.0.0.1:PORT or unix:///PATH
     where: Path
 
+    @property
+    def target(self) -> str:
+        return self.address
+
+    @property
+    def log(self) -> Path:
+        return self.where / "server.log"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
     def log_tail(self) -> str:
-        return (self.where / "server.log").read_text(errors="replace")[-3000:]
+        return self.output()[-3000:]
 
 
 def _free_port() -> int:
@@ -34,7 +46,7 @@ def _free_port() -> int:
 
 
 def launch(transport: str, args: list[str]) -> Server:
-    where = Path(tempfile.mkdtemp(prefix="mx-xfer-", dir="/tmp"))  # short: unix socket paths are capped
+    where = Path(tempfile.mkdtemp(prefix="mx-", dir="/tmp"))  # short: unix socket paths are capped
     if transport == "unix":
         listen, address = ["--unix-socket", str(where / "s.sock")], f"unix://{where / 's.sock'}"
     else:
@@ -71,9 +83,13 @@ def wait_ready(server: Server, timeout: float = 300.0) -> None:
         c.wait_ready(max(deadline - time.monotonic(), 1.0))
 
 
-def stop(server: Server) -> None:
+def stop(server: Server, graceful: bool = True) -> None:
+    """SIGTERM (or SIGKILL when not `graceful`) if it still runs; then its directory goes."""
     if server.proc.poll() is None:
-        server.proc.terminate()
+        if graceful:
+            server.proc.terminate()
+        else:
+            server.proc.kill()
         try:
             server.proc.wait(30)
         except subprocess.TimeoutExpired:

@@ -137,12 +137,7 @@ class DisaggregatedScheduler:
         return stream
 
     async def generate(self, prompt_ids: Sequence[int], **kwargs: Any) -> Completion:
-        stream = self.submit(prompt_ids, **kwargs)
-        try:
-            return await stream.result()
-        except asyncio.CancelledError:
-            stream.cancel()
-            raise
+        return await self.submit(prompt_ids, **kwargs).completion()
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -230,6 +230,14 @@ class RequestStream:
         """The completion, once the request has finished (never raises its error: see .error)."""
         return await asyncio.shield(self._done)
 
+    async def completion(self) -> Completion:
+        """As result(), but cancelling the wait cancels the request (what generate() does)."""
+        try:
+            return await self.result()
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+
     @property
     def done(self) -> bool:
         return self._done.done()
@@ -313,12 +321,7 @@ class Scheduler:
 
     async def generate(self, prompt_ids: Sequence[int], **kwargs: Any) -> Completion:
         """Submit and wait for the completion."""
-        stream = self.submit(prompt_ids, **kwargs)
-        try:
-            return await stream.result()
-        except asyncio.CancelledError:
-            stream.cancel()
-            raise
+        return await self.submit(prompt_ids, **kwargs).completion()
 
     @property
     def num_waiting(self) -> int:

@@ -165,6 +165,7 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
         self.loras: LoraRegistry | None = None  # set by executors that apply LoRA adapters
         self._fingerprint = None  # KvMoves.kv_fingerprint, computed on first use
         self._fingerprint_lock = asyncio.Lock()
+        self._fingerprint_task: asyncio.Future | None = None  # warm-up's digest, kept referenced
 
     # -- the model ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -247,7 +248,12 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
 
     async def warmup(self) -> None:
         await self._run(self._warmup_now)
-        # The weights' digest too (seconds for a large model), so the first move does not pay it.
+        # The weights' digest (seconds for a large model) in the background, off the worker: the
+        # first move then finds it ready, and becoming ready does not wait for it.
+        if self._fingerprint_task is None:
+            self._fingerprint_task = asyncio.ensure_future(self._digest_in_background())
+
+    async def _digest_in_background(self) -> None:
         with contextlib.suppress(Unsupported):  # an executor that cannot name its weights
             await self.kv_fingerprint()
 

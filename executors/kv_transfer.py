@@ -15,6 +15,7 @@ executor with another block size: positions are mapped onto this pool's own bloc
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import warnings
@@ -87,7 +88,11 @@ class KvExport:
     async def chunks(self) -> AsyncIterator[KvChunk]:
         try:
             for span in self._spans:
-                yield await self._ex._run(self._read_now, span)
+                key, value = await self._ex._run(self._read_now, span)
+                # The checksum off the worker (and off the event loop): steps do not wait for it.
+                crc = await asyncio.to_thread(KvChunk.checksum, key, value)
+                yield KvChunk(span.position_start, span.position_count, span.layer_start, span.layer_count, key,
+                              value, crc)
         finally:
             self.close()
 
@@ -97,14 +102,12 @@ class KvExport:
         if hold is not None:
             self._ex.worker.submit(self._ex.kv.drop_hold, hold)
 
-    def _read_now(self, span) -> KvChunk:
+    def _read_now(self, span) -> tuple[bytes, bytes]:
         pool, bs = self._ex.pool, self._ex.pool.block_size
         # A span lies inside one block (plan_chunks): its slots are a contiguous run, read as a view.
         first = _slots(self._hold, bs, span.position_start, 1, "cpu")[0].item()
         k, v = pool.view_layers(span.layer_start, span.layer_count, first, span.position_count)
-        key, value = _to_bytes(k), _to_bytes(v)
-        return KvChunk(span.position_start, span.position_count, span.layer_start, span.layer_count, key, value,
-                       KvChunk.checksum(key, value))
+        return _to_bytes(k), _to_bytes(v)
 
 
 class KvImport:
@@ -221,7 +224,7 @@ class KvImport:
         if len(chunk.key) != size or len(chunk.value) != size:
             raise DataLoss(f"{where} carries {len(chunk.key)} + {len(chunk.value)} bytes of K and V; its shape "
                            f"needs {size} each", reason="KV_CHUNK_SIZE")
-        if KvChunk.checksum(chunk.key, chunk.value) != chunk.crc32:
+        if await asyncio.to_thread(KvChunk.checksum, chunk.key, chunk.value) != chunk.crc32:  # off the event loop
             raise DataLoss(f"{where} (positions {chunk.position_start}..{chunk.position_start + n - 1}, layers "
                            f"{chunk.layer_start}..{chunk.layer_start + lc - 1}) fails its CRC-32",
                            reason="KV_CHUNK_CHECKSUM")

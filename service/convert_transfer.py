@@ -8,8 +8,7 @@ from executors.errors import InvalidParameter
 from generated.modelexec.v1 import executor_pb2 as pb
 from service.convert import DEVICE_TYPE_TO_PB, DTYPE_TO_PB, _dtype, handle
 
-DEVICE_TYPE_FROM_PB = {pb.DEVICE_TYPE_CPU: "cpu", pb.DEVICE_TYPE_CUDA: "cuda", pb.DEVICE_TYPE_ROCM: "rocm",
-                       pb.DEVICE_TYPE_METAL: "mps"}
+DEVICE_TYPE_FROM_PB = {v: k for k, v in DEVICE_TYPE_TO_PB.items()}  # informational in a fingerprint
 
 
 # -- to the wire -----------------------------------------------------------------------------

@@ -63,6 +63,16 @@ def other_embedded(smollm2_dir):
     running.stop()
 
 
+@pytest.fixture(scope="module")
+def two_more(smollm2_dir):
+    """Two more servers of the embedded model (gpu1, gpu2 in the README's multi-executor
+    examples), started once for the router and the disaggregated examples."""
+    running = [start_server(llm_config(smollm2_dir, num_blocks=256)) for _ in range(2)]
+    yield running
+    for r in running:
+        r.stop()
+
+
 def run_python(code: str, cwd: Path, prelude: str = "") -> subprocess.CompletedProcess[str]:
     """A README Python block in a process of its own; top-level `await` and `async with` run
     under asyncio, as in an asyncio REPL (`python -m asyncio`)."""
@@ -167,34 +177,24 @@ def test_example_speculative(embedded, smollm2_dir, tmp_path):
         draft.stop()
 
 
-def test_example_router(embedded, smollm2_dir):
-    others = [start_server(llm_config(smollm2_dir, num_blocks=256)) for _ in range(2)]
-    try:
-        (line,) = readme.commands(readme.example("router"))
-        addresses = {"gpu0:50051": embedded.address, "gpu1:50051": others[0].address,
-                     "gpu2:50051": others[1].address}
-        out = ok(readme.shell(readme.substitute(line, addresses), REPO))
-        assert "8 requests (0 failed) on 3 executor(s)" in out
-    finally:
-        for running in others:
-            running.stop()
+def test_example_router(embedded, two_more):
+    (line,) = readme.commands(readme.example("router"))
+    addresses = {"gpu0:50051": embedded.address, "gpu1:50051": two_more[0].address,
+                 "gpu2:50051": two_more[1].address}
+    out = ok(readme.shell(readme.substitute(line, addresses), REPO))
+    assert "8 requests (0 failed) on 3 executor(s)" in out
 
 
-def test_example_disaggregated(embedded, smollm2_dir):
-    decode = [start_server(llm_config(smollm2_dir, num_blocks=256)) for _ in range(2)]
-    try:
-        (line,) = readme.commands(readme.example("disaggregated"))
-        addresses = {"gpu0:50051": embedded.address, "gpu1:50051": decode[0].address,
-                     "gpu2:50051": decode[1].address}
-        out = ok(readme.shell(readme.substitute(line, addresses), REPO))
-        assert "8 requests (0 failed) on 1 prefill + 2 decode executors" in out
-        assert "\nmoves: " in out and "latency: first token mean" in out  # a request that stops at once never moves
-        for running in (embedded, *decode):
-            with ExecutorClient(running.address) as c:
-                assert c.status().kv_pool.used_blocks == 0 and c.list_caches() == []
-    finally:
-        for running in decode:
-            running.stop()
+def test_example_disaggregated(embedded, two_more):
+    (line,) = readme.commands(readme.example("disaggregated"))
+    addresses = {"gpu0:50051": embedded.address, "gpu1:50051": two_more[0].address,
+                 "gpu2:50051": two_more[1].address}
+    out = ok(readme.shell(readme.substitute(line, addresses), REPO))
+    assert "8 requests (0 failed) on 1 prefill + 2 decode executors" in out
+    assert "\nmoves: " in out and "latency: first token mean" in out  # a request that stops at once never moves
+    for running in (embedded, *two_more):
+        with ExecutorClient(running.address) as c:
+            assert c.status().kv_pool.used_blocks == 0 and c.list_caches() == []
 
 
 def test_example_typescript(paged_server, tmp_path):

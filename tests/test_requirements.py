@@ -3,14 +3,16 @@
 This machine's pip configuration adds local indexes and a CPU wheel of torch that has no
 Triton dependency; a fresh machine elsewhere sees only PyPI, where torch's CUDA build pins
 its own Triton. So each file is resolved, in a clean virtual environment with a current pip,
-with `--isolated` (no configuration files, no PIP_* variables), `--ignore-installed` and
-`--dry-run`: a pin that fights another package's (triton==3.9.0 against torch's 3.7.1, say)
+with no configuration file at all (`PIP_CONFIG_FILE=/dev/null`: `--isolated` alone still
+reads the machine-wide ones, such as a constraints file), no other PIP_* variable,
+`--ignore-installed` and `--dry-run`: a pin that fights another package's (triton==3.9.0 against torch's 3.7.1, say)
 fails here, not on a user's machine.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import urllib.request
 import venv
@@ -22,6 +24,10 @@ REPO = Path(__file__).resolve().parent.parent
 FILES = sorted(p.relative_to(REPO).as_posix() for p in [*REPO.glob("requirements*.txt"),
                                                          *REPO.glob("*/requirements*.txt")]
                if "node_modules" not in p.parts)
+
+
+# No pip configuration file is read (pip's own rule for os.devnull) and no PIP_* variable is seen.
+NO_PIP_CONFIG = {**{k: v for k, v in os.environ.items() if not k.startswith("PIP_")}, "PIP_CONFIG_FILE": os.devnull}
 
 
 def public_index_reachable() -> bool:
@@ -39,7 +45,8 @@ def clean_pip(tmp_path_factory) -> Path:
     env_dir = tmp_path_factory.mktemp("resolve") / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
-    # A current pip reads wheels' metadata without downloading them (PEP 658), and resolves as users' pips do.
+    # A current pip reads wheels' metadata without downloading them (PEP 658), resolves as users'
+    # pips do, and trusts the system's certificates (truststore) without a configured `cert`.
     subprocess.run([str(python), "-m", "pip", "install", "--isolated", "--quiet", "--upgrade", "pip"], check=True,
                    capture_output=True, timeout=300)
     return python
@@ -57,7 +64,7 @@ def test_every_requirements_file_resolves_on_the_public_index(clean_pip, tmp_pat
         runs[name] = (report, subprocess.Popen(
             [str(clean_pip), "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed",
              "--disable-pip-version-check", "--quiet", "--report", str(report), "-r", str(REPO / name)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=NO_PIP_CONFIG))
     resolved = {}
     failures = []
     for name, (report, proc) in runs.items():

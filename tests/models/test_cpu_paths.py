@@ -58,9 +58,11 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float32) -> DecoderLM:
 class Pair:
     """A fast and a reference executor over the same model, driven in lockstep."""
 
-    def __init__(self, family: str, num_blocks: int = 160) -> None:
-        model = tiny_model(family)
-        cfg = LlmExecutorConfig(model_dir=f"/nonexistent/{family}", block_size=BLOCK, num_blocks=num_blocks)
+    def __init__(self, family: str, num_blocks: int = 160, model: DecoderLM | None = None,
+                 backend: str = "sdpa") -> None:
+        model = tiny_model(family) if model is None else model
+        cfg = LlmExecutorConfig(model_dir=f"/nonexistent/{family}", block_size=BLOCK, num_blocks=num_blocks,
+                                attention_backend=backend)
         self.fast = LlmExecutor(cfg, model)
         self.ref = LlmExecutor(cfg, model, reference=True)
         self.loop = asyncio.new_event_loop()

@@ -9,14 +9,10 @@ the reference too. test_families.py checks these models against transformers.
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 import torch
 
-import executors.models.attention as attention
-from executors.llm import LlmExecutor, LlmExecutorConfig
 from executors.models.config import DecoderConfig
 from executors.models.decoder import DecoderLM
 from executors.types import DecodeInput, LogitsPolicy, PrefillInput, UnifiedBatchItem
@@ -24,7 +20,8 @@ from kvcache import KvCacheManager
 from kvcache.block_table import FREED
 from kvcache.errors import LeftWindow
 from tests.conftest import triton_kernels_unrunnable
-from tests.models.test_cpu_paths import BLOCK, POLICIES, TOL, VOCAB
+from tests.models import test_cpu_paths as cpu_paths
+from tests.models.test_cpu_paths import BLOCK, TOL, VOCAB, policy, same  # noqa: F401 - policy: a fixture
 
 WINDOW = 6
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -47,29 +44,9 @@ def tiny_model(family: str) -> DecoderLM:
     return model.eval()
 
 
-class Pair:
+class Pair(cpu_paths.Pair):
     def __init__(self, family: str, num_blocks: int = 160, backend: str = "sdpa") -> None:
-        model = tiny_model(family)
-        cfg = LlmExecutorConfig(model_dir=f"/nonexistent/{family}", block_size=BLOCK, num_blocks=num_blocks,
-                                attention_backend=backend)
-        self.fast = LlmExecutor(cfg, model)
-        self.ref = LlmExecutor(cfg, model, reference=True)
-        self.loop = asyncio.new_event_loop()
-
-    def both(self, method: str, *args):
-        return tuple(self.loop.run_until_complete(getattr(ex, method)(*args)) for ex in (self.fast, self.ref))
-
-    def close(self) -> None:
-        self.fast.worker.close()
-        self.ref.worker.close()
-        self.loop.close()
-
-
-@pytest.fixture(params=list(POLICIES))
-def policy(request, monkeypatch):
-    for name, value in POLICIES[request.param].items():
-        monkeypatch.setattr(attention, name, value)
-    return request.param
+        super().__init__(family, num_blocks, model=tiny_model(family), backend=backend)
 
 
 @pytest.fixture(params=list(FAMILIES))
@@ -86,10 +63,6 @@ def tokens(n: int) -> list[int]:
     return rng.integers(0, VOCAB, size=n).tolist()
 
 
-def same(a, b) -> None:
-    np.testing.assert_allclose(a.logits.logits.array, b.logits.logits.array, atol=TOL, rtol=0)
-
-
 def fragment(p: Pair) -> None:
     held = []
     while (free := p.fast.kv.allocator.num_free) > 0:
@@ -99,7 +72,7 @@ def fragment(p: Pair) -> None:
         p.both("release_cache", cache_id)
 
 
-def test_chunks_decodes_and_batches_over_windows_on_fragmented_pools(pair, policy):
+def test_chunks_decodes_and_batches_over_windows_on_fragmented_pools(pair, policy):  # noqa: F811 - the fixture
     for fragmented in (False, True):
         if fragmented:
             fragment(pair)
