@@ -98,10 +98,21 @@ class _DecodeScheduler(Scheduler):
 
 
 async def _quietly(call: Any) -> None:
+    """A clean-up call (a release): its ExecutorError ignored, and run to its end even when
+    the task is cancelled meanwhile (close() cancels moves; a release cut short leaks a
+    cache), the cancellation re-raised after."""
+    async def run() -> None:
+        try:
+            await call
+        except ExecutorError:
+            pass
+
+    done = asyncio.ensure_future(run())
     try:
-        await call
-    except ExecutorError:
-        pass
+        await asyncio.shield(done)
+    except asyncio.CancelledError:
+        await done
+        raise
 
 
 class DisaggregatedScheduler:
