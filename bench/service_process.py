@@ -4,8 +4,10 @@ and, through tests/server_process.py, for the load, shutdown and fault tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -45,7 +47,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(transport: str, args: list[str]) -> Server:
+def launch(transport: str, args: list[str], *, torchrun_nproc: int | None = None) -> Server:
+    """`torchrun_nproc`: run the service under torchrun with that many processes on this host
+    (tensor parallelism); the server then leads a process group of its own, which stop() ends."""
     where = Path(tempfile.mkdtemp(prefix="mx-", dir="/tmp"))  # short: unix socket paths are capped
     if transport == "unix":
         listen, address = ["--unix-socket", str(where / "s.sock")], f"unix://{where / 's.sock'}"
@@ -53,8 +57,13 @@ def launch(transport: str, args: list[str]) -> Server:
         port = _free_port()
         listen, address = ["--host", "127.0.0.1", "--port", str(port)], f"127.0.0.1:{port}"
     with open(where / "server.log", "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "service", *listen, *args], cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        runner = [sys.executable, "-m", "service"]
+        if torchrun_nproc is not None:
+            runner = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+                      str(torchrun_nproc), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                      "-m", "service"]
+        proc = subprocess.Popen([*runner, *listen, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     return Server(proc, address, where)
 
 
@@ -95,7 +104,33 @@ def stop(server: Server, graceful: bool = True) -> None:
         except subprocess.TimeoutExpired:
             server.proc.kill()
             server.proc.wait(30)
+    # The server leads a session of its own: whatever it started (tensor-parallel ranks,
+    # torchrun's workers) goes with it, also after a SIGKILL that left them no chance.
+    deadline = time.monotonic() + 15
+    while _session_alive(server.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(server.proc.pid, signal.SIGKILL)
     shutil.rmtree(server.where, ignore_errors=True)
+
+
+def session_members(sid: int) -> list[int]:
+    """Live processes of session `sid` (Linux /proc; empty elsewhere)."""
+    members = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # session id, state (zombies do not count)
+            members.append(int(entry.name))
+    return members
+
+
+def _session_alive(sid: int) -> bool:
+    return bool(session_members(sid))
 
 
 def cpu_seconds(pid: int | None = None) -> float:

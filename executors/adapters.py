@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +41,13 @@ class _Loaded:
 
 
 class LoraRegistry:
-    def __init__(self, targets: LoraTargets, limits: LoraLimits, dtype: torch.dtype, device: str) -> None:
+    def __init__(self, targets: LoraTargets, limits: LoraLimits, dtype: torch.dtype, device: str,
+                 placed: Callable[[LoraAdapter], LoraAdapter] | None = None,
+                 dropped: Callable[[LoraAdapter], None] | None = None) -> None:
+        """`placed`: what an adapter becomes once registered, on the worker thread (tensor
+        parallelism: sent to the other ranks, this rank's shard kept); `dropped`: told of
+        each removal."""
+        self.placed, self.dropped = placed, dropped
         self.targets = targets
         self.limits = limits
         self.dtype = dtype
@@ -114,6 +121,8 @@ class LoraRegistry:
     # -- registry changes (worker thread) ---------------------------------------------------
     def add(self, adapter: LoraAdapter) -> None:
         self._check_free(adapter.name)  # again: another load may have won the race
+        if self.placed is not None:
+            adapter = self.placed(adapter)
         self._adapters[adapter.name] = _Loaded(adapter, time.time())
 
     def remove(self, name: str, bound_caches: int) -> _Loaded:
@@ -122,7 +131,10 @@ class LoraRegistry:
             raise FailedPrecondition(
                 f"LoRA adapter {name!r} is bound to {bound_caches} live cache(s); release them first",
                 field="name", reason="LORA_ADAPTER_IN_USE", adapter=name, bound_caches=bound_caches)
-        return self._adapters.pop(name)
+        loaded = self._adapters.pop(name)
+        if self.dropped is not None:
+            self.dropped(loaded.adapter)
+        return loaded
 
     # -- description ------------------------------------------------------------------------
     def info(self, name: str, bound_caches: int) -> LoraAdapterInfo:

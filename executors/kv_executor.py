@@ -127,6 +127,8 @@ class StepItem:
 
 
 class KvCacheExecutor(KvMoves, ModelExecutor):
+    pool_class: type[PagedKvPool] = PagedKvPool  # tensor parallelism: one that mirrors block copies
+
     def __init__(
         self,
         *,
@@ -154,7 +156,7 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
         log.info("allocating the KV pool: %d blocks of %d tokens (%d tokens), %.1f MiB of %s on %s", num_blocks,
                  block_size, num_blocks * block_size, pool_bytes / 2**20, str(kv_dtype).removeprefix("torch."), device)
         started = time.perf_counter()
-        self.pool = PagedKvPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_dtype, device,
+        self.pool = self.pool_class(num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_dtype, device,
                                 scratch_blocks)
         if (took := time.perf_counter() - started) > 1:
             log.info("KV pool allocated in %.1f s", took)

@@ -20,12 +20,12 @@ from executors.adapters import LoraLimits, LoraRegistry
 from executors.kv_executor import KvCacheExecutor, Rows, StepItem, StepLogits
 from executors.kv_sizing import MemoryProbe, auto_num_blocks, lora_reserve_bytes
 from executors.kv_transfer import digest_tensors
-from executors.lora import LoraBatch, LoraTargets
-from executors.models.attention import Segment, StepContext
+from executors.lora import LoraAdapter, LoraTargets
 from executors.models.config import DecoderConfig
 from executors.models.decoder import DecoderLM
 from executors.models.loader import load_model
 from executors.models.moe import load_report
+from executors.step_plan import StepPlan, plan_step, run_plan, run_sequence
 from executors.types import (
     AttentionType,
     DType,
@@ -129,42 +129,55 @@ def _attention_backend(config: LlmExecutorConfig, mc: DecoderConfig) -> str:
     raise ValueError(f"attention_backend triton: {problem}")
 
 
+def size_pool(config: LlmExecutorConfig, model: DecoderLM, memory_probe: MemoryProbe | None = None,
+              reference: bool = False) -> tuple[int, int]:
+    """(KV blocks, max sequence length) for this model (one rank's shard of it, under tensor
+    parallelism) on config's device."""
+    mc = model.config
+    max_sequence_length = min(config.max_sequence_length or mc.max_position_embeddings, mc.max_position_embeddings)
+    num_blocks = config.num_blocks
+    if num_blocks is None:  # auto: after the weights, before the pool claims its memory
+        num_blocks = auto_num_blocks(
+            model, device=config.device, kv_dtype=config.torch_dtype, block_size=config.block_size,
+            max_batch_size=config.max_batch_size, max_sequence_length=max_sequence_length,
+            memory_fraction=config.kv_memory_fraction, probe=memory_probe, reference=reference,
+            reserved_bytes=lora_reserve_bytes(LoraTargets.from_config(mc), config.max_loras,
+                                              config.max_lora_rank, config.torch_dtype))
+    return num_blocks, max_sequence_length
+
+
 class LlmExecutor(KvCacheExecutor):
     name = "llm"
 
     def __init__(self, config: LlmExecutorConfig, model: DecoderLM | None = None, *, reference: bool = False,
-                 memory_probe: MemoryProbe | None = None, decode_graphs: bool | None = None) -> None:
+                 memory_probe: MemoryProbe | None = None, decode_graphs: bool | None = None,
+                 served_config: DecoderConfig | None = None) -> None:
         """`reference`: run the plain reference computation (per-layer modules, per-sequence
         slot gathers) instead of the fast path; the tests compare the two. `memory_probe`: what
         sizes an auto pool (num_blocks None) instead of the CUDA allocator; tests pass a fake.
         `decode_graphs`: None lets the config decide (CUDA graphs on CUDA with the triton
-        backend); True on a CPU runs the same fixed-shape decode step eagerly, for tests."""
+        backend); True on a CPU runs the same fixed-shape decode step eagerly, for tests.
+        `served_config`: the whole model's config when `model` is one rank's shard of it
+        (tensor parallelism); what GetInfo reports and adapters are checked against."""
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
         self.config = config
         self.reference = reference
         self.model = (model or load_model(config.model_dir, config.torch_dtype, config.device)).fuse()
-        mc = self.model.config
-        self.model_config = mc
+        local = self.model.config  # this rank's shard under tensor parallelism, else the model
+        mc = self.model_config = served_config or local
         # The reference computation never reads the backend: no kernel check for it.
-        self.attention_backend = "sdpa" if reference else _attention_backend(config, mc)
+        self.attention_backend = "sdpa" if reference else _attention_backend(config, local)
         cuda = config.device.startswith("cuda")
         if decode_graphs is None:
             decode_graphs = cuda and config.cuda_graphs and self.attention_backend == "triton" and not reference
         if decode_graphs and self.attention_backend != "triton":
             raise ValueError("decode graphs need the triton attention backend")
-        max_sequence_length = min(config.max_sequence_length or mc.max_position_embeddings, mc.max_position_embeddings)
-        num_blocks = config.num_blocks
-        if num_blocks is None:  # auto: after the weights, before the pool claims its memory
-            num_blocks = auto_num_blocks(
-                self.model, device=config.device, kv_dtype=config.torch_dtype, block_size=config.block_size,
-                max_batch_size=config.max_batch_size, max_sequence_length=max_sequence_length,
-                memory_fraction=config.kv_memory_fraction, probe=memory_probe, reference=reference,
-                reserved_bytes=lora_reserve_bytes(LoraTargets.from_config(mc), config.max_loras,
-                                                  config.max_lora_rank, config.torch_dtype))
+        num_blocks, max_sequence_length = size_pool(config, self.model, memory_probe, reference)
+        num_blocks, self.attention_backend = self._agree(num_blocks, self.attention_backend)
         super().__init__(
             num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
+            num_kv_heads=local.num_kv_heads,
             head_dim=mc.head_dim,
             vocab_size=mc.vocab_size,
             max_sequence_length=max_sequence_length,
@@ -197,9 +210,22 @@ class LlmExecutor(KvCacheExecutor):
                      "counts both)", self._packed_bytes / 1e6, self._param_bytes / 1e6)
         self.loras = LoraRegistry(LoraTargets.from_config(mc), LoraLimits(config.max_loras, config.max_lora_rank,
                                                                          config.lora_dir),
-                                  config.torch_dtype, config.device)
+                                  config.torch_dtype, config.device, placed=self._adapter_placed,
+                                  dropped=self._adapter_dropped)
         if config.lora_dir is not None:
             self.loras.load_directory(config.lora_dir)
+
+    def _adapter_placed(self, adapter: LoraAdapter) -> LoraAdapter:
+        """An adapter as the registry keeps it (tensor parallelism: this rank's shard)."""
+        return adapter
+
+    def _adapter_dropped(self, adapter: LoraAdapter) -> None:
+        """An adapter left the registry."""
+
+    def _agree(self, num_blocks: int, backend: str) -> tuple[int, str]:
+        """The pool size and attention backend every rank will use (tensor parallelism
+        settles them over the ranks); one process keeps its own."""
+        return num_blocks, backend
 
     @property
     def parameter_bytes(self) -> int:
@@ -240,63 +266,21 @@ class LlmExecutor(KvCacheExecutor):
         return StepLogits(logits, [(i, 1) for i in range(len(items))])
 
     def _forward_flat(self, items: list[StepItem]) -> StepLogits:
-        dev = self.config.device
-        bs = self.pool.block_size
         # The triton kernels never load past a sequence's length; the sdpa path reads whole
         # blocks under a mask, so stale slots in a block's tail must be cleared for it.
         clear_stale = self.attention_backend == "sdpa" and not self.reference
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        stale: list[int] = []
-        segments = []
-        for it in items:
-            start, n = it.start, len(it.tokens)
-            end = start + n
-            q_start = len(ids)
-            ids.extend(it.tokens)
-            positions.extend(range(start, end))
-            slots.extend(it.table.slots(start, end))
-            block_ids = list(it.table.block_ids)
-            if clear_stale and end % bs and (start == 0 or (end - 1) // bs > (start - 1) // bs):
-                # This step enters the block holding position end-1: clear its slots past the
-                # sequence's end, which may hold a previous owner's K/V. The fast attention
-                # reads (masked) whole blocks, and a masked NaN would still poison its row.
-                first = block_ids[(end - 1) // bs] * bs
-                stale.extend(range(first + end % bs, first + bs))
-            segments.append(Segment(q_start=q_start, q_len=n, start=start, block_ids=block_ids))
-        lora = LoraBatch.build([(seg.q_start, seg.q_len, it.adapter) for it, seg in zip(items, segments)],
-                               len(ids), dev)
-        ctx = StepContext(segments, self.pool, torch.tensor(slots, device=dev), reference=self.reference,
-                          zero_slots=torch.tensor(stale, device=dev) if stale else None, lora=lora,
-                          backend=self.attention_backend)
-        hidden = self.model.hidden_states(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), ctx)
-        if lora is not None:
-            self.loras.projection_applications += lora.applications
-        # The lm_head runs once, on the rows that need logits only.
-        rows: list[int] = []
-        spans: list[tuple[int, int] | None] = []
-        for it, seg in zip(items, segments):
-            if it.rows is Rows.NONE:
-                spans.append(None)
-                continue
-            first = seg.q_start if it.rows is Rows.ALL else seg.q_start + seg.q_len - 1
-            spans.append((len(rows), seg.q_start + seg.q_len - first))
-            rows.extend(range(first, seg.q_start + seg.q_len))
-        if not rows:
-            return StepLogits(None, spans)
-        # Every row (decode steps): no gather.
-        picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=dev)]
-        logits = self.model.logits(picked, reference=True) if self.reference else self.model.logits(picked)
-        return StepLogits(logits, spans)
+        plan, spans = plan_step(items, self.pool.block_size, clear_stale)
+        return StepLogits(self._run_plan(plan), spans)
+
+    def _run_plan(self, plan: StepPlan) -> torch.Tensor | None:
+        """The plan's logits ([rows, vocab], float32; None when no row needs them)."""
+        logits, applications = run_plan(self.model, self.pool, plan, self.config.device,
+                                        backend=self.attention_backend, reference=self.reference)
+        self.loras.projection_applications += applications
+        return logits
 
     def _forward_sequence(self, tokens: list[int], hidden: bool) -> torch.Tensor:
-        dev = self.config.device
-        ctx = StepContext([Segment(0, len(tokens), 0)], reference=self.reference)
-        h = self.model.hidden_states(torch.tensor(tokens, device=dev), torch.arange(len(tokens), device=dev), ctx)
-        if hidden:
-            return h
-        return self.model.logits(h, reference=True) if self.reference else self.model.logits(h)
+        return run_sequence(self.model, tokens, hidden, self.config.device, reference=self.reference)
 
     # -- description ----------------------------------------------------------------------
     def status(self) -> ExecutorStatus:

@@ -220,6 +220,26 @@ class ModelType(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class RankInfo:
+    """One tensor-parallel rank: the process that holds one shard of the model."""
+
+    rank: int  # 0 .. tensor_parallel_size - 1
+    device: str  # the device its shard lives on: "cuda:0", "cpu"
+    host: str  # hostname of its process
+    pid: int  # process id of its process
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelLayout:
+    """How the model is split over processes. The default is one process, unsplit."""
+
+    tensor_parallel_size: int = 1
+    backend: str = ""  # torch.distributed backend: "gloo", "nccl"; "" for one process
+    launcher: str = ""  # "spawn" (the service started its ranks), "torchrun"; "" for one process
+    ranks: tuple[RankInfo, ...] = ()  # one per rank, in rank order; () for one process
+
+
+@dataclass(frozen=True, slots=True)
 class ModelInfo:
     model_id: str
     model_type: ModelType
@@ -237,6 +257,7 @@ class ModelInfo:
     version: str | None = None
     license: str | None = None
     metadata: Metadata = field(default_factory=dict)
+    parallel: ParallelLayout | None = None  # None: one process (reported as tensor_parallel_size 1)
 
 
 class AttentionType(enum.Enum):
@@ -277,6 +298,7 @@ class ExecutorCapabilities:
     max_lora_adapters: int = 0  # 0: no LoRA support
     max_lora_rank: int = 0
     supports_kv_transfer: bool = False  # ExportKv, ImportKv, ListCaches
+    tensor_parallel_size: int = 1  # ranks the model is split over; 1: one process
 
 
 class ExecutorState(enum.Enum):
@@ -324,6 +346,18 @@ class ExpertLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class RankMemory:
+    """One tensor-parallel rank's memory, in bytes."""
+
+    rank: int
+    parameter_bytes: int  # this rank's shard of the weights (+ packed copies)
+    kv_pool_bytes: int  # this rank's KV pool (its KV heads only)
+    lora_bytes: int  # this rank's shards of loaded LoRA adapters
+    device_allocated_bytes: int  # CUDA allocator's bytes in use; 0 on CPU
+    device_peak_bytes: int  # CUDA allocator's peak; 0 on CPU
+
+
+@dataclass(frozen=True, slots=True)
 class ExecutorStatus:
     state: ExecutorState
     is_ready: bool
@@ -336,6 +370,7 @@ class ExecutorStatus:
     last_operation_unix_s: float | None
     kv_pool: KvPoolStatus
     expert_load: ExpertLoad | None = None  # mixtures of experts only
+    ranks: tuple[RankMemory, ...] = ()  # one per tensor-parallel rank, in rank order; () for one process
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,6 +63,10 @@ class SerialWorker:
         except RuntimeError:  # shut down
             pass
 
+    def schedule(self, fn: Callable[..., T], *args: object) -> Future:
+        """Queue work from a thread that is not the event loop's (a monitor); its Future."""
+        return self._pool.submit(fn, *args)
+
     def _abandoned(self, future: Future, on_abandon: Callable[[Any], Any]) -> None:
         if not future.cancelled() and future.exception() is None:
             # Queue the clean-up as a job of its own: this callback may run on any thread.

@@ -45,6 +45,12 @@ class ServeConfig:
     lora_dir: str | None = None
     max_loras: int = 8
     max_lora_rank: int = 64
+    # Tensor parallelism (executors/parallel/): the model split over this many processes,
+    # one per device. Alone, the service spawns ranks 1..N-1 on this host; under torchrun
+    # every process runs the same command and torchrun's world must have N processes. A
+    # collective that waits longer than the timeout (a rank hangs) breaks the executor.
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 30.0
     # Limits, shown by GetCapabilities. Messages are capped on both ends: gRPC's default
     # of 4 MiB is below one 256-sequence step of full logits.
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -100,6 +106,15 @@ class ServeConfig:
             raise ValueError(f"cache_ttl_seconds must be >= 0, got {self.cache_ttl_seconds}")
         if not 0 <= self.coalesce_window_ms <= 10_000:
             raise ValueError(f"coalesce_window_ms must be in [0, 10000], got {self.coalesce_window_ms}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.executor != "llm":
+            raise ValueError("tensor parallelism splits a real model: it needs --executor llm")
+        if self.tensor_parallel_size > 1 and self.device not in ("cpu", "cuda"):
+            raise ValueError(f"with --tensor-parallel-size, --device is cpu or cuda (rank r takes its host's "
+                             f"cuda:LOCAL_RANK), not {self.device!r}")
+        if not 0 < self.tensor_parallel_timeout_s <= 3600:
+            raise ValueError(f"tensor_parallel_timeout_s must be in (0, 3600], got {self.tensor_parallel_timeout_s}")
         if self.grace_seconds < 0:
             raise ValueError("grace_seconds must be >= 0")
         if self.max_loras < 0 or self.max_lora_rank < 1:
@@ -179,6 +194,13 @@ def parse_args(argv: Sequence[str] | None = None) -> ServeConfig:
                    help="most LoRA adapters loaded at once (default %(default)s)")
     p.add_argument("--max-lora-rank", type=int, default=defaults.max_lora_rank,
                    help="largest LoRA rank accepted (default %(default)s)")
+    tp = p.add_argument_group("tensor parallelism", "one executor over several devices or hosts (see README)")
+    tp.add_argument("--tensor-parallel-size", type=int, default=defaults.tensor_parallel_size, metavar="N",
+                    help="split the model over N processes, one per device; alone it starts ranks 1..N-1 itself, "
+                         "under torchrun the world must have N processes (default %(default)s)")
+    tp.add_argument("--tensor-parallel-timeout-s", type=float, default=defaults.tensor_parallel_timeout_s,
+                    metavar="S", help="a rank silent this long counts as failed: health NOT_SERVING, calls "
+                                      "UNAVAILABLE (default %(default)s)")
     p.add_argument("--max-message-bytes", type=int, default=defaults.max_message_bytes,
                    help="largest gRPC message sent or received (default 256 MiB)")
     p.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size, help="most items per batch call")

@@ -283,6 +283,30 @@ def _value_map(target: Any, values: dict[str, Any]) -> None:
         json_format.ParseDict(value, target[key])
 
 
+def parallel_layout(layout: t.ParallelLayout | None) -> pb.ParallelLayout:
+    """None (a single process) as tensor_parallel_size 1 with no ranks, so that a client
+    always reads the size from ModelInfo.parallel."""
+    if layout is None:
+        layout = t.ParallelLayout()
+    return pb.ParallelLayout(
+        tensor_parallel_size=layout.tensor_parallel_size,
+        backend=layout.backend,
+        launcher=layout.launcher,
+        ranks=[pb.RankInfo(rank=r.rank, device=device(r.device), host=r.host, pid=r.pid) for r in layout.ranks],
+    )
+
+
+def rank_memory(m: t.RankMemory) -> pb.RankMemory:
+    return pb.RankMemory(
+        rank=m.rank,
+        parameter_bytes=m.parameter_bytes,
+        kv_pool_bytes=m.kv_pool_bytes,
+        lora_bytes=m.lora_bytes,
+        device_allocated_bytes=m.device_allocated_bytes,
+        device_peak_bytes=m.device_peak_bytes,
+    )
+
+
 def model_info(i: t.ModelInfo) -> pb.ModelInfo:
     out = pb.ModelInfo(
         model_id=i.model_id,
@@ -298,6 +322,7 @@ def model_info(i: t.ModelInfo) -> pb.ModelInfo:
         max_sequence_length=i.max_sequence_length,
         dtype=DTYPE_TO_PB[i.dtype],
         device=device(i.device),
+        parallel=parallel_layout(i.parallel),
     )
     if i.version is not None:
         out.version = i.version
@@ -334,6 +359,7 @@ def capabilities(c: t.ExecutorCapabilities, limits: pb.ServiceLimits) -> pb.Exec
         supports_kv_transfer=c.supports_kv_transfer,
         max_lora_adapters=c.max_lora_adapters,
         max_lora_rank=c.max_lora_rank,
+        tensor_parallel_size=c.tensor_parallel_size,
     )
     if c.kv_capacity is not None:
         out.kv_capacity = c.kv_capacity
@@ -368,6 +394,7 @@ def status(s: t.ExecutorStatus) -> pb.ExecutorStatus:
             cached_blocks=kv.cached_blocks,
             window_freed_blocks=kv.window_freed_blocks,
         ),
+        ranks=[rank_memory(m) for m in s.ranks],
     )
     if s.expert_load is not None:
         e = s.expert_load

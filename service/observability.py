@@ -14,6 +14,10 @@
     modelexec_kv_blocks_used / _free / _total        KV pool, read from executor.status() per scrape
     modelexec_kv_active_caches                       caches held, likewise
     modelexec_kv_leases_expired_total                caches reclaimed after their lease ran out
+    modelexec_rank_memory_bytes{rank,kind}           memory per tensor-parallel rank, from
+                                                     executor.status().ranks per scrape; kind is
+                                                     parameters, kv_pool, lora, device_allocated
+                                                     or device_peak (absent for one process)
 
 - Request ids: the caller's `x-request-id` metadata (1-128 visible ASCII characters), else a
   fresh uuid4 hex, sent back first thing in the response's initial metadata, so a caller
@@ -77,6 +81,16 @@ class EventCount:
         return self._value
 
 
+# modelexec_rank_memory_bytes{kind}: the RankMemory field each kind reads.
+RANK_MEMORY_KINDS = (
+    ("parameters", "parameter_bytes"),
+    ("kv_pool", "kv_pool_bytes"),
+    ("lora", "lora_bytes"),
+    ("device_allocated", "device_allocated_bytes"),
+    ("device_peak", "device_peak_bytes"),
+)
+
+
 class _ExecutorCollector(Collector):
     """Gauges read from executor.status() when Prometheus scrapes."""
 
@@ -86,10 +100,11 @@ class _ExecutorCollector(Collector):
 
     def collect(self) -> Iterable[Any]:
         try:
-            kv = self.executor.status().kv_pool
+            status = self.executor.status()
         except Exception:  # noqa: BLE001 - a scrape must not fail because the executor did
             log.exception("executor.status() failed during a metrics scrape")
             return
+        kv = status.kv_pool
         for name, doc, value in (
             ("modelexec_kv_blocks_used", "KV cache blocks in use.", kv.used_blocks),
             ("modelexec_kv_blocks_free", "KV cache blocks free.", kv.free_blocks),
@@ -99,6 +114,14 @@ class _ExecutorCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("modelexec_kv_leases_expired", "KV caches released because their lease expired.",
                                   value=self.leases_expired.value)
+        if status.ranks:  # tensor parallelism only: a single process reports no ranks
+            ranks = GaugeMetricFamily("modelexec_rank_memory_bytes",
+                                      "Memory of each tensor-parallel rank in bytes, by rank and kind (parameters, "
+                                      "kv_pool, lora, device_allocated, device_peak).", labels=["rank", "kind"])
+            for m in status.ranks:
+                for kind, attr in RANK_MEMORY_KINDS:
+                    ranks.add_metric([str(m.rank), kind], getattr(m, attr))
+            yield ranks
 
 
 class ServiceMetrics:

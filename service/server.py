@@ -24,7 +24,19 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelExecutorService"].full_name
 
 
-def build_executor(config: ServeConfig) -> ModelExecutor:
+def llm_config(config: ServeConfig):
+    from executors.llm import LlmExecutorConfig
+
+    return LlmExecutorConfig(
+        model_dir=config.model, dtype=config.dtype, device=config.device, num_blocks=config.num_blocks,
+        kv_memory_fraction=config.kv_memory_fraction, attention_backend=config.attention_backend,
+        cuda_graphs=config.cuda_graphs,
+        block_size=config.block_size, max_batch_size=config.max_batch_size, prefix_caching=config.prefix_caching,
+        lora_dir=config.lora_dir, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)
+
+
+def build_executor(config: ServeConfig, world=None) -> ModelExecutor:
+    """`world`: the tensor-parallel world this process is rank 0 of (executors/parallel/launch.py)."""
     if config.executor == "paged":
         from executors.paged import PagedAttentionExecutor, PagedExecutorConfig
 
@@ -33,14 +45,14 @@ def build_executor(config: ServeConfig) -> ModelExecutor:
         return PagedAttentionExecutor(PagedExecutorConfig(
             block_size=config.block_size, max_batch_size=config.max_batch_size,
             prefix_caching=config.prefix_caching, **blocks))
-    from executors.llm import LlmExecutor, LlmExecutorConfig
+    if world is not None:
+        from executors.parallel.executor import TensorParallelExecutor
 
-    return LlmExecutor(LlmExecutorConfig(
-        model_dir=config.model, dtype=config.dtype, device=config.device, num_blocks=config.num_blocks,
-        kv_memory_fraction=config.kv_memory_fraction, attention_backend=config.attention_backend,
-        cuda_graphs=config.cuda_graphs,
-        block_size=config.block_size, max_batch_size=config.max_batch_size, prefix_caching=config.prefix_caching,
-        lora_dir=config.lora_dir, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank))
+        return TensorParallelExecutor(llm_config(config), world.group, launcher=world.spec.launcher,
+                                      children=world.children)
+    from executors.llm import LlmExecutor
+
+    return LlmExecutor(llm_config(config))
 
 
 def grpc_options(config: ServeConfig) -> list[tuple[str, int]]:
@@ -58,14 +70,15 @@ def grpc_options(config: ServeConfig) -> list[tuple[str, int]]:
 
 
 class ExecutorServer:
-    def __init__(self, config: ServeConfig, executor: ModelExecutor | None = None) -> None:
+    def __init__(self, config: ServeConfig, executor: ModelExecutor | None = None, world=None) -> None:
         self.config = config
-        self.executor = executor or build_executor(config)
+        self.executor = executor or build_executor(config, world)
         self.health = health.aio.HealthServicer()
         self.stopped = asyncio.Event()
         self.stopping = False  # a stop has begun: health is NOT_SERVING, calls in flight drain
         self._server: grpc.aio.Server | None = None
         self._reaper: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()  # the loop keeps only weak references
         self.address = ""
         # Read once, here: TLS files and bearer tokens (a bad one fails before anything binds).
         self.credentials = server_credentials(config)
@@ -100,6 +113,9 @@ class ExecutorServer:
             port = server.add_insecure_port(cfg.address)
         self.address = cfg.address if cfg.unix_socket else f"{cfg.host}:{port}"
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if hasattr(self.executor, "add_failure_listener"):  # tensor parallelism: a rank can be lost
+            loop = asyncio.get_running_loop()
+            self.executor.add_failure_listener(lambda why: loop.call_soon_threadsafe(self._on_executor_failure, why))
         await server.start()
         self._server = server
         if cfg.metrics_port:
@@ -138,7 +154,14 @@ class ExecutorServer:
         await self.health.set(SERVICE_NAME, status)
 
     async def _serving(self) -> None:
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if getattr(self.executor, "failure", None) is None:  # a broken executor never serves again
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def _on_executor_failure(self, why: str) -> None:
+        log.error("health NOT_SERVING: %s", why)
+        task = asyncio.get_running_loop().create_task(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _shutdown_requested(self, grace: float) -> None:
         log.info("Shutdown RPC: stopping with %.1f s grace", grace)
@@ -164,14 +187,16 @@ class ExecutorServer:
         await self._server.stop(self.config.grace_seconds if grace is None else grace)
         if self._metrics_http is not None:
             await self._metrics_http.stop()
+        if hasattr(self.executor, "close"):  # tensor parallelism: stop the other ranks
+            await asyncio.to_thread(self.executor.close)
         self.stopped.set()
 
     async def wait(self) -> None:
         await self.stopped.wait()
 
 
-async def serve(config: ServeConfig) -> None:
-    server = ExecutorServer(config)
+async def serve(config: ServeConfig, world=None) -> None:
+    server = ExecutorServer(config, world=world)
     address = await server.start()
     print(f"modelexec: serving the {server.executor.name} executor on {address}", flush=True)
     loop = asyncio.get_running_loop()

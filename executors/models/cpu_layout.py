@@ -77,12 +77,8 @@ def choose(model: DecoderLM) -> dict[str, float]:
         step = max(len(present) // SAMPLE_LAYERS, 1)
         picked = present[::step][:SAMPLE_LAYERS]
         speedups[kind] = one_row_speedup([getattr(w, kind) for w in picked]) if picked else 0.0
-    speedups["lm_head"] = one_row_speedup([head_weight(model)])
+    speedups["lm_head"] = one_row_speedup([model.head_weight()])
     return speedups
-
-
-def head_weight(model: DecoderLM) -> torch.Tensor:
-    return (model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight).detach()
 
 
 def _reparent(modules: list[nn.Linear], weight: torch.Tensor) -> None:

@@ -32,6 +32,7 @@ logits; each layer's window and score scale reach attention through StepContext.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -44,6 +45,8 @@ from executors.models.attention import LayerAttention, StepContext, attend, atte
 from executors.models.config import DecoderConfig
 from executors.models.layers import MLP, RMSNorm, RotaryEmbedding, activation, apply_rope
 from executors.models.moe import MoeWeights, SparseMoe, grouped_backend, moe_forward, stack
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the tensor-parallel ranks, in place
 
 
 class Attention(nn.Module):
@@ -100,8 +103,12 @@ class DecoderLayer(nn.Module):
         return getattr(self, self.ffn_name)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: StepContext,
-                load: torch.Tensor | None = None) -> torch.Tensor:
+                load: torch.Tensor | None = None, reduce: Reduce | None = None) -> torch.Tensor:
+        """`reduce`: under tensor parallelism, the all-reduce that sums the ranks' partial
+        outputs of o_proj and of the MLP's down projection (row-parallel layers)."""
         a = self.self_attn(self.input_layernorm(x), positions, rope, ctx)
+        if reduce is not None:
+            a = reduce(a)
         if hasattr(self, "pre_feedforward_layernorm"):
             x = x + self.post_attention_layernorm(a)
             h = self.pre_feedforward_layernorm(x)
@@ -114,6 +121,8 @@ class DecoderLayer(nn.Module):
             y = self.ffn(h)
         else:
             y = _mlp_with_lora(self.ffn, h, ctx.lora, self.self_attn.layer)
+        if reduce is not None:
+            y = reduce(y)
         if hasattr(self, "post_feedforward_layernorm"):
             y = self.post_feedforward_layernorm(y)
         return x + y
@@ -173,9 +182,15 @@ def _fuse(modules: list[nn.Linear], bias: bool) -> tuple[torch.Tensor, torch.Ten
 
 
 class DecoderLM(nn.Module):
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, head_rows: tuple[int, int] | None = None) -> None:
+        """`head_rows`: under tensor parallelism, the vocabulary rows [lo, hi) this rank's
+        lm_head computes (a slice of the tied embedding, or an lm_head of hi - lo rows);
+        `config` is then this rank's shard (executors/parallel/shard.py)."""
         super().__init__()
         self.config = config
+        self.head_rows = head_rows
+        # Set under tensor parallelism: the all-reduce after each row-parallel matmul.
+        self.all_reduce: Reduce | None = None
         self.model = DecoderModel(config)
         self.reset_buffers()
         # Each layer's attention options; () when every layer is plain (no window, default scale).
@@ -184,7 +199,8 @@ class DecoderLM(nn.Module):
         self.attn_layers = specs if any(s != LayerAttention() for s in specs) else ()
         self.act = activation(config.hidden_act)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            rows = config.vocab_size if head_rows is None else head_rows[1] - head_rows[0]
+            self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         self.fused: list[FusedLayer] | None = None
         self.packed_head: torch.Tensor | None = None
         self.fused_fp32_packed: list[FusedLayer] | None = None  # float32: for PACKED_FP32_ROWS-row steps
@@ -245,7 +261,7 @@ class DecoderLM(nn.Module):
         if cpu_layout.wanted(self):
             cpu_layout.relayout(self)  # float32 on CPU: each kind of weight in its faster layout
             fused = self.fused
-        head = (self.model.embed_tokens.weight if c.tie_word_embeddings else self.lm_head.weight).detach()
+        head = self.head_weight()
         if _should_pack(head, torch.bfloat16):
             # bfloat16 on CPU: oneDNN prepacked weights (AMX / avx512_bf16 layout) instead of
             # F.linear, which re-lays the weight out on every call: 1.3-1.5x faster matmuls
@@ -261,6 +277,14 @@ class DecoderLM(nn.Module):
             self.packed_head_fp32 = _pack(head)
         self.fused = fused
         return self
+
+    def head_weight(self) -> torch.Tensor:
+        """The lm_head's weight: the embedding when tied; under tensor parallelism this rank's
+        vocabulary rows (of a tied embedding: a view, no copy)."""
+        if not self.config.tie_word_embeddings:
+            return self.lm_head.weight.detach()
+        w = self.model.embed_tokens.weight.detach()
+        return w if self.head_rows is None else w[self.head_rows[0]:self.head_rows[1]]
 
     def packed_bytes(self) -> int:
         """Memory of the oneDNN packed copies of the matmul weights kept beside the parameters."""
@@ -289,7 +313,8 @@ class DecoderLM(nn.Module):
             return self._fast_hidden_states(input_ids, positions, ctx)
         x = self._embed(input_ids)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, self.rope_for(i), ctx, self.expert_load[i] if layer.sparse else None)
+            x = layer(x, positions, self.rope_for(i), ctx, self.expert_load[i] if layer.sparse else None,
+                      self.all_reduce)
         return self.model.norm(x)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -307,7 +332,7 @@ class DecoderLM(nn.Module):
         x = self._embed(input_ids)
         tables = self.rope.tables(positions, x.dtype)
         local = self.rope_local.tables(positions, x.dtype) if self.rope_local is not None else tables
-        layers, lora = self.fused, ctx.lora
+        layers, lora, reduce = self.fused, ctx.lora, self.all_reduce
         if self.fused_fp32_packed is not None and m in PACKED_FP32_ROWS:
             layers = self.fused_fp32_packed
         for i, w in enumerate(layers):
@@ -328,6 +353,12 @@ class DecoderLM(nn.Module):
             a = attend(i, q, k, v, ctx)
             if w.pre_ff_norm is not None:
                 x, h = self._sandwich_attention_out(i, x, a, w, ctx)
+            elif reduce is not None:  # the ranks' partial sums of o_proj, then the residual add
+                o = _linear(a, w.o, w.o_bias)
+                if lora is not None:
+                    lora.apply(i, "o_proj", a, o)
+                x = x + reduce(o)
+                h = F.rms_norm(x, norm_shape, w.post_norm, eps)
             else:
                 x = _residual_linear(x, a, w.o, w.o_bias)
                 if lora is not None:  # o_proj's delta straight into the residual stream
@@ -335,6 +366,8 @@ class DecoderLM(nn.Module):
                 h = F.rms_norm(x, norm_shape, w.post_norm, eps)
             if w.moe is not None:
                 y = moe_forward(h, w.moe, self.act, self.expert_load[i])
+                if reduce is not None:
+                    y = reduce(y)
                 x = x + (F.rms_norm(y, norm_shape, w.post_ff_norm, eps) if w.post_ff_norm is not None else y)
                 continue
             gu = _linear(h, w.gate_up, w.gate_up_bias)
@@ -342,11 +375,13 @@ class DecoderLM(nn.Module):
                 lora.apply(i, "gate_proj", h, gu[:, :inter])
                 lora.apply(i, "up_proj", h, gu[:, inter:])
             act = self.act(gu[:, :inter]).mul_(gu[:, inter:])
-            if w.post_ff_norm is not None:
+            if w.post_ff_norm is not None or reduce is not None:
                 y = _linear(act, w.down, w.down_bias)
                 if lora is not None:
                     lora.apply(i, "down_proj", act, y)
-                x = x + F.rms_norm(y, norm_shape, w.post_ff_norm, eps)
+                if reduce is not None:
+                    y = reduce(y)
+                x = x + (F.rms_norm(y, norm_shape, w.post_ff_norm, eps) if w.post_ff_norm is not None else y)
                 continue
             x = _residual_linear(x, act, w.down, w.down_bias)
             if lora is not None:
@@ -360,6 +395,8 @@ class DecoderLM(nn.Module):
         o = _linear(a, w.o, w.o_bias)
         if ctx.lora is not None:
             ctx.lora.apply(i, "o_proj", a, o)
+        if self.all_reduce is not None:
+            o = self.all_reduce(o)
         x = x + F.rms_norm(o, norm_shape, w.post_norm, eps)
         return x, F.rms_norm(x, norm_shape, w.pre_ff_norm, eps)
 
@@ -371,8 +408,7 @@ class DecoderLM(nn.Module):
         elif self.packed_head_fp32 is not None and not reference and hidden.shape[0] in PACKED_FP32_ROWS:
             out = _linear(hidden.contiguous(), self.packed_head_fp32, None)
         else:
-            weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-            out = torch.nn.functional.linear(hidden, weight).float()
+            out = torch.nn.functional.linear(hidden, self.head_weight()).float()
         cap = self.config.final_softcap
         return out if cap is None else torch.tanh(out / cap) * cap
 

@@ -11,13 +11,18 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
 from executors.models.config import DecoderConfig, UnsupportedModel
 from executors.models.decoder import DecoderLM
+
+if TYPE_CHECKING:
+    from executors.parallel.shard import ShardPlan
 
 log = logging.getLogger(__name__)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -59,11 +64,17 @@ class _Progress:
                 self.next += 0.1
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device) -> DecoderLM:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device,
+               shard: Callable[[DecoderConfig], ShardPlan] | None = None) -> DecoderLM:
+    """`shard`: under tensor parallelism, the plan of this rank's slices (given the model's
+    config); only those slices are read from the files."""
     model_dir = Path(model_dir)
     config = DecoderConfig.from_dir(model_dir)
+    plan = shard(config) if shard is not None else None
     with torch.device("meta"):
-        model = DecoderLM(config)
+        model = DecoderLM(config) if plan is None else DecoderLM(plan.local_config(), plan.head_rows)
+        full = model if plan is None else DecoderLM(config)
+    expected_full = {name: tuple(p.shape) for name, p in full.named_parameters()}
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     files = weight_files(model_dir)
     sizes = {path: tensor_bytes(path) for path in files}
@@ -82,10 +93,17 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                         unexpected.append(name)
                     progress.add(sizes[path].get(name, 0))  # skipped: done with it too
                     continue
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != expected[name]:
+                if plan is None:
+                    tensor = f.get_tensor(name)
+                    shape = tuple(tensor.shape)
+                else:
+                    piece = f.get_slice(name)
+                    shape = tuple(piece.get_shape())
+                if shape != expected_full[name]:
                     raise UnsupportedModel(
-                        f"{path.name}: tensor {name} has shape {tuple(tensor.shape)}, the config implies {expected[name]}")
+                        f"{path.name}: tensor {name} has shape {shape}, the config implies {expected_full[name]}")
+                if plan is not None:
+                    tensor = plan.read(name, piece, shape)
                 state[name] = tensor.to(dtype=dtype, device=device)
                 progress.add(sizes[path].get(name, 0))
     missing = sorted(set(expected) - set(state))

@@ -49,7 +49,7 @@ def test_every_layout_computes_the_same_logits_from_one_copy(family, monkeypatch
     layer = model.model.layers[0]
     assert layer.self_attn.k_proj.weight.data_ptr() == model.fused[0].qkv[model.config.num_heads * model.config.head_dim:].data_ptr()
     assert layer.mlp.down_proj.weight.data_ptr() == model.fused[0].down.data_ptr()
-    assert cpu_layout.is_column_major(cpu_layout.head_weight(model))
+    assert cpu_layout.is_column_major(model.head_weight())
     assert sum(p.numel() for p in model.parameters()) == params  # moved, not copied
     torch.testing.assert_close(logits(model, tokens), before, atol=1e-5, rtol=0)
     torch.testing.assert_close(logits(model, tokens[:1]), before[:1], atol=1e-5, rtol=0)  # one row
@@ -75,7 +75,7 @@ def test_status_counts_the_packed_copies_of_the_weights():
         packed = model.packed_bytes()
         if model.fused_fp32_packed is not None:  # every matmul weight once more, in oneDNN's layout
             matmuls = sum(getattr(w, k).numel() for w in model.fused for k in ("qkv", "o", "gate_up", "down"))
-            assert packed == 4 * (matmuls + cpu_layout.head_weight(model).numel())
+            assert packed == 4 * (matmuls + model.head_weight().numel())
         status = ex.status()
         assert status.memory_usage.allocated_bytes == params + packed + ex.pool.total_bytes
         loop = asyncio.new_event_loop()

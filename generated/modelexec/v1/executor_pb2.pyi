@@ -483,8 +483,32 @@ class ReleaseCacheResponse(_message.Message):
     timing: CallTiming
     def __init__(self, released: _Optional[bool] = ..., freed_blocks: _Optional[int] = ..., timing: _Optional[_Union[CallTiming, _Mapping]] = ...) -> None: ...
 
+class RankInfo(_message.Message):
+    __slots__ = ("rank", "device", "host", "pid")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    device: Device
+    host: str
+    pid: int
+    def __init__(self, rank: _Optional[int] = ..., device: _Optional[_Union[Device, _Mapping]] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class ParallelLayout(_message.Message):
+    __slots__ = ("tensor_parallel_size", "backend", "launcher", "ranks")
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LAUNCHER_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    tensor_parallel_size: int
+    backend: str
+    launcher: str
+    ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
+    def __init__(self, tensor_parallel_size: _Optional[int] = ..., backend: _Optional[str] = ..., launcher: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ...) -> None: ...
+
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "model_type", "model_type_name", "num_parameters", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_sequence_length", "dtype", "device", "version", "license", "metadata")
+    __slots__ = ("model_id", "model_type", "model_type_name", "num_parameters", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_sequence_length", "dtype", "device", "version", "license", "metadata", "parallel")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -508,6 +532,7 @@ class ModelInfo(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LICENSE_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_type: ModelType
     model_type_name: str
@@ -524,7 +549,8 @@ class ModelInfo(_message.Message):
     version: str
     license: str
     metadata: _containers.MessageMap[str, _struct_pb2.Value]
-    def __init__(self, model_id: _Optional[str] = ..., model_type: _Optional[_Union[ModelType, str]] = ..., model_type_name: _Optional[str] = ..., num_parameters: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[_Union[DataType, str]] = ..., device: _Optional[_Union[Device, _Mapping]] = ..., version: _Optional[str] = ..., license: _Optional[str] = ..., metadata: _Optional[_Mapping[str, _struct_pb2.Value]] = ...) -> None: ...
+    parallel: ParallelLayout
+    def __init__(self, model_id: _Optional[str] = ..., model_type: _Optional[_Union[ModelType, str]] = ..., model_type_name: _Optional[str] = ..., num_parameters: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., dtype: _Optional[_Union[DataType, str]] = ..., device: _Optional[_Union[Device, _Mapping]] = ..., version: _Optional[str] = ..., license: _Optional[str] = ..., metadata: _Optional[_Mapping[str, _struct_pb2.Value]] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
     __slots__ = ()
@@ -569,7 +595,7 @@ class ServiceLimits(_message.Message):
     def __init__(self, max_message_bytes: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., max_concurrent_rpcs: _Optional[int] = ..., cache_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class ExecutorCapabilities(_message.Message):
-    __slots__ = ("max_batch_size", "max_sequence_length", "attention_mechanisms", "supports_dynamic_batching", "supports_continuous_batching", "supports_speculative_decoding", "supports_tensor_parallelism", "supports_pipeline_parallelism", "supported_dtypes", "supported_devices", "memory_requirements", "kv_capacity", "supports_native_unified_decode", "kv_block_size", "kv_total_blocks", "limits", "supports_prefix_caching", "max_lora_adapters", "max_lora_rank", "supports_kv_transfer")
+    __slots__ = ("max_batch_size", "max_sequence_length", "attention_mechanisms", "supports_dynamic_batching", "supports_continuous_batching", "supports_speculative_decoding", "supports_tensor_parallelism", "supports_pipeline_parallelism", "supported_dtypes", "supported_devices", "memory_requirements", "kv_capacity", "supports_native_unified_decode", "kv_block_size", "kv_total_blocks", "limits", "supports_prefix_caching", "max_lora_adapters", "max_lora_rank", "supports_kv_transfer", "tensor_parallel_size")
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MECHANISMS_FIELD_NUMBER: _ClassVar[int]
@@ -590,6 +616,7 @@ class ExecutorCapabilities(_message.Message):
     MAX_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     max_batch_size: int
     max_sequence_length: int
     attention_mechanisms: _containers.RepeatedScalarFieldContainer[AttentionType]
@@ -610,7 +637,8 @@ class ExecutorCapabilities(_message.Message):
     max_lora_adapters: int
     max_lora_rank: int
     supports_kv_transfer: bool
-    def __init__(self, max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., attention_mechanisms: _Optional[_Iterable[_Union[AttentionType, str]]] = ..., supports_dynamic_batching: _Optional[bool] = ..., supports_continuous_batching: _Optional[bool] = ..., supports_speculative_decoding: _Optional[bool] = ..., supports_tensor_parallelism: _Optional[bool] = ..., supports_pipeline_parallelism: _Optional[bool] = ..., supported_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., supported_devices: _Optional[_Iterable[_Union[DeviceType, str]]] = ..., memory_requirements: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., kv_capacity: _Optional[int] = ..., supports_native_unified_decode: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., limits: _Optional[_Union[ServiceLimits, _Mapping]] = ..., supports_prefix_caching: _Optional[bool] = ..., max_lora_adapters: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., supports_kv_transfer: _Optional[bool] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., attention_mechanisms: _Optional[_Iterable[_Union[AttentionType, str]]] = ..., supports_dynamic_batching: _Optional[bool] = ..., supports_continuous_batching: _Optional[bool] = ..., supports_speculative_decoding: _Optional[bool] = ..., supports_tensor_parallelism: _Optional[bool] = ..., supports_pipeline_parallelism: _Optional[bool] = ..., supported_dtypes: _Optional[_Iterable[_Union[DataType, str]]] = ..., supported_devices: _Optional[_Iterable[_Union[DeviceType, str]]] = ..., memory_requirements: _Optional[_Union[MemoryRequirements, _Mapping]] = ..., kv_capacity: _Optional[int] = ..., supports_native_unified_decode: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., limits: _Optional[_Union[ServiceLimits, _Mapping]] = ..., supports_prefix_caching: _Optional[bool] = ..., max_lora_adapters: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., supports_kv_transfer: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class GetCapabilitiesRequest(_message.Message):
     __slots__ = ()
@@ -674,8 +702,24 @@ class ExpertLoad(_message.Message):
     layer_tokens_per_expert: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, num_experts: _Optional[int] = ..., experts_per_token: _Optional[int] = ..., sparse_layers: _Optional[_Iterable[int]] = ..., tokens_per_expert: _Optional[_Iterable[int]] = ..., layer_tokens_per_expert: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class RankMemory(_message.Message):
+    __slots__ = ("rank", "parameter_bytes", "kv_pool_bytes", "lora_bytes", "device_allocated_bytes", "device_peak_bytes")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LORA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    parameter_bytes: int
+    kv_pool_bytes: int
+    lora_bytes: int
+    device_allocated_bytes: int
+    device_peak_bytes: int
+    def __init__(self, rank: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., kv_pool_bytes: _Optional[int] = ..., lora_bytes: _Optional[int] = ..., device_allocated_bytes: _Optional[int] = ..., device_peak_bytes: _Optional[int] = ...) -> None: ...
+
 class ExecutorStatus(_message.Message):
-    __slots__ = ("state", "is_ready", "current_batch_size", "prefill_operations", "decode_operations", "avg_prefill_time_ms", "avg_decode_time_ms", "memory_usage", "last_operation", "kv_pool", "expert_load")
+    __slots__ = ("state", "is_ready", "current_batch_size", "prefill_operations", "decode_operations", "avg_prefill_time_ms", "avg_decode_time_ms", "memory_usage", "last_operation", "kv_pool", "expert_load", "ranks")
     STATE_FIELD_NUMBER: _ClassVar[int]
     IS_READY_FIELD_NUMBER: _ClassVar[int]
     CURRENT_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -687,6 +731,7 @@ class ExecutorStatus(_message.Message):
     LAST_OPERATION_FIELD_NUMBER: _ClassVar[int]
     KV_POOL_FIELD_NUMBER: _ClassVar[int]
     EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     state: ExecutorState
     is_ready: bool
     current_batch_size: int
@@ -698,7 +743,8 @@ class ExecutorStatus(_message.Message):
     last_operation: _timestamp_pb2.Timestamp
     kv_pool: KvPoolStatus
     expert_load: ExpertLoad
-    def __init__(self, state: _Optional[_Union[ExecutorState, str]] = ..., is_ready: _Optional[bool] = ..., current_batch_size: _Optional[int] = ..., prefill_operations: _Optional[int] = ..., decode_operations: _Optional[int] = ..., avg_prefill_time_ms: _Optional[float] = ..., avg_decode_time_ms: _Optional[float] = ..., memory_usage: _Optional[_Union[MemoryUsage, _Mapping]] = ..., last_operation: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., kv_pool: _Optional[_Union[KvPoolStatus, _Mapping]] = ..., expert_load: _Optional[_Union[ExpertLoad, _Mapping]] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[RankMemory]
+    def __init__(self, state: _Optional[_Union[ExecutorState, str]] = ..., is_ready: _Optional[bool] = ..., current_batch_size: _Optional[int] = ..., prefill_operations: _Optional[int] = ..., decode_operations: _Optional[int] = ..., avg_prefill_time_ms: _Optional[float] = ..., avg_decode_time_ms: _Optional[float] = ..., memory_usage: _Optional[_Union[MemoryUsage, _Mapping]] = ..., last_operation: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., kv_pool: _Optional[_Union[KvPoolStatus, _Mapping]] = ..., expert_load: _Optional[_Union[ExpertLoad, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()
