@@ -24,6 +24,8 @@ Parts, on the embedded SmolLM2-135M (fixed, seeded workloads):
   transfer  one KV cache of 1k and 8k tokens (fp32) moved between two servers in processes of their
             own (ExportKv into ImportKv, TCP loopback and unix sockets) vs its prefill, and vs a plain
             memory copy, each move checked by a decode step (bench/transfer.py; --quick: 1k only)
+  tp        decode (batch 1 and 8) and a 128-token prefill of a random 126M Llama served at
+            --tensor-parallel-size 1 and 2 (--tp-device cuda: 1..N GPUs) (bench/tensor_parallel.py)
 
 Prefix caching is off in every part but `prefix`, so repeated workloads are computed each time.
 
@@ -59,7 +61,7 @@ from executors.types import DecodeInput, LogitsKind, LogitsPolicy, LoraSource, P
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("prefill", "decode", "grpc", "hf", "gpu", "offline", "prefix", "lora", "peers", "transfer")
+PARTS = ("prefill", "decode", "grpc", "hf", "gpu", "offline", "prefix", "lora", "peers", "transfer", "tp")
 GPU_PARTS = ("gpu", "offline")  # bench/gpu.py and bench/offline.py: their own random model, no MODEL_DIR
 SYSTEM_PROMPT_LEN = 1024
 QUESTION_LEN = 32
@@ -600,6 +602,10 @@ def table(results: dict) -> str:
         from bench.transfer import table_lines as transfer_lines
 
         out.extend(transfer_lines(r["transfer"]))
+    if "tp" in r:
+        from bench.tensor_parallel import table_lines as tp_lines
+
+        out.extend(tp_lines(r["tp"]))
     return "\n".join(out)
 
 
@@ -702,6 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>-<host>.json)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--device", default="cuda", help="the device of the GPU parts (default %(default)s)")
+    p.add_argument("--tp-device", default="cpu", choices=("cpu", "cuda"),
+                   help="the device of the tp part: cpu (sizes 1 and 2) or cuda (1..N GPUs) (default %(default)s)")
     p.add_argument("--shape", default="qwen3-0.6b", choices=("qwen3-0.6b", "tiny"),
                    help="the GPU parts' model: Qwen3-0.6B-shaped, or tiny (a dry run of their code, on a CPU too)")
     args = p.parse_args(argv)
@@ -751,6 +759,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench.transfer import bench_transfer
 
             results["results"]["transfer"] = bench_transfer(args)
+        elif part == "tp":
+            from bench.tensor_parallel import bench_tp
+
+            results["results"]["tp"] = bench_tp(args)
         for x in results["results"].get(part, []):
             if "skipped" in x:
                 print(f"  skipped: {x['skipped']}", flush=True)

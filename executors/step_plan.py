@@ -81,11 +81,13 @@ def run_plan(model: DecoderLM, pool: PagedKvPool | None, plan: StepPlan, device,
         return None, applications
     # Every row (decode steps): no gather.
     picked = hidden if len(plan.rows) == hidden.shape[0] else hidden[torch.tensor(plan.rows, device=device)]
-    return model.logits(picked, reference=reference), applications
+    return (model.logits(picked, reference=True) if reference else model.logits(picked)), applications
 
 
 def run_sequence(model: DecoderLM, tokens: Sequence[int], hidden: bool, device, *, reference: bool) -> torch.Tensor:
     """A whole sequence without any cache: its final hidden states, or its logits."""
     ctx = StepContext([Segment(0, len(tokens), 0)], reference=reference)
     h = model.hidden_states(torch.tensor(list(tokens), device=device), torch.arange(len(tokens), device=device), ctx)
-    return h if hidden else model.logits(h, reference=reference)
+    if hidden:
+        return h
+    return model.logits(h, reference=True) if reference else model.logits(h)

@@ -84,6 +84,17 @@ def test_cpu_profile(compose: dict) -> None:
     assert "executor-cpu" in cpu["scheduler-cpu"]["depends_on"]
 
 
+def test_tensor_parallel_executor(compose: dict) -> None:
+    """One executor over two GPUs: the service spawns rank 1, so the container reserves two."""
+    executor = compose["services"]["executor-tp"]
+    assert executor["profiles"] == ["tp"]
+    cmd = command(executor)
+    assert cmd[:3] == ["python", "-m", "service"] and cmd[cmd.index("--device") + 1] == "cuda"
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+    assert executor["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 2
+    assert executor["ipc"] == "host"  # NCCL's shared memory between the two ranks
+
+
 def test_services_can_scale(compose: dict) -> None:
     """No fixed container name or host port, so `--scale executor=3` cannot clash."""
     for name, service in compose["services"].items():

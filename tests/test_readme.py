@@ -185,6 +185,38 @@ def test_example_router(embedded, two_more):
     assert "8 requests (0 failed) on 3 executor(s)" in out
 
 
+def test_example_tensor_parallel(embedded):
+    """The embedded model over three gloo ranks, started as written (on a free port): one
+    endpoint, three ranks, the single process's logits; SIGTERM leaves no rank behind."""
+    import numpy as np
+
+    from bench.service_process import launch, session_members, stop, wait_ready
+
+    (line,) = readme.commands(readme.example("tensor-parallel"))
+    words = shlex.split(line)
+    assert words[:3] == ["python", "-m", "service"] and words[-2] == "--port"
+    server = launch("tcp", words[3:-2])
+    try:
+        wait_ready(server, 240)
+        tokens = [1, 504, 3458, 282, 4649, 314, 1345, 28]
+        with ExecutorClient(server.address, timeout=120) as c, ExecutorClient(embedded.address) as one:
+            layout = c.info().parallel
+            assert layout.tensor_parallel_size == 3 and layout.launcher == "spawn" and len(layout.ranks) == 3
+            mine, theirs = c.prefill(PrefillInput(tokens)), one.prefill(PrefillInput(tokens))
+            one.release_cache(theirs.kv_cache)
+            got, want = mine.logits.logits, theirs.logits.logits
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+            assert int(np.argmax(got)) == int(np.argmax(want))
+        server.proc.terminate()
+        server.proc.wait(60)
+        deadline = time.monotonic() + 30
+        while session_members(server.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not session_members(server.proc.pid), "a rank outlived SIGTERM"
+    finally:
+        stop(server)
+
+
 def test_example_disaggregated(embedded, two_more):
     (line,) = readme.commands(readme.example("disaggregated"))
     addresses = {"gpu0:50051": embedded.address, "gpu1:50051": two_more[0].address,

@@ -19,11 +19,13 @@ An expert that no row picked costs nothing; a decode step at batch 1 with top-2 
 experts' weights. Each call adds its per-expert row counts to a `load` tensor (no host
 sync), which GetStatus reports so a scheduler can see imbalance.
 
-Tensor parallelism (not implemented yet) will split experts whole across ranks (expert
-parallelism) rather than each expert like a dense MLP: a rank's slice of the stacks stays
-a set of whole [2I, hidden] / [hidden, I] matrices, so the grouped GEMM runs unchanged on
-it with full-width tiles, and routing costs one exchange of rows per sparse layer instead
-of an all-reduce of every expert's partial sums. The router is replicated.
+Tensor parallelism (executors/parallel/shard.py) splits each routed expert like a dense
+MLP: every rank holds all E experts with 1/N of their intermediate rows, so routing needs
+no exchange (the router is replicated and every rank picks the same experts), the grouped
+compute runs unchanged on narrower experts, and the layer's output is one all-reduce, as a
+dense layer's. Splitting experts whole across ranks (expert parallelism) would read each
+expert's weights at full width but cost an exchange of rows per sparse layer; it is not
+built.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+import torch
+
 from executors.parallel.comm import TpGroup, WorldSpec, join, world_from_env
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,11 @@ def start_world(tensor_parallel_size: int, device: str, timeout_s: float, argv: 
             die_with_parent()
             if os.getppid() == 1:  # the parent is already gone
                 sys.exit("modelexec: the service that started this rank has exited")
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Ranks sharing a host's cores: each takes its share instead of all of them (torchrun
+        # sets OMP_NUM_THREADS=1 itself; an operator's setting wins).
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", spec.world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     try:
         group = join(spec, device, timeout_s)
     except BaseException:
