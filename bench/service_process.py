@@ -106,9 +106,7 @@ def stop(server: Server, graceful: bool = True) -> None:
             server.proc.wait(30)
     # The server leads a session of its own: whatever it started (tensor-parallel ranks,
     # torchrun's workers) goes with it, also after a SIGKILL that left them no chance.
-    deadline = time.monotonic() + 15
-    while _session_alive(server.proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_session_gone(server.proc.pid, 15)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(server.proc.pid, signal.SIGKILL)
     shutil.rmtree(server.where, ignore_errors=True)
@@ -129,8 +127,12 @@ def session_members(sid: int) -> list[int]:
     return members
 
 
-def _session_alive(sid: int) -> bool:
-    return bool(session_members(sid))
+def wait_session_gone(sid: int, timeout_s: float) -> list[int]:
+    """Wait up to timeout_s for session `sid` to have no live process; those still left."""
+    deadline = time.monotonic() + timeout_s
+    while (left := session_members(sid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 def cpu_seconds(pid: int | None = None) -> float:

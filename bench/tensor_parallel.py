@@ -82,7 +82,11 @@ def measure(address: str, quick: bool) -> dict:
             decode[batch] = statistics.median(times[2:])
             for h in handles:
                 c.release_cache(h)
-        ranks = [r.parameter_bytes for r in c.status().ranks] or [c.status().memory_usage.allocated_bytes]
+        ranks = [r.parameter_bytes for r in c.status().ranks]
+        if not ranks:  # one process: its weights (and packed copies) are what it allocated less the pool
+            caps = c.capabilities()
+            pool = caps.memory_requirements.kv_cache_memory_per_token * caps.kv_total_blocks * caps.kv_block_size
+            ranks = [c.status().memory_usage.allocated_bytes - pool]
     return {"prefill_s": statistics.median(prefill), "decode_b1_s": decode[1], "decode_b8_s": decode[8],
             "num_parameters": info.num_parameters, "parameter_bytes": info.num_parameters * 4,
             "rank_parameter_bytes": ranks, "ranks": len(info.parallel.ranks) or 1}

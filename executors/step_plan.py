@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from executors.kv_executor import Rows
 from executors.lora import LoraAdapter, LoraBatch
 from executors.models.attention import Segment, StepContext
 from executors.models.decoder import DecoderLM
@@ -36,8 +37,6 @@ class StepPlan:
 
 def plan_step(items: Sequence, block_size: int, clear_stale: bool) -> tuple[StepPlan, list[tuple[int, int] | None]]:
     """The plan of a step over StepItems, and per item where its logits rows are (None: none)."""
-    from executors.kv_executor import Rows  # kv_executor imports this module's users
-
     plan = StepPlan([], [], [], [], [], [], [])
     spans: list[tuple[int, int] | None] = []
     for it in items:

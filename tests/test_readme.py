@@ -190,7 +190,7 @@ def test_example_tensor_parallel(embedded):
     endpoint, three ranks, the single process's logits; SIGTERM leaves no rank behind."""
     import numpy as np
 
-    from bench.service_process import launch, session_members, stop, wait_ready
+    from bench.service_process import launch, stop, wait_ready, wait_session_gone
 
     (line,) = readme.commands(readme.example("tensor-parallel"))
     words = shlex.split(line)
@@ -209,10 +209,7 @@ def test_example_tensor_parallel(embedded):
             assert int(np.argmax(got)) == int(np.argmax(want))
         server.proc.terminate()
         server.proc.wait(60)
-        deadline = time.monotonic() + 30
-        while session_members(server.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not session_members(server.proc.pid), "a rank outlived SIGTERM"
+        assert not wait_session_gone(server.proc.pid, 30), "a rank outlived SIGTERM"
     finally:
         stop(server)
 

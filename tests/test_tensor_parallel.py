@@ -25,7 +25,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
-from bench.service_process import launch, session_members, stop, wait_ready
+from bench.service_process import launch, session_members, stop, wait_ready, wait_session_gone
 from client import DecodeInput, ExecutorClient, ExecutorError, LogitsPolicy, PrefillInput, UnifiedBatchItem
 from executors.llm import LlmExecutor, LlmExecutorConfig
 from service.config import ServeConfig
@@ -161,13 +161,9 @@ def serve_tp(model_dir: Path, *args: str, torchrun: bool = False):
 
 def stop_and_check(server) -> None:
     """SIGTERM stops every rank: nothing of the server's session is left."""
-    sid = server.proc.pid
     server.proc.terminate()
     server.proc.wait(60)
-    deadline = time.monotonic() + 30
-    while session_members(sid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = session_members(sid)
+    left = wait_session_gone(server.proc.pid, 30)
     stop(server)
     assert not left, f"processes left behind after SIGTERM: {left}"
 
@@ -318,8 +314,7 @@ def test_a_lost_rank_turns_the_server_unavailable_in_bounded_time(fault, models)
     finally:
         stop_stream.set()
         if fault == "frozen":
-            with_pid = [p for p in session_members(server.proc.pid)]
-            for pid in with_pid:  # a stopped process takes SIGTERM only once continued
+            for pid in session_members(server.proc.pid):  # a stopped process takes SIGTERM only once continued
                 os.kill(pid, signal.SIGCONT)
         stop_and_check(server)
 

@@ -29,14 +29,11 @@ import torch
 from executors.errors import Unavailable, Unsupported
 from executors.llm import LlmExecutor, LlmExecutorConfig
 from executors.lora import LoraAdapter
-from executors.models.config import DecoderConfig
 from executors.models.decoder import DecoderLM
-from executors.models.loader import load_model
 from executors.parallel.comm import RankFailure, TpGroup
 from executors.parallel.protocol import Op, encode_adapter, encode_step, header, memory_words
-from executors.parallel.rank import agree, describe, pad_logits, rank_memory
-from executors.parallel.shard import ShardPlan
-from executors.step_plan import StepPlan, run_plan, run_sequence
+from executors.parallel.rank import agree, describe, load_shard, pad_logits, rank_memory
+from executors.step_plan import StepPlan
 from executors.types import ExecutorCapabilities, ExecutorStatus, ModelInfo, ParallelLayout
 from kvcache.kv_pool import PagedKvPool
 
@@ -67,16 +64,7 @@ class TensorParallelExecutor(LlmExecutor):
         self._next_adapter_id = 1
         self.ranks = ()
         self.rank_memory = ()
-        config = dataclasses.replace(config, device=str(group.device))
-        plans: list[ShardPlan] = []
-
-        def shard(c: DecoderConfig) -> ShardPlan:
-            plans.append(ShardPlan(c, group.rank, group.world))
-            return plans[-1]
-
-        model = load_model(config.model_dir, config.torch_dtype, config.device, shard=shard)
-        model.all_reduce = group.all_reduce
-        self.shard_plan = plans[0]
+        config, model, self.shard_plan = load_shard(config, group)
         full = self.shard_plan.full
         super().__init__(config, model, reference=reference, decode_graphs=False, served_config=full)
         with torch.device("meta"):
@@ -99,15 +87,13 @@ class TensorParallelExecutor(LlmExecutor):
         ids = [0 if a is None else self._adapter_ids[a.key] for a in plan.adapters]
         head, payload = encode_step(plan, ids, self.reference)
         self._send(head, payload)
-        logits, applications = run_plan(self.model, self.pool, plan, self.config.device,
-                                        backend=self.attention_backend, reference=self.reference)
-        self.loras.projection_applications += applications
+        logits = super()._run_plan(plan)  # this rank's vocabulary slice
         return None if logits is None else self._gather_logits(logits)
 
     def _forward_sequence(self, tokens: list[int], hidden: bool) -> torch.Tensor:
         self._send(header(Op.SEQUENCE, len(tokens), int(hidden), int(self.reference)),
                    torch.tensor(tokens, dtype=torch.int64))
-        out = run_sequence(self.model, tokens, hidden, self.config.device, reference=self.reference)
+        out = super()._forward_sequence(tokens, hidden)
         return out if hidden else self._gather_logits(out)
 
     def _gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -215,7 +201,7 @@ class TensorParallelExecutor(LlmExecutor):
                           "the KV heads)")
 
     def info(self) -> ModelInfo:
-        return dataclasses.replace(super().info(), num_parameters=self.num_parameters, device=self.config.device,
+        return dataclasses.replace(super().info(), num_parameters=self.num_parameters,
                                    parallel=self.layout())
 
     def layout(self) -> ParallelLayout:

@@ -125,18 +125,12 @@ class RankLoop:
                              "answering the heartbeat")
 
 
-def local_config_for(config, group: TpGroup):
-    """The executor config as this rank applies it: its own device."""
-    return dataclasses.replace(config, device=str(group.device))
-
-
-def serve_rank(config, group: TpGroup) -> int:
-    """Ranks 1..N-1: load this rank's shard, agree with rank 0, then run its messages. The
-    exit status: 0 after rank 0's STOP, 1 when the group failed."""
-    from executors.llm import _attention_backend, size_pool
+def load_shard(config, group: TpGroup):
+    """(the config with this rank's device, this rank's shard of the model wired to the
+    group's all-reduce, its ShardPlan): what every rank loads at start-up."""
     from executors.models.loader import load_model
 
-    config = local_config_for(config, group)
+    config = dataclasses.replace(config, device=str(group.device))
     plans: list[ShardPlan] = []
 
     def shard(c) -> ShardPlan:
@@ -145,6 +139,15 @@ def serve_rank(config, group: TpGroup) -> int:
 
     model = load_model(config.model_dir, config.torch_dtype, config.device, shard=shard)
     model.all_reduce = group.all_reduce
+    return config, model, plans[0]
+
+
+def serve_rank(config, group: TpGroup) -> int:
+    """Ranks 1..N-1: load this rank's shard, agree with rank 0, then run its messages. The
+    exit status: 0 after rank 0's STOP, 1 when the group failed."""
+    from executors.llm import _attention_backend, size_pool
+
+    config, model, plan = load_shard(config, group)
     local = model.config
     try:
         backend = _attention_backend(config, local)
@@ -153,7 +156,7 @@ def serve_rank(config, group: TpGroup) -> int:
         describe(group)
         pool = PagedKvPool(local.num_layers, num_blocks, config.block_size, local.num_kv_heads, local.head_dim,
                            config.torch_dtype, config.device)
-        loop = RankLoop(group, model, pool, plans[0], backend, config.torch_dtype)
+        loop = RankLoop(group, model, pool, plan, backend, config.torch_dtype)
         log.info("rank %d serves its shard (%d KV blocks, %s attention)", group.rank, num_blocks, backend)
         stopped = loop.run()
     except RankFailure as e:

@@ -12,7 +12,7 @@ Megatron-style tensor parallelism over N ranks, named by the checkpoint's tensor
 - replicated: the embedding, every norm, q/k norms, the experts' router, the shared
   expert's gate. The embedding is replicated rather than split: a vocabulary-parallel
   embedding costs one more all-reduce of [tokens, hidden] per step (on the 2-core CPU of
-  bench/RESULTS.md run 8, ~1.5 ms of a 53 ms step) to save (N - 1) / N of V * hidden per
+  bench/RESULTS.md run 8, an estimated ~1.2 ms of a 51 ms step) to save (N - 1) / N of V * hidden per
   rank (65 MB at 32k x 1024 fp32), and a tied lm_head reads its slice of the replicated
   embedding as a view, at no cost;
 - KV heads: KVH / N per rank; with fewer KV heads than ranks (N a multiple of KVH), each
