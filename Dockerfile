@@ -31,9 +31,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# make: `make model` below (the slim image has no make).
+# make: `make model` below (the slim image has no make); gcc and libc6-dev: the float32 CPU
+# kernels (executors/cpu_kernels), built into the image below (without a compiler the
+# service still runs, on torch's ops, and logs why).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends make \
+    && apt-get install -y --no-install-recommends make gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
@@ -51,6 +53,10 @@ RUN TORCH_PIN="$(grep -E '^torch==' requirements.txt)" \
 # models/smollm2-135m-instruct, the service's default --model.
 COPY . .
 RUN make model PY=python
+
+# The float32 CPU kernels, compiled now into a cache the unprivileged user reads at start-up.
+ENV XDG_CACHE_HOME=/opt/modelexec-cache
+RUN python -m executors.cpu_kernels && chmod -R a+rX /opt/modelexec-cache
 
 # Not root at run time.
 RUN useradd --system --uid 10001 --home-dir /app modelexec

@@ -53,6 +53,7 @@ install-torch: venv
 
 install: install-torch
 	$(PIP) --quiet -r requirements.txt
+	$(PY) -m executors.cpu_kernels
 
 install-test: check-node install install-node
 	$(PIP) --quiet -r requirements-test.txt

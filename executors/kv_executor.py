@@ -164,6 +164,8 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
         self.caches = CacheRegistry()
         self.stats = ExecutorStats()
         self.peak_used_bytes = 0
+        # What takes the ARGMAX rows of a step in one call (LlmExecutor: its model's CPU kernels).
+        self.policy_kernels = None
         self.loras: LoraRegistry | None = None  # set by executors that apply LoRA adapters
         self._fingerprint = None  # KvMoves.kv_fingerprint, computed on first use
         self._fingerprint_lock = asyncio.Lock()
@@ -546,8 +548,7 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
                            "LoRA support", field=where, reason="LORA_ADAPTER_NOT_FOUND", adapter=name)
         return self.loras.get(name, where)
 
-    @staticmethod
-    def _outputs(work: list[tuple[ItemSpec, StepItem]], step: StepLogits) -> list[list[LogitsResult] | None]:
+    def _outputs(self, work: list[tuple[ItemSpec, StepItem]], step: StepLogits) -> list[list[LogitsResult] | None]:
         """Every item's logits policy over its rows, all rows at once: one argmax (or top-k,
         or draw) over the step's rows, and one copy of the ids to the host, whatever the
         batch size."""
@@ -562,7 +563,7 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
                 first_predicted = it.start + len(it.tokens) - n + 1
                 policies[first:first + n] = [s.policy] * n
                 positions[first:first + n] = range(first_predicted, first_predicted + n)
-        results = apply_policies(step.logits, policies, positions)
+        results = apply_policies(step.logits, policies, positions, self.policy_kernels)
         return [None if span is None else results[span[0]:span[0] + span[1]] for span in step.spans]
 
     def _finish(self, it: StepItem, outputs: list[LogitsResult] | None, serial: int | None) -> StepResult:

@@ -77,6 +77,10 @@ class LlmExecutorConfig:
     # On CUDA with the triton backend: replay decode steps from CUDA graphs captured at
     # start-up for batch-size buckets (executors/decode_graphs.py).
     cuda_graphs: bool = True
+    # float32 on a CPU: decode steps of a few rows through the AVX2 matvec kernels
+    # (executors/cpu_kernels), built with the system C compiler on first use; off, or where
+    # they cannot be built, torch's matmuls (MKL, oneDNN) run them.
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in TORCH_DTYPES:
@@ -163,7 +167,8 @@ class LlmExecutor(KvCacheExecutor):
             raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
         self.config = config
         self.reference = reference
-        self.model = (model or load_model(config.model_dir, config.torch_dtype, config.device)).fuse()
+        self.model = (model or load_model(config.model_dir, config.torch_dtype, config.device,
+                                          cpu_kernels=config.cpu_kernels)).fuse()
         local = self.model.config  # this rank's shard under tensor parallelism, else the model
         mc = self.model_config = served_config or local
         # The reference computation never reads the backend: no kernel check for it.
@@ -191,6 +196,7 @@ class LlmExecutor(KvCacheExecutor):
         )
         if mc.all_layers_sliding:
             self.kv.enable_sliding(max(mc.layer_windows), WINDOW_ROLLBACK_TOKENS)
+        self.policy_kernels = self.model.cpu_kernels
         self.graphs = None
         if decode_graphs:
             from executors.decode_graphs import DecodeGraphs

@@ -39,12 +39,16 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from executors.types import DType, HostTensor, LogitsKind, LogitsPolicy, LogitsResult
+
+if TYPE_CHECKING:
+    from executors.cpu_kernels import CpuKernels
 
 TORCH_DTYPES = {
     DType.FLOAT32: torch.float32,
@@ -103,7 +107,11 @@ def _logprob_at(x: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
     return x.gather(1, tok[:, None]).squeeze(1) - torch.logsumexp(x, dim=-1)
 
 
-def _argmax(x: torch.Tensor) -> tuple[list[int], list[float]]:
+def _argmax(x: torch.Tensor, kernels: CpuKernels | None = None) -> tuple[list[int], list[float]]:
+    if kernels is not None and x.device.type == "cpu":
+        found = kernels.argmax_logprob(x)  # one call instead of argmax + logsumexp's five ops
+        if found is not None:
+            return found
     tok = torch.argmax(x, dim=-1)
     # One copy to the host for ids and log-probabilities (ids < 2^53 are exact in float64).
     both = torch.stack((tok.double(), _logprob_at(x, tok).double())).tolist()
@@ -227,11 +235,13 @@ def _sample(x: torch.Tensor, policies: list[LogitsPolicy], positions: list[int])
 
 
 def apply_policies(
-    rows: torch.Tensor, policies: Sequence[LogitsPolicy], positions: Sequence[int]
+    rows: torch.Tensor, policies: Sequence[LogitsPolicy], positions: Sequence[int],
+    kernels: CpuKernels | None = None,
 ) -> list[LogitsResult]:
     """One LogitsResult per row of `rows` ([n, vocab]).
 
-    positions[i] is the position of the token row i predicts; it seeds sampling.
+    positions[i] is the position of the token row i predicts; it seeds sampling. `kernels`:
+    the CPU kernels (executors/cpu_kernels) that take ARGMAX rows in one call, where built.
     """
     rows = rows.float()
     results: list[LogitsResult | None] = [None] * len(policies)
@@ -241,7 +251,7 @@ def apply_policies(
         if p.kind is LogitsKind.FULL:
             results[i] = LogitsResult(LogitsKind.FULL, logits=to_host_tensor(rows[i], p.full_dtype))
     if argmax:
-        for i, tok, lp in zip(argmax, *_argmax(_take(rows, argmax))):
+        for i, tok, lp in zip(argmax, *_argmax(_take(rows, argmax), kernels)):
             results[i] = LogitsResult(LogitsKind.ARGMAX, token_id=tok, logprob=lp)
     for k in sorted({p.k for p in policies if p.kind is LogitsKind.TOP_K}):
         idx = [i for i, p in enumerate(policies) if p.kind is LogitsKind.TOP_K and p.k == k]

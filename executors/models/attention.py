@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from kvcache.kv_pool import PagedKvPool
 
 if TYPE_CHECKING:
+    from executors.cpu_kernels import CpuKernels
     from executors.lora import LoraBatch
     from executors.models.triton_attention import KernelPlan
 
@@ -64,6 +65,9 @@ VIEW_MIN_TOKENS = 256
 MAX_VIEW_RUNS = 8
 # Batched gathers are split so that one group's gathered K and V stay cache-sized.
 GATHER_GROUP_BYTES = 8 << 20
+# float32 on a CPU with executors/cpu_kernels built: decode rows read the pool through the
+# paged kernel instead of views and gathers (False: the torch paths above, for tests).
+PAGED_KERNEL = True
 
 _flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -107,6 +111,8 @@ class StepContext:
     kernel_plan: KernelPlan | None = None
     layers: tuple[LayerAttention, ...] = ()  # per layer (set by the decoder); empty: all PLAIN
     window_plans: dict[int, AttentionPlan] = field(default_factory=dict)  # sliding layers' plans
+    # float32 on a CPU: decode rows attend through the paged kernel (executors/cpu_kernels).
+    cpu: CpuKernels | None = None
 
     def layer(self, i: int) -> LayerAttention:
         return self.layers[i] if self.layers else PLAIN
@@ -219,8 +225,21 @@ class _Chunk:
 
 
 @dataclass(slots=True)
+class _Paged:
+    """Decode rows for the CPU kernel: row r reads keys lo[r]..hi[r]-1 through tables[r]."""
+
+    rows: slice | torch.Tensor
+    count: int
+    tables: torch.Tensor  # [count, widest table] int32
+    lo: torch.Tensor  # [count] int32
+    hi: torch.Tensor
+
+
+@dataclass(slots=True)
 class AttentionPlan:
     fresh: list[_Fresh] = field(default_factory=list)
+    paged: _Paged | None = None
+    kernel_store: bool = False  # the CPU kernel stores the new K and V (every slot checked in range)
     views: list[_Views] = field(default_factory=list)
     gathered: list[_Gathered] = field(default_factory=list)
     chunks: list[_Chunk] = field(default_factory=list)
@@ -279,16 +298,36 @@ def plan_attention(ctx: StepContext, num_rows: int, window: int | None = None,
                 plan.chunks.append(_Chunk(seg.q_start, seg.q_len, seg.start, None, blocks, mask, lb * bs))
             continue
         decode.append((seg, nb))
-    if decode:
+    kernels = PAGED_KERNEL and ctx.cpu is not None and pool is not None and pool.dtype == torch.float32 and pool.device.type == "cpu"
+    if kernels and ctx.slot_mapping is not None and ctx.slot_mapping.dtype == torch.int64 and num_rows:
+        slots = pool.key[0].shape[0] * pool.block_size  # scratch blocks included
+        plan.kernel_store = 0 <= int(ctx.slot_mapping.min()) and int(ctx.slot_mapping.max()) < slots
+    if decode and kernels:
+        plan.paged = _plan_paged(decode, window)
+    elif decode:
         _plan_decode(plan, decode, pool, lone=len(decode) == 1, window=window)
-    groups = len(plan.fresh) + len(plan.views) + len(plan.gathered) + len(plan.chunks)
+    groups = len(plan.fresh) + len(plan.views) + len(plan.gathered) + len(plan.chunks) + (plan.paged is not None)
     if groups == 1:
-        if plan.fresh:
+        if plan.paged is not None:
+            rows = plan.paged.rows
+            plan.whole = isinstance(rows, slice) and rows.start == 0 and plan.paged.count == num_rows
+        elif plan.fresh:
             plan.whole = plan.fresh[0].r0 == 0 and plan.fresh[0].count * plan.fresh[0].n == num_rows
         elif plan.gathered:
             g = plan.gathered[0]
             plan.whole = isinstance(g.rows, slice) and g.rows.start == 0 and g.count == num_rows
     return plan
+
+
+def _plan_paged(decode: list[tuple[Segment, int]], window: int | None) -> _Paged:
+    width = max(nb for _, nb in decode)
+    tables = torch.tensor([seg.block_ids[:nb] + [0] * (width - nb) for seg, nb in decode], dtype=torch.int32)
+    hi = [seg.start + 1 for seg, _ in decode]
+    lo = [0 if window is None else max(0, h - window) for h in hi]
+    rows = [seg.q_start for seg, _ in decode]
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    sel = slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows)
+    return _Paged(sel, len(rows), tables, torch.tensor(lo, dtype=torch.int32), torch.tensor(hi, dtype=torch.int32))
 
 
 def _plan_decode(plan: AttentionPlan, decode: list[tuple[Segment, int]], pool: PagedKvPool, lone: bool,
@@ -360,12 +399,6 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: S
         from executors.models import triton_attention  # triton is needed only on this path
 
         return triton_attention.attend(layer, q, k, v, ctx)
-    if pool is not None:
-        pool.write(layer, ctx.slot_mapping, k, v)
-        if ctx.zero_slots is not None:
-            kf, vf = pool.flat(layer)
-            kf.index_fill_(0, ctx.zero_slots, 0)
-            vf.index_fill_(0, ctx.zero_slots, 0)
     m, heads, d = q.shape
     kvh = k.shape[1]
     scale = spec.scale
@@ -377,12 +410,34 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: S
         plan = ctx.window_plans.get(spec.window)
         if plan is None:
             plan = ctx.window_plans[spec.window] = plan_attention(ctx, m, spec.window, q.device)
+    if pool is not None:
+        if plan.kernel_store:
+            ctx.cpu.store_kv(k, v, ctx.slot_mapping, pool.key[layer], pool.value[layer])
+        else:
+            pool.write(layer, ctx.slot_mapping, k, v)
+        if ctx.zero_slots is not None:
+            kf, vf = pool.flat(layer)
+            kf.index_fill_(0, ctx.zero_slots, 0)
+            vf.index_fill_(0, ctx.zero_slots, 0)
     if plan.whole and plan.fresh:
         f = plan.fresh[0]
         return _fresh(q, k, v, 0, f, scale).reshape(m, heads * d)
     if plan.whole and plan.gathered:
         return _gathered(q, pool, layer, plan.gathered[0], scale).to(q.dtype).reshape(m, heads * d)
+    if plan.whole and plan.paged is not None:
+        out = q.new_empty(m, heads * d)
+        _paged(ctx.cpu, q, pool, layer, plan.paged, scale, out)
+        return out
     out = q.new_empty(m, heads, d)
+    if plan.paged is not None:
+        p = plan.paged
+        res = q.new_empty(p.count, heads * d)
+        _paged(ctx.cpu, q[p.rows] if isinstance(p.rows, slice) else q.index_select(0, p.rows), pool, layer, p,
+               scale, res)
+        if isinstance(p.rows, slice):
+            out[p.rows] = res.view(p.count, heads, d)
+        else:
+            out.index_copy_(0, p.rows, res.view(p.count, heads, d))
     for f in plan.fresh:
         out[f.r0:f.r0 + f.count * f.n] = _fresh(q, k, v, f.r0, f, scale).view(f.count * f.n, heads, d)
     if plan.views:
@@ -400,6 +455,15 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: S
     for c in plan.chunks:
         out[c.r0:c.r0 + c.n] = _chunk(q, pool, layer, c, scale)
     return out.view(m, heads * d)
+
+
+def _paged(cpu: CpuKernels, q: torch.Tensor, pool: PagedKvPool, layer: int, p: _Paged, scale: float | None,
+           out: torch.Tensor) -> None:
+    """Decode rows through the CPU kernel, reading the pool in place: out [count, H * D]."""
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    cpu.decode_attention(q, pool.key[layer], pool.value[layer], p.tables, p.lo, p.hi,
+                         q.shape[2] ** -0.5 if scale is None else scale, out)
 
 
 def _fresh(q, k, v, r0: int, f: _Fresh, scale: float | None) -> torch.Tensor:

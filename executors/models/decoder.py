@@ -39,11 +39,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executors.cpu_kernels import CpuKernels, cpu_kernels
 from executors.lora import LoraBatch
-from executors.models import cpu_layout
+from executors.models import cpu_layout, step_ops
 from executors.models.attention import LayerAttention, StepContext, attend, attend_reference
 from executors.models.config import DecoderConfig
-from executors.models.layers import MLP, RMSNorm, RotaryEmbedding, activation, apply_rope
+from executors.models.layers import MLP, RMSNorm, RotaryEmbedding, activation
 from executors.models.moe import MoeWeights, SparseMoe, grouped_backend, moe_forward, stack
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the tensor-parallel ranks, in place
@@ -205,6 +206,10 @@ class DecoderLM(nn.Module):
         self.packed_head: torch.Tensor | None = None
         self.fused_fp32_packed: list[FusedLayer] | None = None  # float32: for PACKED_FP32_ROWS-row steps
         self.packed_head_fp32: torch.Tensor | None = None
+        # float32 on a CPU: the AVX2 kernels for steps of a few rows (step_ops.py), when
+        # use_cpu_kernels allows and they build here; the weights then all stay row-major.
+        self.use_cpu_kernels = True
+        self.cpu_kernels: CpuKernels | None = None
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
         """The rotary tables and the expert-load counters (not in checkpoints: made here, on
@@ -259,22 +264,26 @@ class DecoderLM(nn.Module):
             embed = self.model.embed_tokens.weight
             grouped_backend(embed.device, embed.dtype)
         if cpu_layout.wanted(self):
-            cpu_layout.relayout(self)  # float32 on CPU: each kind of weight in its faster layout
+            self.cpu_kernels = cpu_kernels() if self.use_cpu_kernels else None
+            if self.cpu_kernels is None or not all(map(self.cpu_kernels.accepts, self._matmul_weights())):
+                self.cpu_kernels = None
+                cpu_layout.relayout(self)  # MKL's one-row matmuls: each kind of weight in its faster layout
             fused = self.fused
         head = self.head_weight()
-        if _should_pack(head, torch.bfloat16):
+        if step_ops.should_pack(head, torch.bfloat16):
             # bfloat16 on CPU: oneDNN prepacked weights (AMX / avx512_bf16 layout) instead of
             # F.linear, which re-lays the weight out on every call: 1.3-1.5x faster matmuls
             # at M = 1..512 here (bench/RESULTS.md). A second copy of the matmul weights.
-            fused = [_packed(w) for w in fused]
-            self.packed_head = _pack(head)
-        elif _should_pack(head, torch.float32) and sum(p.numel() for p in self.parameters()) * 4 <= PACK_FP32_MAX_BYTES:
+            fused = [step_ops.packed(w) for w in fused]
+            self.packed_head = step_ops.pack(head)
+        elif (step_ops.should_pack(head, torch.float32)
+              and sum(p.numel() for p in self.parameters()) * 4 <= step_ops.PACK_FP32_MAX_BYTES):
             # float32 on CPU: oneDNN prepacked copies for steps of PACKED_FP32_ROWS rows (batched
             # decode), 1.25-1.4x faster than MKL's sgemm there; slower at 1 row and no better
             # for prefill-sized steps, which keep F.linear. Doubles the weights' memory, so
             # only for models up to PACK_FP32_MAX_BYTES.
-            self.fused_fp32_packed = [_packed(w) for w in fused]
-            self.packed_head_fp32 = _pack(head)
+            self.fused_fp32_packed = [step_ops.packed(w) for w in fused]
+            self.packed_head_fp32 = step_ops.pack(head)
         self.fused = fused
         return self
 
@@ -285,6 +294,10 @@ class DecoderLM(nn.Module):
             return self.lm_head.weight.detach()
         w = self.model.embed_tokens.weight.detach()
         return w if self.head_rows is None else w[self.head_rows[0]:self.head_rows[1]]
+
+    def _matmul_weights(self) -> list[torch.Tensor]:
+        dense = [t for w in self.fused for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]
+        return [*dense, self.head_weight()]
 
     def packed_bytes(self) -> int:
         """Memory of the oneDNN packed copies of the matmul weights kept beside the parameters."""
@@ -298,7 +311,7 @@ class DecoderLM(nn.Module):
         would stay behind (on the old device or dtype) while each parameter moves on its own.
         Drop them, move the parameters, and fuse again where the model was fused."""
         fused = self.fused is not None
-        self.fused = self.packed_head = self.fused_fp32_packed = self.packed_head_fp32 = None
+        self.fused = self.packed_head = self.fused_fp32_packed = self.packed_head_fp32 = self.cpu_kernels = None
         out = super()._apply(fn, recurse)
         if fused:
             self.fuse()
@@ -327,125 +340,91 @@ class DecoderLM(nn.Module):
         c = self.config
         heads, kv_heads, d, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
         hq, hk, inter = heads * d, kv_heads * d, c.intermediate_size
-        norm_shape, head_shape = (c.hidden_size,), (d,)
         m = input_ids.shape[0]
         x = self._embed(input_ids)
-        tables = self.rope.tables(positions, x.dtype)
-        local = self.rope_local.tables(positions, x.dtype) if self.rope_local is not None else tables
-        layers, lora, reduce = self.fused, ctx.lora, self.all_reduce
-        if self.fused_fp32_packed is not None and m in PACKED_FP32_ROWS:
-            layers = self.fused_fp32_packed
+        lora, reduce = ctx.lora, self.all_reduce
+        layers, linear, residual_linear, norm, rotate, glu = step_ops.for_step(
+            positions, self.fused, self.fused_fp32_packed, self.cpu_kernels, self.rope, self.rope_local, x.dtype,
+            c.hidden_act)
+        if self.cpu_kernels is not None and self.cpu_kernels.attention_accepts(heads, kv_heads, d):
+            ctx.cpu = self.cpu_kernels
         for i, w in enumerate(layers):
-            cos, sin = local if c.window(i) is not None else tables
-            h = F.rms_norm(x, norm_shape, w.input_norm, eps)
-            qkv = _linear(h, w.qkv, w.qkv_bias)
+            sliding = c.window(i) is not None
+            h = norm(x, w.input_norm, eps)
+            qkv = linear(h, w.qkv, w.qkv_bias)
             if lora is not None:  # deltas into the fused output's column slices, before q/k norm and rope
                 lora.apply(i, "q_proj", h, qkv[:, :hq])
                 lora.apply(i, "k_proj", h, qkv[:, hq:hq + hk])
                 lora.apply(i, "v_proj", h, qkv[:, hq + hk:])
             if w.q_norm is None:
-                qk = apply_rope(qkv[:, :hq + hk].view(m, heads + kv_heads, d), cos, sin)
+                qk = rotate(qkv[:, :hq + hk].view(m, heads + kv_heads, d), sliding)
                 q, k = qk[:, :heads], qk[:, heads:]
             else:
-                q = apply_rope(F.rms_norm(qkv[:, :hq].view(m, heads, d), head_shape, w.q_norm, eps), cos, sin)
-                k = apply_rope(F.rms_norm(qkv[:, hq:hq + hk].view(m, kv_heads, d), head_shape, w.k_norm, eps), cos, sin)
+                q = rotate(norm(qkv[:, :hq].view(m, heads, d), w.q_norm, eps), sliding)
+                k = rotate(norm(qkv[:, hq:hq + hk].view(m, kv_heads, d), w.k_norm, eps), sliding)
             v = qkv[:, hq + hk:].view(m, kv_heads, d)
             a = attend(i, q, k, v, ctx)
             if w.pre_ff_norm is not None:
-                x, h = self._sandwich_attention_out(i, x, a, w, ctx)
+                x, h = self._sandwich_attention_out(i, x, a, w, ctx, linear, norm)
             elif reduce is not None:  # the ranks' partial sums of o_proj, then the residual add
-                o = _linear(a, w.o, w.o_bias)
+                o = linear(a, w.o, w.o_bias)
                 if lora is not None:
                     lora.apply(i, "o_proj", a, o)
                 x = x + reduce(o)
-                h = F.rms_norm(x, norm_shape, w.post_norm, eps)
+                h = norm(x, w.post_norm, eps)
             else:
-                x = _residual_linear(x, a, w.o, w.o_bias)
+                x = residual_linear(x, a, w.o, w.o_bias)
                 if lora is not None:  # o_proj's delta straight into the residual stream
                     lora.apply(i, "o_proj", a, x)
-                h = F.rms_norm(x, norm_shape, w.post_norm, eps)
+                h = norm(x, w.post_norm, eps)
             if w.moe is not None:
                 y = moe_forward(h, w.moe, self.act, self.expert_load[i])
                 if reduce is not None:
                     y = reduce(y)
-                x = x + (F.rms_norm(y, norm_shape, w.post_ff_norm, eps) if w.post_ff_norm is not None else y)
+                x = x + (norm(y, w.post_ff_norm, eps) if w.post_ff_norm is not None else y)
                 continue
-            gu = _linear(h, w.gate_up, w.gate_up_bias)
+            gu = linear(h, w.gate_up, w.gate_up_bias)
             if lora is not None:  # before the SiLU
                 lora.apply(i, "gate_proj", h, gu[:, :inter])
                 lora.apply(i, "up_proj", h, gu[:, inter:])
-            act = self.act(gu[:, :inter]).mul_(gu[:, inter:])
+            act = glu(gu)
             if w.post_ff_norm is not None or reduce is not None:
-                y = _linear(act, w.down, w.down_bias)
+                y = linear(act, w.down, w.down_bias)
                 if lora is not None:
                     lora.apply(i, "down_proj", act, y)
                 if reduce is not None:
                     y = reduce(y)
-                x = x + (F.rms_norm(y, norm_shape, w.post_ff_norm, eps) if w.post_ff_norm is not None else y)
+                x = x + (norm(y, w.post_ff_norm, eps) if w.post_ff_norm is not None else y)
                 continue
-            x = _residual_linear(x, act, w.down, w.down_bias)
+            x = residual_linear(x, act, w.down, w.down_bias)
             if lora is not None:
                 lora.apply(i, "down_proj", act, x)
-        return F.rms_norm(x, norm_shape, self.model.norm.fused_weight(), eps)
+        return norm(x, self.model.norm.fused_weight(), eps)
 
     def _sandwich_attention_out(self, i: int, x: torch.Tensor, a: torch.Tensor, w: FusedLayer,
-                                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+                                ctx: StepContext, linear: step_ops.Linear,
+                                norm: step_ops.Norm) -> tuple[torch.Tensor, torch.Tensor]:
         """Gemma: x + norm(o_proj(a)), and the pre-MLP norm of that (no add to fuse into the matmul)."""
-        norm_shape, eps = (self.config.hidden_size,), self.config.rms_norm_eps
-        o = _linear(a, w.o, w.o_bias)
+        eps = self.config.rms_norm_eps
+        o = linear(a, w.o, w.o_bias)
         if ctx.lora is not None:
             ctx.lora.apply(i, "o_proj", a, o)
         if self.all_reduce is not None:
             o = self.all_reduce(o)
-        x = x + F.rms_norm(o, norm_shape, w.post_norm, eps)
-        return x, F.rms_norm(x, norm_shape, w.pre_ff_norm, eps)
+        x = x + norm(o, w.post_norm, eps)
+        return x, norm(x, w.pre_ff_norm, eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, reference: bool = False) -> torch.Tensor:
         """float32 logits of the given hidden rows; the lm_head runs only on these rows."""
+        rows = hidden.shape[0]
         if self.packed_head is not None and not reference:
-            out = _linear(hidden.contiguous(), self.packed_head, None).float()
-        elif self.packed_head_fp32 is not None and not reference and hidden.shape[0] in PACKED_FP32_ROWS:
-            out = _linear(hidden.contiguous(), self.packed_head_fp32, None)
+            out = step_ops.linear(hidden.contiguous(), self.packed_head, None).float()
+        elif self.cpu_kernels is not None and not reference and rows <= step_ops.matvec_rows():
+            out = self.cpu_kernels.linear(hidden, self.head_weight())
+        elif self.packed_head_fp32 is not None and not reference and rows in step_ops.PACKED_FP32_ROWS:
+            out = step_ops.linear(hidden.contiguous(), self.packed_head_fp32, None)
         else:
             out = torch.nn.functional.linear(hidden, self.head_weight()).float()
         cap = self.config.final_softcap
         return out if cap is None else torch.tanh(out / cap) * cap
-
-
-# float32 steps with this many rows use oneDNN prepacked weights (see DecoderLM.fuse).
-PACKED_FP32_ROWS = range(2, 49)
-PACK_FP32_MAX_BYTES = 1 << 30
-
-
-def _should_pack(weight: torch.Tensor, dtype: torch.dtype) -> bool:
-    if weight.device.type != "cpu" or weight.dtype != dtype or not torch.backends.mkldnn.is_available():
-        return False
-    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        return False
-    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
-
-
-def _packed(w: FusedLayer) -> FusedLayer:
-    """The layer with its matmul weights prepacked (a sparse layer's experts stay as they are)."""
-    dense = {} if w.gate_up is None else dict(gate_up=_pack(w.gate_up), down=_pack(w.down))
-    return w._replace(qkv=_pack(w.qkv), o=_pack(w.o), **dense)
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
-def _residual_linear(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x + a @ weight.T (+ bias), the add fused into the matmul (addmm, or oneDNN's binary post-op)."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise.binary(a, x, weight, bias, "add")
-    if bias is not None:
-        return x + F.linear(a, weight, bias)
-    return torch.addmm(x, a, weight.t())

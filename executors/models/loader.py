@@ -65,9 +65,10 @@ class _Progress:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device,
-               shard: Callable[[DecoderConfig], ShardPlan] | None = None) -> DecoderLM:
+               shard: Callable[[DecoderConfig], ShardPlan] | None = None, cpu_kernels: bool = True) -> DecoderLM:
     """`shard`: under tensor parallelism, the plan of this rank's slices (given the model's
-    config); only those slices are read from the files."""
+    config); only those slices are read from the files. `cpu_kernels`: float32 on a CPU, run
+    steps of a few rows through the AVX2 matvec kernels where they build (executors/cpu_kernels)."""
     model_dir = Path(model_dir)
     config = DecoderConfig.from_dir(model_dir)
     plan = shard(config) if shard is not None else None
@@ -116,6 +117,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     model.load_state_dict(state, assign=True, strict=True)
     model.reset_buffers(device)  # rotary tables and expert-load counters: built, not loaded
     log.info("fusing %s's q/k/v and gate/up weights for the fast forward", model_dir.name)
+    model.use_cpu_kernels = cpu_kernels
     model.fuse()  # the fast forward's fused q/k/v and gate/up weights; the parameters become views
     log.info("loaded %s (%s) in %.1f s", model_dir.name, config.architecture, time.perf_counter() - started)
     return model.eval()

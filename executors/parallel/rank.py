@@ -137,7 +137,8 @@ def load_shard(config, group: TpGroup):
         plans.append(ShardPlan(c, group.rank, group.world))
         return plans[-1]
 
-    model = load_model(config.model_dir, config.torch_dtype, config.device, shard=shard)
+    model = load_model(config.model_dir, config.torch_dtype, config.device, shard=shard,
+                       cpu_kernels=config.cpu_kernels)
     model.all_reduce = group.all_reduce
     return config, model, plans[0]
 

@@ -1,11 +1,12 @@
 """The fast CPU paths against the plain reference computation (fp32, max abs diff <= 1e-4).
 
-Two LlmExecutors share one tiny random model: one runs the fast path (fused weights,
-planned attention over pool views and block gathers), the other the reference (per-layer
-modules, per-sequence slot gathers). Both receive the same calls, so their block tables
-are identical, and every output must agree. Each scenario runs under three attention
-policies: the defaults, everything through pool views (with log-sum-exp merges over
-fragmented blocks) and everything through the batched block gather.
+Two LlmExecutors share one tiny random model: one runs the fast path (fused weights, the
+CPU kernels of executors/cpu_kernels for small steps, planned attention), the other the
+reference (per-layer modules, per-sequence slot gathers). Both receive the same calls, so
+their block tables are identical, and every output must agree. Each scenario runs under
+four attention policies: the defaults (decode rows through the paged CPU kernel), torch's
+plan of pool views and block gathers, everything through pool views (with log-sum-exp
+merges over fragmented blocks) and everything through the batched block gather.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ FAMILIES = {
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "tie_word_embeddings": False, "head_dim": 32},
 }
 POLICIES = {
-    "default": {},
-    "views": {"VIEW_MIN_TOKENS": 0, "MAX_VIEW_RUNS": 1000},
-    "gather": {"MAX_VIEW_RUNS": 0},
+    "default": {},  # decode rows through the paged CPU kernel, where it builds
+    "torch": {"PAGED_KERNEL": False},  # views and gathers as the plan picks them
+    "views": {"PAGED_KERNEL": False, "VIEW_MIN_TOKENS": 0, "MAX_VIEW_RUNS": 1000},
+    "gather": {"PAGED_KERNEL": False, "MAX_VIEW_RUNS": 0},
 }
 
 

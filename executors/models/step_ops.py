@@ -1,0 +1,143 @@
+"""Which code runs a step's matmuls, norms and rotations, by device, dtype and row count.
+
+- float32 on a CPU with the kernels of executors/cpu_kernels built: steps of 1..MAX_ROWS
+  rows (decode at small batches) run their matmuls through the AVX2 matvec kernels, reading
+  each row-major weight once at close to the memory bandwidth; steps of up to
+  KERNEL_OPS_MAX_ROWS rows run their RMSNorms and rotations there (torch's per-op set-up is
+  most of those ops' cost at decode sizes). Larger steps keep torch's ops.
+- float32 on a CPU, steps of PACKED_FP32_ROWS rows: oneDNN prepacked copies (batched decode),
+  1.25-1.4x faster than MKL's sgemm there. They double the weights' memory, so only for
+  models up to PACK_FP32_MAX_BYTES; status reports them (DecoderLM.packed_bytes).
+- bfloat16 on a CPU: oneDNN prepacked weights (AMX / avx512_bf16 layout) for every step:
+  F.linear would re-lay the weight out on every call (1.3-1.5x slower at M = 1..512).
+- Everything else (prefill-sized float32 steps, CUDA): F.linear, with the residual add folded
+  into addmm.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from executors.models import layers
+from executors.models.layers import RotaryEmbedding, apply_rope
+
+if TYPE_CHECKING:
+    from executors.cpu_kernels import CpuKernels
+    from executors.models.decoder import FusedLayer
+
+PACKED_FP32_ROWS = range(2, 49)
+PACK_FP32_MAX_BYTES = 1 << 30
+
+Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+ResidualLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+KERNEL_OPS_MAX_ROWS = 64  # norms and rotations through the CPU kernels up to this many rows
+
+Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x, weight, eps) over the last dim
+Rotate = Callable[[torch.Tensor, bool], torch.Tensor]  # (x [m, heads, d], local table?) -> rotated
+Glu = Callable[[torch.Tensor], torch.Tensor]  # gate_up [m, 2 I] -> act(gate) * up [m, I]
+
+
+class StepOps(NamedTuple):
+    """The weights a step reads and the calls it makes with them."""
+
+    layers: list[FusedLayer]
+    linear: Linear  # (x, weight, bias) -> x @ weight.T + bias
+    residual_linear: ResidualLinear  # (residual, x, weight, bias) -> residual + x @ weight.T + bias
+    norm: Norm
+    rotate: Rotate  # may rotate x in place (the kernels do) and returns it
+    glu: Glu
+
+
+def for_step(positions: torch.Tensor, fused: list[FusedLayer], packed: list[FusedLayer] | None,
+             kernels: CpuKernels | None, rope: RotaryEmbedding, rope_local: RotaryEmbedding | None,
+             dtype: torch.dtype, activation: str) -> StepOps:
+    rows = positions.shape[0]
+    if kernels is not None and 0 < rows <= KERNEL_OPS_MAX_ROWS and int(positions.max()) < rope.cos.shape[0]:
+        norm, rotate = kernels.rms_norm, _kernel_rotate(kernels, positions, rope, rope_local or rope)
+        glu = functools.partial(kernels.glu, activation=activation)
+    else:
+        norm, rotate = torch_norm, _torch_rotate(positions, rope, rope_local, dtype)
+        glu = functools.partial(torch_glu, act=layers.activation(activation))
+    if kernels is not None and rows <= matvec_rows():
+        return StepOps(fused, kernels.linear, kernels.residual_linear, norm, rotate, glu)
+    if packed is not None and rows in PACKED_FP32_ROWS:
+        return StepOps(packed, linear, residual_linear, norm, rotate, glu)
+    return StepOps(fused, linear, residual_linear, norm, rotate, glu)
+
+
+def torch_glu(gu: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    inter = gu.shape[1] // 2
+    return act(gu[:, :inter]).mul_(gu[:, inter:])
+
+
+def torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+def _torch_rotate(positions: torch.Tensor, rope: RotaryEmbedding, rope_local: RotaryEmbedding | None,
+                  dtype: torch.dtype) -> Rotate:
+    tables = rope.tables(positions, dtype)  # looked up once per step, not per layer
+    local = rope_local.tables(positions, dtype) if rope_local is not None else tables
+
+    def rotate(x: torch.Tensor, sliding: bool) -> torch.Tensor:
+        cos, sin = local if sliding else tables
+        return apply_rope(x, cos, sin)
+    return rotate
+
+
+def _kernel_rotate(kernels: CpuKernels, positions: torch.Tensor, rope: RotaryEmbedding,
+                   rope_local: RotaryEmbedding) -> Rotate:
+    positions = positions.to(torch.int64).contiguous()
+
+    def rotate(x: torch.Tensor, sliding: bool) -> torch.Tensor:
+        table = rope_local if sliding else rope
+        if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+            x = x.contiguous()
+        return kernels.rope_(x, positions, table.cos, table.signed_sin)
+    return rotate
+
+
+def matvec_rows() -> int:
+    from executors.cpu_kernels import MAX_ROWS
+
+    return MAX_ROWS
+
+
+def should_pack(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    if weight.device.type != "cpu" or weight.dtype != dtype or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
+
+
+def packed(w: FusedLayer) -> FusedLayer:
+    """The layer with its matmul weights prepacked (a sparse layer's experts stay as they are)."""
+    dense = {} if w.gate_up is None else dict(gate_up=pack(w.gate_up), down=pack(w.down))
+    return w._replace(qkv=pack(w.qkv), o=pack(w.o), **dense)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def residual_linear(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x + a @ weight.T (+ bias), the add fused into the matmul (addmm, or oneDNN's binary post-op)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise.binary(a, x, weight, bias, "add")
+    if bias is not None:
+        return x + F.linear(a, weight, bias)
+    return torch.addmm(x, a, weight.t())

@@ -1,0 +1,211 @@
+"""The float32 CPU kernels (executors/cpu_kernels) against torch's ops, shape by shape.
+
+Odd sizes on purpose: outputs not a multiple of the 8-row block, inputs not a multiple of
+8 floats (the masked tails), strided views (a fused projection's slices, the lm_head as a
+row slice of the embedding), windows and fragmented block tables. The kernels must build on
+this machine whenever it has a C compiler and AVX2 + FMA: a silent fallback to torch would
+let every other test pass without running them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from executors.cpu_kernels import build as kernel_build
+from executors.cpu_kernels import cpu_kernels
+from executors.models.layers import apply_rope
+
+try:
+    kernel_build.check_cpu()
+    kernel_build.compiler()
+    BUILDABLE = None
+except kernel_build.KernelsUnavailable as e:
+    BUILDABLE = str(e)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_kernels()
+    if BUILDABLE is None:
+        assert k is not None, "a C compiler and AVX2 are here, yet the kernels did not build (see the log)"
+    else:
+        assert k is None  # and the model falls back; tests/models/test_cpu_layout.py covers that path
+        pytest.skip(f"the CPU kernels cannot be built on this machine: {BUILDABLE}")
+    return k
+
+
+def test_build_into_an_empty_cache_and_reuse_it(tmp_path):
+    if BUILDABLE is not None:
+        with pytest.raises(kernel_build.KernelsUnavailable):
+            kernel_build.build_library(tmp_path)
+        return
+    first = kernel_build.build_library(tmp_path)
+    assert first.exists() and first.parent.parent == tmp_path
+    mtime = first.stat().st_mtime_ns
+    assert kernel_build.build_library(tmp_path) == first and first.stat().st_mtime_ns == mtime  # cached, not rebuilt
+    assert not list(first.parent.glob("*.partial"))
+
+
+def test_no_compiler_is_a_reason_not_a_crash(monkeypatch):
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setattr(kernel_build.shutil, "which", lambda name: None)
+    with pytest.raises(kernel_build.KernelsUnavailable, match="no C compiler"):
+        kernel_build.compiler()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(8, 8), (13, 20), (960, 576), (100, 1537)])
+def test_linear_matches_torch(kernels, m, n, k):
+    g = torch.Generator().manual_seed(n * 31 + k + m)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k ** 0.5
+    bias, residual = torch.randn(n, generator=g), torch.randn(m, n, generator=g)
+    torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernels.linear(x, w, bias), F.linear(x, w, bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernels.residual_linear(residual, x, w, bias), residual + F.linear(x, w, bias),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_linear_reads_strided_views(kernels):
+    g = torch.Generator().manual_seed(1)
+    embed = torch.randn(50, 24, generator=g)
+    head = embed[10:37]  # a tensor-parallel rank's rows of a tied embedding
+    fused = torch.randn(3, 40, generator=g)
+    x = fused[:, 8:32]  # a slice of a fused output: rows 40 floats apart
+    assert kernels.accepts(head) and not kernels.accepts(embed.t())
+    torch.testing.assert_close(kernels.linear(x, head), F.linear(x, head), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (3, 20), (2, 5, 32)])
+def test_rms_norm_matches_torch(kernels, shape):
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), F.rms_norm(x, (shape[-1],), w, 1e-6),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_rms_norm_of_head_slices(kernels):
+    """q/k norms read [m, heads, d] views of a fused qkv output."""
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, 7 * 16, generator=g)
+    q = qkv[:, :4 * 16].view(2, 4, 16)
+    w = torch.randn(16, generator=g)
+    torch.testing.assert_close(kernels.rms_norm(q, w, 1e-6), F.rms_norm(q, (16,), w, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_matches_apply_rope(kernels):
+    g = torch.Generator().manual_seed(4)
+    d, positions = 32, torch.tensor([0, 5, 17])
+    freqs = torch.outer(torch.arange(64, dtype=torch.float32), torch.rand(d // 2, generator=g))
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos(), emb.sin()
+    sin[:, :d // 2].neg_()
+    qkv = torch.randn(3, 9 * d, generator=g)
+    view = qkv[:, :6 * d].view(3, 6, d)
+    expected = apply_rope(view, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    kernels.rope_(view, positions, cos, sin)
+    torch.testing.assert_close(view, expected, atol=1e-6, rtol=1e-6)
+
+
+def reference_attention(q, kpool, vpool, table, lo, hi, scale):
+    bs, kvh, d = kpool.shape[1:]
+    slots = [table[p // bs] * bs + p % bs for p in range(lo, hi)]
+    k = kpool.reshape(-1, kvh, d)[slots].transpose(0, 1)
+    v = vpool.reshape(-1, kvh, d)[slots].transpose(0, 1)
+    out = F.scaled_dot_product_attention(q.unsqueeze(1), k, v, enable_gqa=True, scale=scale)
+    return out.squeeze(1).flatten()
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 32), (16, 1, 128), (8, 2, 8)])
+def test_decode_attention_matches_sdpa(kernels, heads, kv_heads, d):
+    g = torch.Generator().manual_seed(heads * d)
+    blocks, bs = 40, 4
+    kpool, vpool = torch.randn(blocks, bs, kv_heads, d, generator=g), torch.randn(blocks, bs, kv_heads, d, generator=g)
+    # Row 0: contiguous blocks; row 1: fragmented; row 2: one key; row 3: a window (keys 9..22).
+    bounds = [(0, 29), (0, 17), (0, 1), (9, 23)]
+    tables = torch.zeros(4, 8, dtype=torch.int32)
+    tables[0, :8] = torch.arange(3, 11)
+    tables[1, :5] = torch.tensor([30, 2, 17, 5, 39])
+    tables[2, 0] = 12
+    tables[3, 2:6] = torch.tensor([20, 21, 35, 1])  # blocks 0-1 fell out of the window: never read
+    lo = torch.tensor([b[0] for b in bounds], dtype=torch.int32)
+    hi = torch.tensor([b[1] for b in bounds], dtype=torch.int32)
+    q = torch.randn(4, heads, d, generator=g) * 2
+    out = torch.full((4, heads * d), float("nan"))
+    kernels.decode_attention(q, kpool, vpool, tables, lo, hi, 0.3, out)
+    for r, (a, b) in enumerate(bounds):
+        expected = reference_attention(q[r], kpool, vpool, tables[r].tolist(), a, b, 0.3)
+        torch.testing.assert_close(out[r], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_glu_matches_torch(kernels, activation):
+    from executors.models.layers import activation as torch_activation
+
+    g = torch.Generator().manual_seed(5)
+    gu = torch.randn(3, 2 * 37, generator=g) * 4
+    gu[0, :5] = torch.tensor([-100.0, -30.0, 0.0, 30.0, 100.0])  # the exp's clamps
+    expected = torch_activation(activation)(gu[:, :37]) * gu[:, 37:]
+    torch.testing.assert_close(kernels.glu(gu, activation), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_store_kv_writes_the_slots_and_nothing_else(kernels):
+    g = torch.Generator().manual_seed(6)
+    kpool, vpool = torch.zeros(6, 4, 2, 8), torch.zeros(6, 4, 2, 8)
+    qkv = torch.randn(3, 4 * 8 + 2 * 2 * 8, generator=g)
+    k, v = qkv[:, 32:48].view(3, 2, 8), qkv[:, 48:].view(3, 2, 8)  # strided views of a fused output
+    slots = torch.tensor([5, 22, 9])
+    kernels.store_kv(k, v, slots, kpool, vpool)
+    expected_k, expected_v = torch.zeros(24, 2, 8), torch.zeros(24, 2, 8)
+    expected_k[slots], expected_v[slots] = k, v
+    assert torch.equal(kpool.view(24, 2, 8), expected_k) and torch.equal(vpool.view(24, 2, 8), expected_v)
+
+
+def test_argmax_logprob_matches_torch(kernels):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 1001, generator=g) * 5
+    x[1, 700] = x[1, 3] = x[1].max() + 1  # a tie: the first index wins, as torch.argmax's
+    x[2, 1000] = 50.0  # the largest in the scalar tail
+    tokens, logprobs = kernels.argmax_logprob(x)
+    assert tokens == torch.argmax(x, -1).tolist() and tokens[1] == 3 and tokens[2] == 1000
+    expected = torch.log_softmax(x, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-5, rtol=1e-5)
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[3, 10] = bad
+        assert kernels.argmax_logprob(y) is None  # torch's rules apply then
+
+
+def test_a_model_computes_the_same_with_and_without_the_kernels(kernels):
+    """Prefill, then decode steps of 1, 3, 4 (kernels) and 6 rows (oneDNN, kernel attention),
+    against the same executor with --no-cpu-kernels."""
+    import asyncio
+
+    from executors.llm import LlmExecutor, LlmExecutorConfig
+    from executors.types import DecodeInput, PrefillInput
+    from tests.models.test_cpu_paths import tiny_model
+
+    runs = {}
+    for on in (True, False):
+        model = tiny_model("qwen3")
+        model.use_cpu_kernels = on
+        ex = LlmExecutor(LlmExecutorConfig(model_dir="/nonexistent/qwen3", num_blocks=64, block_size=4,
+                                           cpu_kernels=on), model)
+        assert (ex.model.cpu_kernels is not None) == on
+        loop = asyncio.new_event_loop()
+        try:
+            outs = loop.run_until_complete(ex.batch_prefill([PrefillInput(input_ids=[1 + i, 7, 3 * i, 9, 11])
+                                                             for i in range(6)]))
+            logits = [o.logits.logits.array for o in outs]
+            for batch in (1, 3, 4, 6):
+                steps = loop.run_until_complete(ex.batch_decode(
+                    [DecodeInput(token_id=5 + b, kv_cache=o.kv_cache) for b, o in enumerate(outs[:batch])]))
+                logits += [s.logits.logits.array for s in steps]
+                outs = [*steps, *outs[batch:]]
+            runs[on] = logits
+        finally:
+            ex.worker.close()
+            loop.close()
+    for a, b in zip(runs[True], runs[False], strict=True):
+        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), atol=1e-5, rtol=0)
