@@ -40,6 +40,9 @@ class ServeConfig:
     # CPU; decode steps on CUDA replay CUDA graphs unless cuda_graphs is off.
     attention_backend: str = "auto"
     cuda_graphs: bool = True
+    # float32 on a CPU: decode steps through the AVX2 kernels of executors/cpu_kernels (built
+    # with the system C compiler once per machine); off, or where they cannot be built, torch's ops.
+    cpu_kernels: bool = True
     # LoRA adapters (executors/adapters.py): every subdirectory of lora_dir holding a PEFT
     # adapter is loaded at start-up under its name; LoadLoraAdapter paths resolve under it.
     lora_dir: str | None = None
@@ -187,6 +190,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ServeConfig:
                    help="auto: Triton paged-attention kernels on CUDA, torch SDPA on CPU")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly on CUDA instead of replaying captured CUDA graphs")
+    p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                   help="float32 on a CPU: run decode steps on torch's ops (MKL, oneDNN) instead of the "
+                        "AVX2 kernels of executors/cpu_kernels (matvecs, norms, paged decode attention)")
     p.add_argument("--lora-dir", default=None, metavar="DIR",
                    help="load every PEFT LoRA adapter directory under DIR at start-up (named after its "
                         "directory); LoadLoraAdapter paths resolve under DIR")
