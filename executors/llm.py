@@ -77,9 +77,9 @@ class LlmExecutorConfig:
     # On CUDA with the triton backend: replay decode steps from CUDA graphs captured at
     # start-up for batch-size buckets (executors/decode_graphs.py).
     cuda_graphs: bool = True
-    # float32 on a CPU: decode steps of a few rows through the AVX2 matvec kernels
-    # (executors/cpu_kernels), built with the system C compiler on first use; off, or where
-    # they cannot be built, torch's matmuls (MKL, oneDNN) run them.
+    # float32 on a CPU: decode steps through the AVX2 kernels of executors/cpu_kernels (built
+    # with the system C compiler once per machine); off, or where they cannot be built, torch's
+    # ops (MKL, oneDNN, SDPA) run them.
     cpu_kernels: bool = True
 
     def __post_init__(self) -> None:

@@ -177,10 +177,14 @@ def test_example_speculative(embedded, smollm2_dir, tmp_path):
         draft.stop()
 
 
+def three_addresses(embedded, two_more) -> dict[str, str]:
+    """The README's three example addresses, mapped to the three running servers."""
+    return {"gpu0:50051": embedded.address, "gpu1:50051": two_more[0].address, "gpu2:50051": two_more[1].address}
+
+
 def test_example_router(embedded, two_more):
     (line,) = readme.commands(readme.example("router"))
-    addresses = {"gpu0:50051": embedded.address, "gpu1:50051": two_more[0].address,
-                 "gpu2:50051": two_more[1].address}
+    addresses = three_addresses(embedded, two_more)
     out = ok(readme.shell(readme.substitute(line, addresses), REPO))
     assert "8 requests (0 failed) on 3 executor(s)" in out
 
@@ -216,8 +220,7 @@ def test_example_tensor_parallel(embedded):
 
 def test_example_disaggregated(embedded, two_more):
     (line,) = readme.commands(readme.example("disaggregated"))
-    addresses = {"gpu0:50051": embedded.address, "gpu1:50051": two_more[0].address,
-                 "gpu2:50051": two_more[1].address}
+    addresses = three_addresses(embedded, two_more)
     out = ok(readme.shell(readme.substitute(line, addresses), REPO))
     assert "8 requests (0 failed) on 1 prefill + 2 decode executors" in out
     assert "\nmoves: " in out and "latency: first token mean" in out  # a request that stops at once never moves

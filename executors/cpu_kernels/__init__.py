@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 4  # steps of at most this many rows run their matmuls here
 MAX_HEADS = 256  # query heads the attention kernel takes (paged_attention.c)
+MAX_ROPE_DIM = 512  # head dimension the rotation takes (pointwise.c's row buffer)
 GLU_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 _P, _I, _C, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -85,21 +86,21 @@ class CpuKernels:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """F.rms_norm over the last dimension of x ([m, n], or [m, heads, n] with heads n apart)."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
         n = x.shape[-1]
         outer = x.shape[0]
         inner = x.shape[1] if x.dim() == 3 else 1
         inner_stride = x.stride(1) if x.dim() == 3 else n
-        if x.stride(-1) != 1:
-            x = x.contiguous()
         y = torch.empty(x.shape, dtype=torch.float32)
         self._rms_norm(x.data_ptr(), outer, inner, x.stride(0), inner_stride, n, weight.data_ptr(), eps,
                        y.data_ptr(), inner * n, n, torch.get_num_threads())
         return y
 
     def rope_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x ([m, heads, d], heads contiguous) in place; tables [max_positions, d]."""
+        """Rotate x ([m, heads, d], heads d floats apart, d <= MAX_ROPE_DIM) in place; tables
+        [max_positions, d], every position below max_positions (step_ops checks both)."""
         m, heads, d = x.shape
-        assert x.stride(2) == 1 and x.stride(1) == d and d <= 512
         self._rope(x.data_ptr(), m, heads, x.stride(0), d, positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr())
         return x
 

@@ -4,7 +4,7 @@ The library is built with the system C compiler the first time a process asks fo
 kept in a cache directory keyed by a hash of the source, the flags and the compiler, so
 later processes (and the service's tensor-parallel ranks) load it in milliseconds.
 `make install` builds it ahead (`python -m executors.cpu_kernels`). Where it cannot be
-built (no compiler, a CPU without AVX2 and FMA, not Linux on x86-64), `build()` says why
+built (no compiler, a CPU without AVX2 and FMA, not Linux on x86-64), `build_library()` says why
 and the model runs its matmuls through torch as before.
 
 The flags name AVX2 and FMA rather than -march=native: a cache shared between machines

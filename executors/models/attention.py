@@ -298,7 +298,8 @@ def plan_attention(ctx: StepContext, num_rows: int, window: int | None = None,
                 plan.chunks.append(_Chunk(seg.q_start, seg.q_len, seg.start, None, blocks, mask, lb * bs))
             continue
         decode.append((seg, nb))
-    kernels = PAGED_KERNEL and ctx.cpu is not None and pool is not None and pool.dtype == torch.float32 and pool.device.type == "cpu"
+    kernels = (PAGED_KERNEL and ctx.cpu is not None and pool is not None and pool.dtype == torch.float32
+               and pool.device.type == "cpu")
     if kernels and ctx.slot_mapping is not None and ctx.slot_mapping.dtype == torch.int64 and num_rows:
         slots = pool.key[0].shape[0] * pool.block_size  # scratch blocks included
         plan.kernel_store = 0 <= int(ctx.slot_mapping.min()) and int(ctx.slot_mapping.max()) < slots

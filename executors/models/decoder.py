@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executors.cpu_kernels import CpuKernels, cpu_kernels
+from executors.cpu_kernels import MAX_ROWS, CpuKernels, cpu_kernels
 from executors.lora import LoraBatch
 from executors.models import cpu_layout, step_ops
 from executors.models.attention import LayerAttention, StepContext, attend, attend_reference
@@ -420,7 +420,7 @@ class DecoderLM(nn.Module):
         rows = hidden.shape[0]
         if self.packed_head is not None and not reference:
             out = step_ops.linear(hidden.contiguous(), self.packed_head, None).float()
-        elif self.cpu_kernels is not None and not reference and rows <= step_ops.matvec_rows():
+        elif self.cpu_kernels is not None and not reference and rows <= MAX_ROWS:
             out = self.cpu_kernels.linear(hidden, self.head_weight())
         elif self.packed_head_fp32 is not None and not reference and rows in step_ops.PACKED_FP32_ROWS:
             out = step_ops.linear(hidden.contiguous(), self.packed_head_fp32, None)

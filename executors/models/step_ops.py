@@ -3,8 +3,8 @@
 - float32 on a CPU with the kernels of executors/cpu_kernels built: steps of 1..MAX_ROWS
   rows (decode at small batches) run their matmuls through the AVX2 matvec kernels, reading
   each row-major weight once at close to the memory bandwidth; steps of up to
-  KERNEL_OPS_MAX_ROWS rows run their RMSNorms and rotations there (torch's per-op set-up is
-  most of those ops' cost at decode sizes). Larger steps keep torch's ops.
+  KERNEL_OPS_MAX_ROWS rows run their RMSNorms, rotations and gated activation there (torch's
+  per-op set-up is most of those ops' cost at decode sizes). Larger steps keep torch's ops.
 - float32 on a CPU, steps of PACKED_FP32_ROWS rows: oneDNN prepacked copies (batched decode),
   1.25-1.4x faster than MKL's sgemm there. They double the weights' memory, so only for
   models up to PACK_FP32_MAX_BYTES; status reports them (DecoderLM.packed_bytes).
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from executors.cpu_kernels import MAX_ROPE_DIM, MAX_ROWS
 from executors.models import layers
 from executors.models.layers import RotaryEmbedding, apply_rope
 
@@ -32,13 +33,10 @@ if TYPE_CHECKING:
 
 PACKED_FP32_ROWS = range(2, 49)
 PACK_FP32_MAX_BYTES = 1 << 30
+KERNEL_OPS_MAX_ROWS = 64  # norms, rotations and the gated activation through the CPU kernels up to this many rows
 
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 ResidualLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-
-
-KERNEL_OPS_MAX_ROWS = 64  # norms and rotations through the CPU kernels up to this many rows
-
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x, weight, eps) over the last dim
 Rotate = Callable[[torch.Tensor, bool], torch.Tensor]  # (x [m, heads, d], local table?) -> rotated
 Glu = Callable[[torch.Tensor], torch.Tensor]  # gate_up [m, 2 I] -> act(gate) * up [m, I]
@@ -59,13 +57,16 @@ def for_step(positions: torch.Tensor, fused: list[FusedLayer], packed: list[Fuse
              kernels: CpuKernels | None, rope: RotaryEmbedding, rope_local: RotaryEmbedding | None,
              dtype: torch.dtype, activation: str) -> StepOps:
     rows = positions.shape[0]
-    if kernels is not None and 0 < rows <= KERNEL_OPS_MAX_ROWS and int(positions.max()) < rope.cos.shape[0]:
+    # The kernels' rotation reads the tables at the given positions unchecked: check once here.
+    fits = (rope.cos.shape[1] <= MAX_ROPE_DIM and 0 < rows and 0 <= int(positions.min())
+            and int(positions.max()) < rope.cos.shape[0])
+    if kernels is not None and rows <= KERNEL_OPS_MAX_ROWS and fits:
         norm, rotate = kernels.rms_norm, _kernel_rotate(kernels, positions, rope, rope_local or rope)
         glu = functools.partial(kernels.glu, activation=activation)
     else:
         norm, rotate = torch_norm, _torch_rotate(positions, rope, rope_local, dtype)
         glu = functools.partial(torch_glu, act=layers.activation(activation))
-    if kernels is not None and rows <= matvec_rows():
+    if kernels is not None and rows <= MAX_ROWS:
         return StepOps(fused, kernels.linear, kernels.residual_linear, norm, rotate, glu)
     if packed is not None and rows in PACKED_FP32_ROWS:
         return StepOps(packed, linear, residual_linear, norm, rotate, glu)
@@ -102,12 +103,6 @@ def _kernel_rotate(kernels: CpuKernels, positions: torch.Tensor, rope: RotaryEmb
             x = x.contiguous()
         return kernels.rope_(x, positions, table.cos, table.signed_sin)
     return rotate
-
-
-def matvec_rows() -> int:
-    from executors.cpu_kernels import MAX_ROWS
-
-    return MAX_ROWS
 
 
 def should_pack(weight: torch.Tensor, dtype: torch.dtype) -> bool:

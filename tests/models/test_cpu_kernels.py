@@ -209,3 +209,10 @@ def test_a_model_computes_the_same_with_and_without_the_kernels(kernels):
             loop.close()
     for a, b in zip(runs[True], runs[False], strict=True):
         torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), atol=1e-5, rtol=0)
+
+
+def test_rms_norm_of_a_view_whose_rows_are_not_contiguous(kernels):
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 16, 4, generator=g).transpose(1, 2)  # [2, 4, 16], last dimension 4 floats apart
+    w = torch.randn(16, generator=g)
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), F.rms_norm(x, (16,), w, 1e-6), atol=1e-5, rtol=1e-5)
