@@ -1,6 +1,6 @@
 """The identity of the caller on whose behalf executor work runs.
 
-The service's auth interceptor sets it per RPC (from a bearer token or a client
+The service's call wrapper (service.handlers) sets it per RPC (from a bearer token or a client
 certificate); executors read it to tie each cache to the identity that created it. None
 means authentication is off: every caller is the same anonymous identity.
 """

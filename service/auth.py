@@ -7,7 +7,7 @@
   (the variable holds one token, identity "default"). Both are read once, at start-up.
   Clients send `authorization: Bearer <token>`; tokens are compared in constant time.
 - Identity: the token's identity; under mutual TLS a call without a token is the client
-  certificate's subject CN. The interceptor sets `executors.identity.current_identity` in
+  certificate's subject CN. The check sets `executors.identity.current_identity` in
   the handler's own task, so the executor ties caches to it. No tokens and no mutual TLS
   means no authentication: the identity stays None.
 
@@ -18,9 +18,8 @@ authenticated, per `--reflection`.
 from __future__ import annotations
 
 import hmac
-import inspect
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +27,7 @@ import grpc
 
 from executors.identity import current_identity
 from service.config import ServeConfig
-from service.errors import StatusError, rich_status
-from service.handlers import Handler, wrap_handler
+from service.errors import StatusError
 
 DEFAULT_IDENTITY = "default"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -129,30 +127,13 @@ def bearer_token(metadata: Sequence[tuple[str, Any]] | None) -> bytes | None:
     return None
 
 
-# -- the interceptor -----------------------------------------------------------------------
-def with_setup(behaviour: Any, setup: Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]) -> Any:
-    """`behaviour` preceded by `await setup(request_or_iterator, context)` in the handler's own task."""
-    if inspect.isasyncgenfunction(behaviour):
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await setup(request, context)
-            async for item in behaviour(request, context):
-                yield item
-
-        return stream
-
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await setup(request, context)
-        return await behaviour(request, context)
-
-    return call
-
-
-class AuthInterceptor(grpc.aio.ServerInterceptor):
+# -- the check of every call ---------------------------------------------------------------
+class Authenticator:
     """Refuses calls without valid credentials (UNAUTHENTICATED) and sets the caller's identity.
 
-    Place it after the observability interceptor (so refusals are logged and counted) and
-    before ErrorMappingInterceptor. A call whose token is missing or wrong is refused before
-    its request bytes are parsed.
+    Applied by the wrapper every method runs in (service.handlers), after the request id is
+    given (so refusals are logged and counted) and before the request bytes are parsed: a
+    call whose token is missing or wrong is refused with its bytes never read.
     """
 
     def __init__(self, tokens: Sequence[TokenEntry], mtls: bool, reflection_needs_auth: bool) -> None:
@@ -161,13 +142,19 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self.reflection_needs_auth = reflection_needs_auth
 
     @classmethod
-    def from_config(cls, config: ServeConfig) -> AuthInterceptor | None:
-        """The interceptor the config asks for; None when authentication is off."""
+    def from_config(cls, config: ServeConfig) -> Authenticator | None:
+        """The check the config asks for; None when authentication is off."""
         tokens = load_tokens(config)
         mtls = bool(config.tls_client_ca)
         if not tokens and not mtls:
             return None
         return cls(tokens, mtls, config.reflection_mode == "authenticated")
+
+    def guards(self, method: str) -> bool:
+        """Whether calls of `method` need credentials: health never, reflection per --reflection."""
+        if method.startswith(HEALTH_PREFIX):
+            return False
+        return self.reflection_needs_auth or not method.startswith(REFLECTION_PREFIXES)
 
     def identity_for(self, token: bytes) -> str | None:
         """The identity owning `token`; every entry is compared, in constant time."""
@@ -177,51 +164,25 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 found = entry.identity
         return found
 
-    def _refuse(self, handler: Handler, message: str, reason: str) -> Handler:
-        status = rich_status(StatusError(grpc.StatusCode.UNAUTHENTICATED, message, reason))
-
-        def around(_behaviour: Any) -> Any:
-            async def deny(_request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await context.abort_with_status(status)
-
-            return deny
-
-        # request_deserializer=None: the bytes of a refused call are never parsed.
-        return wrap_handler(handler, around, request_deserializer=None)
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
-        details: grpc.HandlerCallDetails,
-    ) -> Handler:
-        handler = await continuation(details)
-        method = details.method
-        if handler is None or method.startswith(HEALTH_PREFIX):
-            return handler
-        if method.startswith(REFLECTION_PREFIXES) and not self.reflection_needs_auth:
-            return handler
-        token = bearer_token(details.invocation_metadata)
+    def authenticate(self, metadata: Sequence[tuple[str, Any]], context: grpc.aio.ServicerContext) -> None:
+        """Set the caller's identity in the handler's own task, or raise the refusal."""
+        token = bearer_token(metadata)
         if token is not None:
             if not token:
-                return self._refuse(handler, "the authorization header must be 'Bearer <token>'", "MALFORMED_TOKEN")
+                raise _refusal("the authorization header must be 'Bearer <token>'", "MALFORMED_TOKEN")
             identity = self.identity_for(token)
             if identity is None:
-                return self._refuse(handler, "the bearer token is not valid", "INVALID_TOKEN")
-
-            async def set_identity(_request: Any, _context: grpc.aio.ServicerContext) -> None:
-                current_identity.set(identity)
-
-            return wrap_handler(handler, lambda b: with_setup(b, set_identity))
-        if self.mtls:
+                raise _refusal("the bearer token is not valid", "INVALID_TOKEN")
+            current_identity.set(identity)
+        elif self.mtls:
             # The TLS handshake already verified the client certificate against the client CA.
-            async def set_cn(_request: Any, context: grpc.aio.ServicerContext) -> None:
-                cn = (context.auth_context().get("x509_common_name") or [b""])[0]
-                if not cn:
-                    await context.abort_with_status(rich_status(StatusError(
-                        grpc.StatusCode.UNAUTHENTICATED, "the client certificate has no subject CN and no bearer "
-                        "token was sent", "NO_IDENTITY")))
-                current_identity.set(cn.decode("utf-8", "replace"))
+            cn = (context.auth_context().get("x509_common_name") or [b""])[0]
+            if not cn:
+                raise _refusal("the client certificate has no subject CN and no bearer token was sent", "NO_IDENTITY")
+            current_identity.set(cn.decode("utf-8", "replace"))
+        else:
+            raise _refusal("missing credentials: send the metadata 'authorization: Bearer <token>'", "MISSING_TOKEN")
 
-            return wrap_handler(handler, lambda b: with_setup(b, set_cn))
-        return self._refuse(handler, "missing credentials: send the metadata 'authorization: Bearer <token>'",
-                            "MISSING_TOKEN")
+
+def _refusal(message: str, reason: str) -> StatusError:
+    return StatusError(grpc.StatusCode.UNAUTHENTICATED, message, reason)

@@ -93,6 +93,8 @@ def json_kind(value: Any) -> str:
 
 
 def metadata(fields: Any, where: str) -> dict[str, Any]:
+    if not fields:  # the usual case: nothing to check, no JSON conversion
+        return {}
     if len(fields) > MAX_METADATA_ENTRIES:
         raise InvalidParameter(f"{where} has {len(fields)} entries, more than {MAX_METADATA_ENTRIES}", field=where)
     try:

@@ -1,16 +1,17 @@
-"""One place that turns exceptions into gRPC statuses, applied by one interceptor.
+"""One place that turns exceptions into gRPC statuses.
 
-Handlers carry no try/except: an executor or KV cache error becomes its precise status
-code with a message naming the field, plus a google.rpc.ErrorInfo detail (domain
-"modelexec.v1") that programs can read. Only genuine server faults become INTERNAL.
-Requests whose bytes are not a valid protobuf get INVALID_ARGUMENT, not gRPC's INTERNAL.
+Handlers carry no try/except: the wrapper every method runs in (service.handlers) maps what
+escapes a ModelExecutorService handler here. An executor or KV cache error becomes its
+precise status code with a message naming the field, plus a google.rpc.ErrorInfo detail
+(domain "modelexec.v1") that programs can read. Only genuine server faults become INTERNAL.
+Requests whose bytes are not a valid protobuf get INVALID_ARGUMENT, not gRPC's INTERNAL,
+on every service (health and reflection included).
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -22,11 +23,9 @@ from grpc_status import rpc_status
 
 import kvcache
 from executors import errors as ex
-from service.handlers import WrappedHandlers
 
 log = logging.getLogger(__name__)
 DOMAIN = "modelexec.v1"
-SERVICE_PREFIX = "/modelexec.v1.ModelExecutorService/"
 
 EXECUTOR_CODES: dict[type[ex.ExecutorError], grpc.StatusCode] = {
     ex.InvalidParameter: grpc.StatusCode.INVALID_ARGUMENT,
@@ -92,13 +91,23 @@ def rich_status(err: StatusError) -> grpc.Status:
 
 
 class _Undecodable:
-    """Stands in for a request whose bytes did not parse, so the handler can refuse it."""
+    """Stands in for a message of a request stream whose bytes did not parse, so the
+    handler can refuse it (StepSession answers that step with its error and goes on)."""
 
     def __init__(self, error: Exception) -> None:
         self.error = error
 
 
-def _lenient(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+def _malformed(request: _Undecodable) -> StatusError:
+    return StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"request is not a valid protobuf message: {request.error}", "MALFORMED_REQUEST")
+
+
+def lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """For request streams: a message that does not parse arrives as _Undecodable."""
+    if deserializer is None:
+        return None
+
     def deserialize(data: bytes) -> Any:
         try:
             return deserializer(data)
@@ -108,99 +117,24 @@ def _lenient(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return deserialize
 
 
-def _malformed(request: _Undecodable) -> StatusError:
-    return StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                       f"request is not a valid protobuf message: {request.error}", "MALFORMED_REQUEST")
+def strict(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any]:
+    """For single requests, parsed by the wrapper once the call is authenticated: a request
+    that does not parse raises the INVALID_ARGUMENT StatusError."""
+    if deserializer is None:
+        return lambda data: data
 
-
-def _refusing_undecodable(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """Health and reflection: bytes that are not a protobuf get INVALID_ARGUMENT there too,
-    not gRPC's UNKNOWN. Only the parsing is guarded; their handlers are otherwise untouched."""
-
-    async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, _Undecodable):
-            await context.abort_with_status(rich_status(_malformed(request)))
-        return request
-
-    lenient = _lenient(handler.request_deserializer)
-    inner: Any = handler.unary_unary or handler.unary_stream or handler.stream_stream
-    if handler.unary_unary is not None or (handler.unary_stream is not None and not inspect.isasyncgenfunction(inner)):
-        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            return await inner(await checked(request, context), context)
-
-        make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.unary_stream_rpc_method_handler
-        return make(unary, request_deserializer=lenient, response_serializer=handler.response_serializer)
-    if handler.stream_stream is not None and inspect.isasyncgenfunction(inner):
-        async def streams(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            async def parsed() -> Any:
-                async for request in requests:
-                    yield await checked(request, context)
-
-            async for response in inner(parsed(), context):
-                yield response
-
-        return grpc.stream_stream_rpc_method_handler(
-            streams, request_deserializer=lenient, response_serializer=handler.response_serializer)
-    return handler
-
-
-def _guarded_stream(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler that streams responses (StepSession answers failed steps itself; ExportKv
-    does not): anything escaping it ends the stream with the mapped status. Undecodable
-    request messages of a request stream reach the handler as _Undecodable; a single
-    undecodable request is refused here."""
-    inner = handler.stream_stream or handler.unary_stream
-    single = handler.stream_stream is None
-
-    async def guarded(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+    def parse(data: bytes) -> Any:
         try:
-            if single and isinstance(requests, _Undecodable):
-                raise _malformed(requests)
-            async for response in inner(requests, context):
-                yield response
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the same mapping as for unary calls
-            await context.abort_with_status(rich_status(to_status_error(exc)))
+            return deserializer(data)
+        except DecodeError as e:
+            raise _malformed(_Undecodable(e)) from None
 
-    make = grpc.unary_stream_rpc_method_handler if single else grpc.stream_stream_rpc_method_handler
-    return make(guarded, request_deserializer=_lenient(handler.request_deserializer),
-                response_serializer=handler.response_serializer)
+    return parse
 
 
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps every handler of ModelExecutorService with the exception mapping."""
-
-    def __init__(self) -> None:
-        self.handlers = WrappedHandlers(self._wrap)
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        return handler if handler is None else self.handlers.get(details.method, handler)
-
-    @staticmethod
-    def _wrap(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        if not method.startswith(SERVICE_PREFIX):
-            return _refusing_undecodable(handler)
-        if handler.stream_stream is not None or handler.unary_stream is not None:
-            return _guarded_stream(handler)
-        # A request stream's messages that do not parse reach its handler as _Undecodable.
-        inner = handler.unary_unary or handler.stream_unary
-
-        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                if isinstance(request, _Undecodable):
-                    raise _malformed(request)
-                return await inner(request, context)
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - this is the one place that maps them all
-                await context.abort_with_status(rich_status(to_status_error(exc)))
-
-        make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
-        return make(guarded, request_deserializer=_lenient(handler.request_deserializer),
-                    response_serializer=handler.response_serializer)
+async def refusing_undecodable(requests: Any) -> Any:
+    """A request stream of a service whose handler does not expect _Undecodable (reflection)."""
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            raise _malformed(request)
+        yield request

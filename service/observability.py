@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import inspect
 import json
 import logging
 import re
@@ -39,7 +38,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
@@ -51,7 +50,6 @@ from prometheus_client.registry import Collector
 
 from executors.base import ModelExecutor
 from executors.identity import current_identity
-from service.handlers import WrappedHandlers, wrap_handler
 
 REQUEST_ID = "x-request-id"
 _VALID_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
@@ -144,6 +142,8 @@ class ServiceMetrics:
         # exported as modelexec_kv_leases_expired_total.
         self.leases_expired = EventCount()
         r.register(_ExecutorCollector(executor, self.leases_expired))
+        self._tokens: dict[str, Any] = {}  # label children, bound at first use
+        self._batch_items: dict[str, Any] = {}
 
     def record_rpc(self, method: str, code: str, seconds: float) -> None:
         self.requests.labels(method, code).inc()
@@ -151,35 +151,41 @@ class ServiceMetrics:
 
     def record_work(self, name: str, request: Any, batch_label: str | None = None) -> None:
         """Tokens and batch size of a successful ModelExecutorService call (or stream step)."""
-        if not isinstance(request, Message):
+        count = WORK.get(name)
+        if count is None or not isinstance(request, Message):
             return
-        tokens: dict[str, int] = {}
-        batch = None
-        if name == "Prefill":
-            tokens["prefill"] = len(request.input.input_ids)
-        elif name == "BatchPrefill":
-            tokens["prefill"] = sum(len(i.input_ids) for i in request.inputs)
-            batch = len(request.inputs)
-        elif name == "Decode":
-            tokens["decode"] = 1
-        elif name == "BatchDecode":
-            tokens["decode"] = batch = len(request.inputs)
-        elif name == "UnifiedDecode":
-            # A one-token item continuing a cache is a decode step; anything else a prefill chunk.
-            items = request.batch.items
-            batch = len(items)
-            decode = sum(1 for i in items if len(i.q_tokens) == 1 and i.pos_offset > 0)
-            tokens["decode"] = decode
-            tokens["prefill"] = sum(len(i.q_tokens) for i in items) - decode
-        elif name == "ForwardVerify":
-            tokens["verify"] = len(request.tokens)
-        elif name == "Forward":
-            tokens["forward"] = len(request.input_ids)
-        for kind, n in tokens.items():
+        tokens, batch = count(request)
+        for kind, n in tokens:
             if n:
-                self.tokens.labels(kind).inc(n)
+                counter = self._tokens.get(kind)
+                if counter is None:
+                    counter = self._tokens[kind] = self.tokens.labels(kind)
+                counter.inc(n)
         if batch is not None:
-            self.batch_items.labels(batch_label or name).observe(batch)
+            label = batch_label or name
+            histogram = self._batch_items.get(label)
+            if histogram is None:
+                histogram = self._batch_items[label] = self.batch_items.labels(label)
+            histogram.observe(batch)
+
+
+# The work of each ModelExecutorService method: ((kind, tokens), ...) and its batch size.
+def _unified_work(request: Any) -> tuple[tuple[tuple[str, int], ...], int]:
+    # A one-token item continuing a cache is a decode step; anything else a prefill chunk.
+    items = request.batch.items
+    decode = sum(1 for i in items if len(i.q_tokens) == 1 and i.pos_offset > 0)
+    return (("decode", decode), ("prefill", sum(len(i.q_tokens) for i in items) - decode)), len(items)
+
+
+WORK: dict[str, Callable[[Any], tuple[tuple[tuple[str, int], ...], int | None]]] = {
+    "Prefill": lambda r: ((("prefill", len(r.input.input_ids)),), None),
+    "BatchPrefill": lambda r: ((("prefill", sum(len(i.input_ids) for i in r.inputs)),), len(r.inputs)),
+    "Decode": lambda r: ((("decode", 1),), None),
+    "BatchDecode": lambda r: ((("decode", len(r.inputs)),), len(r.inputs)),
+    "UnifiedDecode": _unified_work,
+    "ForwardVerify": lambda r: ((("verify", len(r.tokens)),), None),
+    "Forward": lambda r: ((("forward", len(r.input_ids)),), None),
+}
 
 
 class MetricsHttpServer:
@@ -227,7 +233,8 @@ class MetricsHttpServer:
 
 
 # -- request ids and the per-RPC log line ------------------------------------------------------
-async def _remembered(requests: Any, pending: collections.deque[Any]) -> Any:
+async def remembered(requests: Any, pending: collections.deque[Any]) -> Any:
+    """The request stream, each request also appended to `pending` (to book its step)."""
     async for request in requests:
         pending.append(request)
         yield request
@@ -255,91 +262,64 @@ def _code_name(context: grpc.aio.ServicerContext, error: BaseException | None) -
     return next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
 
 
-class ObservabilityInterceptor(grpc.aio.ServerInterceptor):
-    """Request id, metrics and the log line of every RPC. Place it first (outermost)."""
+class RpcObservability:
+    """Request id, metrics and the log line of every RPC: the outermost part of the wrapper
+    every method runs in (service.handlers), which asks for one MethodObserver per method."""
 
     def __init__(self, metrics: ServiceMetrics) -> None:
         self.metrics = metrics
-        self.handlers = WrappedHandlers(self._wrap)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        return handler if handler is None else self.handlers.get(details.method, handler)
+    def observer(self, method: str, streams_responses: bool) -> MethodObserver:
+        return MethodObserver(self.metrics, method, streams_responses)
 
-    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        work = method.removeprefix(SERVICE_PREFIX) if method.startswith(SERVICE_PREFIX) else None
-        step_work = STREAMED_STEPS.get(work) if handler.stream_stream is not None else None
 
-        def around(behaviour: Any) -> Any:
-            if inspect.isasyncgenfunction(behaviour):
-                async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                    started = self._begin()
-                    rid, peer = request_id(context.invocation_metadata()), context.peer()
-                    error: BaseException | None = None
-                    try:
-                        await context.send_initial_metadata(((REQUEST_ID, rid),))
-                        if step_work is None:
-                            async for item in behaviour(request, context):
-                                yield item
-                        else:
-                            # One response per request, in order: book each step that succeeded.
-                            pending: collections.deque[Any] = collections.deque()
-                            async for item in behaviour(_remembered(request, pending), context):
-                                step = pending.popleft() if pending else None
-                                if step is not None and not item.HasField("error"):
-                                    self.metrics.record_work(step_work, step, batch_label=work)
-                                yield item
-                    except BaseException as e:
-                        error = e
-                        raise
-                    finally:
-                        self._end(method, rid, peer, context, started, error)
+class MethodObserver:
+    """One method's bookkeeping, its metric children bound once: begin(), then end() with
+    the outcome; work(request) books a successful call's tokens, step(request) a step's."""
 
-                return stream
+    __slots__ = ("_ok", "metrics", "name", "step_name", "work_name")
 
-            async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                started = self._begin()
-                rid, peer = request_id(context.invocation_metadata()), context.peer()
-                error: BaseException | None = None
-                try:
-                    await context.send_initial_metadata(((REQUEST_ID, rid),))
-                    response = await behaviour(request, context)
-                    if work is not None and context.code() in (None, grpc.StatusCode.OK):
-                        self.metrics.record_work(work, request)
-                    return response
-                except BaseException as e:
-                    error = e
-                    raise
-                finally:
-                    self._end(method, rid, peer, context, started, error)
+    def __init__(self, metrics: ServiceMetrics, method: str, streams_responses: bool) -> None:
+        self.metrics = metrics
+        self.name = method.lstrip("/")
+        self.work_name = method.removeprefix(SERVICE_PREFIX) if method.startswith(SERVICE_PREFIX) else None
+        # Streams of steps: each request is booked like one call of this unary method.
+        self.step_name = STREAMED_STEPS.get(self.work_name) if streams_responses else None
+        self._ok: tuple[Any, Any] | None = None  # (requests, latency) children for code OK
 
-            return call
-
-        return wrap_handler(handler, around)
-
-    def _begin(self) -> float:
+    def begin(self) -> float:
         self.metrics.in_flight.inc()
         return time.perf_counter()
 
-    def _end(self, method: str, rid: str, peer: str, context: grpc.aio.ServicerContext, started: float,
-             error: BaseException | None) -> None:
+    def work(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """Book the tokens of a call that succeeded (its handler may also have set a code)."""
+        if self.work_name in WORK and context.code() in (None, grpc.StatusCode.OK):
+            self.metrics.record_work(self.work_name, request)
+
+    def step(self, request: Any) -> None:
+        self.metrics.record_work(self.step_name, request, batch_label=self.work_name)
+
+    def end(self, rid: str, peer: str, context: grpc.aio.ServicerContext, started: float,
+            error: BaseException | None) -> None:
         seconds = time.perf_counter() - started
-        self.metrics.in_flight.dec()
+        metrics = self.metrics
+        metrics.in_flight.dec()
         code = _code_name(context, error)
-        name = method.lstrip("/")
-        self.metrics.record_rpc(name, code, seconds)
+        if code == "OK":
+            if self._ok is None:
+                self._ok = (metrics.requests.labels(self.name, code), metrics.latency.labels(self.name, code))
+            self._ok[0].inc()
+            self._ok[1].observe(seconds)
+        else:
+            metrics.record_rpc(self.name, code, seconds)
         # Successful calls log at DEBUG: a text console at decode rates would drown in them.
         # configure_logging lets them through for JSON logs, which machines read.
         level = logging.DEBUG if code == "OK" else logging.INFO
         if rpc_log.isEnabledFor(level):
-            fields = {"method": name, "code": code, "duration_ms": round(seconds * 1e3, 3), "request_id": rid,
+            fields = {"method": self.name, "code": code, "duration_ms": round(seconds * 1e3, 3), "request_id": rid,
                       "identity": current_identity.get(), "peer": peer}
-            rpc_log.log(level, "%s %s %.3f ms request_id=%s identity=%s peer=%s", name, code, fields["duration_ms"],
-                        rid, fields["identity"], fields["peer"], extra={"rpc": fields})
+            rpc_log.log(level, "%s %s %.3f ms request_id=%s identity=%s peer=%s", self.name, code,
+                        fields["duration_ms"], rid, fields["identity"], fields["peer"], extra={"rpc": fields})
 
 
 # -- log format ------------------------------------------------------------------------------

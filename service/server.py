@@ -8,16 +8,16 @@ import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from executors.base import ModelExecutor
 from executors.coalescer import DecodeCoalescer
 from generated.modelexec.v1 import executor_pb2 as pb
 from generated.modelexec.v1 import executor_pb2_grpc as pb_grpc
-from service.auth import AuthInterceptor, server_credentials
+from service.auth import Authenticator, server_credentials
 from service.config import ServeConfig
-from service.errors import ErrorMappingInterceptor
-from service.observability import MetricsHttpServer, ObservabilityInterceptor, ServiceMetrics
+from service.handlers import CallWrapper, Registrar
+from service.observability import MetricsHttpServer, RpcObservability, ServiceMetrics
 from service.servicer import ModelExecutorServicer
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class ExecutorServer:
         self.address = ""
         # Read once, here: TLS files and bearer tokens (a bad one fails before anything binds).
         self.credentials = server_credentials(config)
-        self.auth = AuthInterceptor.from_config(config)
+        self.auth = Authenticator.from_config(config)
         self.metrics = ServiceMetrics(self.executor)
         self._metrics_http: MetricsHttpServer | None = None
         self.metrics_port = 0  # the bound Prometheus port once started; 0 when off
@@ -90,23 +90,21 @@ class ExecutorServer:
     async def start(self) -> str:
         """Bind, start serving and (unless disabled) warm up; returns the bound address."""
         cfg = self.config
-        server = grpc.aio.server(
-            # Outermost first: request id, metrics and log line see every outcome, auth
-            # refusals included; auth sets the identity before errors are mapped.
-            interceptors=[ObservabilityInterceptor(self.metrics), *([self.auth] if self.auth else []),
-                          ErrorMappingInterceptor()],
-            options=grpc_options(cfg),
-            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
-        )
+        server = grpc.aio.server(options=grpc_options(cfg), maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
+        # Every method runs in one wrapper built here, once (service/handlers.py): request id,
+        # metrics and log line see every outcome, auth refusals included; auth sets the
+        # identity before the request is parsed and errors are mapped.
+        registrar = Registrar(server, CallWrapper(RpcObservability(self.metrics), self.auth))
         # --coalesce-window-ms: RPCs see the executor through a DecodeCoalescer (decode batched).
         self.coalescer = DecodeCoalescer(
             self.executor, cfg.coalesce_window_ms / 1000,
             min(cfg.max_batch_size, self.executor.capabilities().max_batch_size)) if cfg.coalesce_window_ms > 0 else None
         servicer = ModelExecutorServicer(self.coalescer or self.executor, cfg, self._serving, self._shutdown_requested)
-        pb_grpc.add_ModelExecutorServiceServicer_to_server(servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        if cfg.reflection_mode != "off":
-            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        pb_grpc.add_ModelExecutorServiceServicer_to_server(servicer, registrar)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, registrar)
+        if cfg.reflection_mode != "off":  # reflection.enable_server_reflection(..., registrar), for grpc.aio
+            reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(
+                (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)), registrar)
         if self.credentials is not None:
             port = server.add_secure_port(cfg.address, self.credentials)
         else:

@@ -1,7 +1,8 @@
 """ModelExecutorService handlers: proto to domain, one executor call, domain to proto.
 
-No try/except here: service.errors.ErrorMappingInterceptor maps exceptions to statuses.
-Each response carries the call's timing (queue, executor, total) in nanoseconds.
+No try/except here: the wrapper every method runs in (service.handlers) maps exceptions to
+statuses (service.errors). Each response carries the call's timing (queue, executor, total)
+in nanoseconds.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
                 self._check_size(len(items), sum(len(i.q_tokens) for i in items), "batch.items")
                 results = await self.executor.unified_decode(
                     [convert.unified_item(m, f"batch.items[{i}]") for i, m in enumerate(items)])
-            except Exception as exc:  # noqa: BLE001 - mapped exactly as the interceptor maps unary calls
+            except Exception as exc:  # noqa: BLE001 - mapped exactly as the call wrapper maps unary calls
                 err = to_status_error(exc)
                 yield pb.StepSessionResponse(
                     step_id=getattr(request, "step_id", 0), timing=call.timing(),

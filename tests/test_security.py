@@ -26,7 +26,7 @@ from client import (
 from executors.identity import current_identity
 from executors.paged import PagedAttentionExecutor, PagedExecutorConfig
 from generated.modelexec.v1 import executor_pb2 as pb
-from service.auth import AuthInterceptor, CredentialsError, bearer_token, load_tokens, parse_token_file
+from service.auth import Authenticator, CredentialsError, bearer_token, load_tokens, parse_token_file
 from service.config import ServeConfig, parse_args
 from service.server import ExecutorServer
 from tests.pki import Pki, make_pki
@@ -132,7 +132,7 @@ def test_token_sources_are_checked_at_start_up(tmp_path, monkeypatch):
         ExecutorServer(config)
     assert bearer_token([("authorization", "Bearer  abc ")]) == b"abc"
     assert bearer_token([("x-other", "1")]) is None and bearer_token([("authorization", "Token abc")]) == b""
-    probe = AuthInterceptor(entries, mtls=False, reflection_needs_auth=True)
+    probe = Authenticator(entries, mtls=False, reflection_needs_auth=True)
     assert probe.identity_for(b"tok-bob-2") == "bob" and probe.identity_for(b"tok-bob-") is None
 
 
