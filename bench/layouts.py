@@ -1,10 +1,12 @@
-"""`python -m bench.layouts`: float32 decode steps through three CPU paths, side by side.
+"""`python -m bench.layouts`: float32 decode steps through four CPU paths, side by side.
 
 - `row-major`: torch's ops with every weight row-major (F.linear's natural layout);
 - `layouts`: torch's ops with the weight layouts timed at load (executors/models/cpu_layout.py),
   what a machine without the CPU kernels runs (`--no-cpu-kernels`);
-- `kernels`: the default, executors/cpu_kernels: AVX2 matvecs for steps of 1-4 rows, norms,
-  rotations and the gated activation, K/V stores and decode attention read from the pool.
+- `kernels`: executors/cpu_kernels called op by op: AVX2 matvecs for steps of 1-4 rows, norms,
+  rotations and the gated activation, K/V stores and decode attention read from the pool;
+- `fused`: the default, the same kernels with a decode step of 1-4 rows as one call
+  (executors/models/fused_decode.py); larger steps as `kernels`.
 
 Each variant runs in a process of its own (an executor's worker thread owns an OpenMP thread
 pool that keeps spinning for a while after each step, which would slow whichever variant ran
@@ -23,20 +25,21 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("row-major", "layouts", "kernels")
+VARIANTS = ("row-major", "layouts", "kernels", "fused")
 
 
 def measure(variant: str, batches: list[int], steps: int) -> dict[str, float]:
     """Median in-process step (ms) at each batch size, in this process."""
     from bench.suite import ARGMAX, MODEL_DIR, PROMPT_LEN, prompts
     from executors.llm import LlmExecutor, LlmExecutorConfig
-    from executors.models import cpu_layout
+    from executors.models import cpu_layout, fused_decode
     from executors.types import DecodeInput, PrefillInput
 
     if variant == "row-major":
         cpu_layout.wanted = lambda model: False
+    fused_decode.FUSED_DECODE = variant == "fused"
     ex = LlmExecutor(LlmExecutorConfig(model_dir=str(MODEL_DIR), num_blocks=1024, prefix_caching=False,
-                                       cpu_kernels=variant == "kernels"))
+                                       cpu_kernels=variant in ("kernels", "fused")))
     loop = asyncio.new_event_loop()
     out = {"weight_bytes": ex._param_bytes}
     for b in batches:
@@ -77,11 +80,12 @@ def main(argv: list[str] | None = None) -> int:
             kept = best.setdefault(variant, row)
             for b in batches:
                 kept[str(b)] = min(kept[str(b)], row[str(b)])
-    weight_bytes = best["kernels"]["weight_bytes"]
+    weight_bytes = best["fused"]["weight_bytes"]
     for b in batches:
         ms = {v: best[v][str(b)] for v in VARIANTS}
         shown = ", ".join(f"{v} {t:6.1f} ms ({weight_bytes / t / 1e6:4.1f} GB/s)" for v, t in ms.items())
-        print(f"batch {b:2d}: {shown}; kernels {ms['layouts'] / ms['kernels']:.2f}x the timed layouts", flush=True)
+        print(f"batch {b:2d}: {shown}; kernels {ms['layouts'] / ms['kernels']:.2f}x the timed layouts, fused "
+              f"{ms['kernels'] / ms['fused']:.2f}x kernels", flush=True)
     return 0
 
 

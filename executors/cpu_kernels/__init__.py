@@ -7,7 +7,9 @@
   per-op set-up;
 - paged_attention.c: the new tokens' K and V stored into the pool, and decode attention
   reading K and V in place through the block tables;
-- argmax.c: the ARGMAX policy's token and log-probability in one call.
+- argmax.c: the ARGMAX policy's token and log-probability in one call;
+- decode_step.c: a whole decode step of a dense model, every layer, in one call
+  (executors/models/fused_decode.py; its structures in step.py).
 
 `cpu_kernels()` returns the process's CpuKernels, or None where they cannot be built here
 (the reason is logged once, and the model keeps torch's ops).
@@ -49,6 +51,7 @@ class CpuKernels:
         self._glu = _bind(library, "me_glu_f32", [_P, _I, _I, _I, _C, _P])
         self._store_kv = _bind(library, "me_store_kv_f32", [_P, _P, _I, _I, _I, _I, _P, _P, _P])
         self._argmax = _bind(library, "me_argmax_logprob_f32", [_P, _I, _I, _I, _P, _P], ctypes.c_int)
+        self._decode_step = _bind(library, "me_decode_step_f32", [_P, _P, _C], ctypes.c_int)
         self._attention = _bind(library, "me_decode_attention_f32",
                                 [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P, _F, _P, _I, _C], ctypes.c_int)
 
@@ -148,6 +151,17 @@ class CpuKernels:
                                  hi.data_ptr(), scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
         if status != 0:
             raise MemoryError("the decode attention kernel could not allocate its score buffer")
+
+
+    def decode_step(self, model: ctypes.Structure, step: ctypes.Structure) -> int:
+        """me_decode_step_f32 (step.py's DecoderSpec and StepSpec): 0, or step.OUT_OF_RANGE
+        when an index was out of range (nothing written); raises on the other failures."""
+        status = self._decode_step(ctypes.addressof(model), ctypes.addressof(step), torch.get_num_threads())
+        if status == -1:
+            raise MemoryError("the decode step kernel could not allocate its scratch buffers")
+        if status == -2:
+            raise ValueError("the decode step kernel does not take this model's shape")
+        return status
 
 
 @functools.cache

@@ -12,43 +12,7 @@
  * OpenMP's thread-count setting is per calling thread and the executor steps on a worker
  * thread of its own.
  */
-#include "simd.h"
-
-#define BLOCK 8
-
-/* Dot products of x (k floats) with `rows` (<= 8) consecutive weight rows. */
-static inline __m256 dot_block(const float *w, int64_t ldw, int rows, const float *x, int64_t k) {
-    __m256 acc[BLOCK];
-    for (int r = 0; r < BLOCK; r++) acc[r] = _mm256_setzero_ps();
-    const int64_t full = k & ~(int64_t)7;
-    if (rows == BLOCK) {
-        for (int64_t i = 0; i < full; i += 8) {
-            __m256 xv = _mm256_loadu_ps(x + i);
-            for (int r = 0; r < BLOCK; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * ldw + i), xv, acc[r]);
-        }
-    } else {
-        for (int64_t i = 0; i < full; i += 8) {
-            __m256 xv = _mm256_loadu_ps(x + i);
-            for (int r = 0; r < rows; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * ldw + i), xv, acc[r]);
-        }
-    }
-    if (full < k) {
-        __m256i mask = tail_mask(k - full);
-        __m256 xv = _mm256_maskload_ps(x + full, mask);
-        for (int r = 0; r < rows; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_maskload_ps(w + r * ldw + full, mask), xv, acc[r]);
-    }
-    return reduce8(acc);
-}
-
-static inline void store_rows(float *y, int rows, __m256 v) {
-    if (rows == BLOCK) _mm256_storeu_ps(y, v);
-    else _mm256_maskstore_ps(y, tail_mask(rows), v);
-}
-
-static inline __m256 load_rows(const float *p, int rows) {
-    return rows == BLOCK ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, tail_mask(rows));
-}
+#include "matvec.h"
 
 /* y[b, :n] = x[b, :k] @ w[:n, :k]^T (+ bias[:n]) (+ residual[b, :n]) for b < m.
  * w: row stride ldw; x, residual, y: row strides ldx, ldr, ldy. bias, residual may be NULL;
@@ -57,14 +21,6 @@ void me_linear_f32(const float *x, int64_t m, int64_t ldx, const float *w, int64
                    const float *bias, const float *residual, int64_t ldr, float *y, int64_t ldy, int threads) {
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        const int64_t row0 = blk * BLOCK;
-        const int rows = (int)(n - row0 < BLOCK ? n - row0 : BLOCK);
-        const __m256 b = bias ? load_rows(bias + row0, rows) : _mm256_setzero_ps();
-        for (int64_t s = 0; s < m; s++) {
-            __m256 v = _mm256_add_ps(dot_block(w + row0 * ldw, ldw, rows, x + s * ldx, k), b);
-            if (residual) v = _mm256_add_ps(v, load_rows(residual + s * ldr + row0, rows));
-            store_rows(y + s * ldy + row0, rows, v);
-        }
-    }
+    for (int64_t blk = 0; blk < blocks; blk++)
+        linear_block(x, m, ldx, w, n, k, ldw, bias, residual, ldr, y, ldy, blk);
 }

@@ -42,6 +42,7 @@ from torch import nn
 from executors.cpu_kernels import MAX_ROWS, CpuKernels, cpu_kernels
 from executors.lora import LoraBatch
 from executors.models import cpu_layout, step_ops
+from executors.models.fused_decode import FusedDecode
 from executors.models.attention import LayerAttention, StepContext, attend, attend_reference
 from executors.models.config import DecoderConfig
 from executors.models.layers import MLP, RMSNorm, RotaryEmbedding, activation
@@ -210,6 +211,7 @@ class DecoderLM(nn.Module):
         # use_cpu_kernels allows and they build here; the weights then all stay row-major.
         self.use_cpu_kernels = True
         self.cpu_kernels: CpuKernels | None = None
+        self.fused_decode: FusedDecode | None = None  # with the kernels: decode steps in one call
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
         """The rotary tables and the expert-load counters (not in checkpoints: made here, on
@@ -268,6 +270,7 @@ class DecoderLM(nn.Module):
             if self.cpu_kernels is None or not all(map(self.cpu_kernels.accepts, self._matmul_weights())):
                 self.cpu_kernels = None
                 cpu_layout.relayout(self)  # MKL's one-row matmuls: each kind of weight in its faster layout
+            self.fused_decode = FusedDecode.build(self)
             fused = self.fused
         head = self.head_weight()
         if step_ops.should_pack(head, torch.bfloat16):
@@ -312,6 +315,7 @@ class DecoderLM(nn.Module):
         Drop them, move the parameters, and fuse again where the model was fused."""
         fused = self.fused is not None
         self.fused = self.packed_head = self.fused_fp32_packed = self.packed_head_fp32 = self.cpu_kernels = None
+        self.fused_decode = None
         out = super()._apply(fn, recurse)
         if fused:
             self.fuse()
@@ -343,6 +347,10 @@ class DecoderLM(nn.Module):
         m = input_ids.shape[0]
         x = self._embed(input_ids)
         lora, reduce = ctx.lora, self.all_reduce
+        if self.fused_decode is not None and reduce is None:
+            out = self.fused_decode.hidden_states(x, positions, ctx)
+            if out is not None:
+                return out
         layers, linear, residual_linear, norm, rotate, glu = step_ops.for_step(
             positions, self.fused, self.fused_fp32_packed, self.cpu_kernels, self.rope, self.rope_local, x.dtype,
             c.hidden_act)

@@ -4,9 +4,10 @@ Two LlmExecutors share one tiny random model: one runs the fast path (fused weig
 CPU kernels of executors/cpu_kernels for small steps, planned attention), the other the
 reference (per-layer modules, per-sequence slot gathers). Both receive the same calls, so
 their block tables are identical, and every output must agree. Each scenario runs under
-four attention policies: the defaults (decode rows through the paged CPU kernel), torch's
-plan of pool views and block gathers, everything through pool views (with log-sum-exp
-merges over fragmented blocks) and everything through the batched block gather.
+five policies: the defaults (decode steps of 1-4 rows as one kernel call, larger ones
+through the paged CPU kernel), the kernels op by op, torch's plan of pool views and block
+gathers, everything through pool views (with log-sum-exp merges over fragmented blocks) and
+everything through the batched block gather.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 import executors.models.attention as attention
+import executors.models.fused_decode as fused_decode
 from executors.llm import LlmExecutor, LlmExecutorConfig
 from executors.models.config import DecoderConfig
 from executors.models.decoder import DecoderLM
@@ -35,10 +37,11 @@ FAMILIES = {
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "tie_word_embeddings": False, "head_dim": 32},
 }
 POLICIES = {
-    "default": {},  # decode rows through the paged CPU kernel, where it builds
-    "torch": {"PAGED_KERNEL": False},  # views and gathers as the plan picks them
-    "views": {"PAGED_KERNEL": False, "VIEW_MIN_TOKENS": 0, "MAX_VIEW_RUNS": 1000},
-    "gather": {"PAGED_KERNEL": False, "MAX_VIEW_RUNS": 0},
+    "default": {},  # decode steps of 1-4 rows in one kernel call, larger ones through the paged CPU kernel
+    "ops": {"FUSED_DECODE": False},  # decode steps op by op, through the paged CPU kernel
+    "torch": {"FUSED_DECODE": False, "PAGED_KERNEL": False},  # views and gathers as the plan picks them
+    "views": {"FUSED_DECODE": False, "PAGED_KERNEL": False, "VIEW_MIN_TOKENS": 0, "MAX_VIEW_RUNS": 1000},
+    "gather": {"FUSED_DECODE": False, "PAGED_KERNEL": False, "MAX_VIEW_RUNS": 0},
 }
 
 
@@ -83,7 +86,7 @@ class Pair:
 @pytest.fixture(params=list(POLICIES))
 def policy(request, monkeypatch):
     for name, value in POLICIES[request.param].items():
-        monkeypatch.setattr(attention, name, value)
+        monkeypatch.setattr(fused_decode if name == "FUSED_DECODE" else attention, name, value)
     return request.param
 
 

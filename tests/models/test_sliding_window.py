@@ -2,7 +2,7 @@
 
 As test_cpu_paths.py: a fast and a reference LlmExecutor share one tiny random model with
 windows of 6 tokens over blocks of 4 (so a window's first block is partly out of it), under
-the attention policies of that module (defaults, all pool views, all gathers), on fresh
+the policies of that module (one-call decode steps, kernels op by op, views, gathers), on fresh
 and fragmented pools. The Triton kernels (Triton's interpreter without a GPU) run against
 the reference too. test_families.py checks these models against transformers.
 """

@@ -1,0 +1,97 @@
+/* One decode row's attention over the paged pool (paged_attention.c, decode_step.c). */
+#ifndef MODELEXEC_ATTENTION_ROW_H
+#define MODELEXEC_ATTENTION_ROW_H
+
+#include <math.h>
+
+#include "simd.h"
+
+#define MAX_HEADS 256
+
+/* Scores of one query head against `n` (<= 8) consecutive slots of a block, slots `stride`
+ * floats apart: the eight dot products reduced together (lane j: slot j). */
+static inline __m256 scores8(const float *q, const float *k, int64_t stride, int n, int64_t d) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + c);
+        for (int j = 0; j < n; j++) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * stride + c), acc[j]);
+    }
+    return reduce8(acc);
+}
+
+/* One row's query heads over KV heads [kv0, kv1): q and out hold the row's [heads, d];
+ * scores: (kv1 - kv0) * group * keys floats. Block by block, each K and V block (all its KV
+ * heads: a contiguous run of the pool) is read once, in order, while it sits in L1. */
+static inline void attend_row(const float *q, int64_t group, int64_t d, const float *kpool, const float *vpool,
+                       int64_t bs, int64_t kv_heads, int64_t kv0, int64_t kv1, const int32_t *table, int64_t lo,
+                       int64_t hi, float scale, float *scores, float *out) {
+    const int64_t keys = hi - lo;
+    const int64_t stride = kv_heads * d;  /* floats between consecutive slots of a block */
+    const int64_t heads = (kv1 - kv0) * group;  /* query heads of this task, from kv0 * group */
+    const __m256 vscale = _mm256_set1_ps(scale);
+    q += kv0 * group * d;
+    out += kv0 * group * d;
+    /* Scores, a run of slots of one block (up to 8) at a time. */
+    for (int64_t p = lo; p < hi;) {
+        const int64_t offset = p % bs;
+        int64_t n = bs - offset < hi - p ? bs - offset : hi - p;
+        n = n < 8 ? n : 8;
+        const float *slot = kpool + ((int64_t)table[p / bs] * bs + offset) * stride;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *k = slot + (kv0 + h / group) * d;
+            __m256 s = _mm256_mul_ps(scores8(q + h * d, k, stride, (int)n, d), vscale);
+            float *dst = scores + h * keys + (p - lo);
+            if (n == 8) _mm256_storeu_ps(dst, s);
+            else _mm256_maskstore_ps(dst, tail_mask(n), s);
+        }
+        p += n;
+    }
+    /* Softmax of each query head's scores. */
+    float inv_sum[MAX_HEADS];
+    for (int64_t h = 0; h < heads; h++) {
+        float *sh = scores + h * keys;
+        __m256 mx = _mm256_set1_ps(-INFINITY);
+        int64_t j = 0;
+        for (; j + 8 <= keys; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sh + j));
+        float best = -INFINITY, lanes[8];
+        _mm256_storeu_ps(lanes, mx);
+        for (int i = 0; i < 8; i++) best = lanes[i] > best ? lanes[i] : best;
+        for (int64_t t = j; t < keys; t++) best = sh[t] > best ? sh[t] : best;
+        const __m256 top = _mm256_set1_ps(best);
+        __m256 acc = _mm256_setzero_ps();
+        for (j = 0; j + 8 <= keys; j += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + j), top));
+            _mm256_storeu_ps(sh + j, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        if (j < keys) {
+            __m256i mask = tail_mask(keys - j);
+            __m256 e = exp8(_mm256_sub_ps(_mm256_maskload_ps(sh + j, mask), top));
+            e = _mm256_and_ps(e, _mm256_castsi256_ps(mask));
+            _mm256_maskstore_ps(sh + j, mask, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        inv_sum[h] = 1.0f / hsum(acc);
+    }
+    /* The values, weighted, into out (which accumulates, then is scaled by 1 / sum). */
+    const int64_t chunks = d / 8;
+    for (int64_t i = 0; i < heads * d; i++) out[i] = 0.0f;
+    for (int64_t p = lo; p < hi; p++) {
+        const float *slot = vpool + ((int64_t)table[p / bs] * bs + p % bs) * stride;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *v = slot + (kv0 + h / group) * d;
+            const __m256 w = _mm256_set1_ps(scores[h * keys + (p - lo)]);
+            float *o = out + h * d;
+            for (int64_t c = 0; c < chunks; c++)
+                _mm256_storeu_ps(o + c * 8, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + c * 8), _mm256_loadu_ps(o + c * 8)));
+        }
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        const __m256 s = _mm256_set1_ps(inv_sum[h]);
+        float *o = out + h * d;
+        for (int64_t c = 0; c < chunks; c++) _mm256_storeu_ps(o + c * 8, _mm256_mul_ps(_mm256_loadu_ps(o + c * 8), s));
+    }
+}
+
+#endif

@@ -1,0 +1,182 @@
+/* A whole decode step of a dense float32 decoder, every layer, in one OpenMP parallel region.
+ *
+ * Calling the kernels of this directory op by op from Python costs a step of SmolLM2 ~300
+ * calls: ~2.5 ms of Python on the 2-core EPYC of bench/RESULTS.md, and between the calls the
+ * pool threads go idle, so the matvecs read the weights at 25-26 GB/s against 30-38 alone.
+ * Here the threads stay inside one region for the step and meet at a barrier between the
+ * phases of a layer (each phase needs all of the previous one's output):
+ *
+ *   RMSNorm (each thread its own copy) -> q/k/v matvec | q/k norm, rotation, K/V store |
+ *   attention from the pool | o matvec + residual | RMSNorm -> gate/up matvec with the
+ *   activation in its store | down matvec + residual
+ *
+ * The layers are Llama / Qwen2 / Qwen3 / Mistral shaped: optional q/k/v, o and MLP biases,
+ * optional q/k norms, a sliding window and score scale per layer. Steps of up to
+ * ME_STEP_MAX_ROWS decode rows (one new token each, at its position, with a cache).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "attention_row.h"
+#include "matvec.h"
+#include "pointwise.h"
+
+#define ME_STEP_MAX_ROWS 8
+
+/* Addresses of one layer's tensors, in a [layers, LAYER_FIELDS] int64 table; 0 where absent. */
+enum { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_Q_NORM, W_K_NORM, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS,
+       W_DOWN, W_DOWN_BIAS, LAYER_FIELDS };
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, inter;
+    float eps;
+    int32_t activation;          /* ACT_SILU or ACT_GELU_TANH */
+    const int64_t *weights;      /* [layers, LAYER_FIELDS]; every matrix row-major, rows of unit stride */
+    const int32_t *windows;      /* [layers]: keys a query sees, 0 for all */
+    const float *scales;         /* [layers]: of q.k */
+    const float *final_norm;
+    const float *cos, *signed_sin;  /* [max_positions, head_dim] */
+    int64_t max_positions;
+} me_decoder;
+
+typedef struct {
+    int64_t rows;
+    const int64_t *positions;    /* [rows]: each row's new token's position (its cache holds the ones before) */
+    const int64_t *slots;        /* [rows]: its pool slot, checked against the pool by the caller */
+    const int32_t *tables;       /* [rows, ldt] block tables */
+    int64_t ldt;
+    const int64_t *zero_slots;   /* [zero_count] stale slots to clear in every layer */
+    int64_t zero_count;
+    float *kpool, *vpool;        /* layer 0's [blocks, block_size, kv_heads, head_dim] */
+    int64_t layer_stride;        /* floats from one layer's pool to the next */
+    int64_t block_size;
+    int64_t pool_blocks;         /* blocks of a layer's pool (scratch blocks included) */
+    float *x;                    /* [rows, hidden]: the embeddings in, the final normed hidden states out */
+    float *qkv, *attn, *act;     /* scratch: [rows, (heads + 2 kv_heads) head_dim], [rows, heads head_dim], [rows, inter] */
+} me_step;
+
+static inline const float *field(const me_decoder *m, int64_t layer, int f) {
+    return (const float *)(intptr_t)m->weights[layer * LAYER_FIELDS + f];
+}
+
+/* Each thread normalizes every row into its own buffer: no barrier, and rows <= 8 of
+ * `hidden` floats take well under a microsecond. */
+static void norm_rows(const float *x, int64_t rows, int64_t hidden, const float *w, float eps, float *h) {
+    for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * hidden, hidden, w, eps, h + r * hidden);
+}
+
+/* Every position inside the rotary tables, every slot and every block a row reads inside
+ * the pool: the loops below index with them unchecked. */
+static int in_range(const me_decoder *m, const me_step *s) {
+    const int64_t slots = s->pool_blocks * s->block_size;
+    for (int64_t r = 0; r < s->rows; r++) {
+        const int64_t p = s->positions[r];
+        if (p < 0 || p >= m->max_positions || p / s->block_size >= s->ldt || s->slots[r] < 0 || s->slots[r] >= slots)
+            return 0;
+        for (int64_t b = 0; b <= p / s->block_size; b++) {
+            const int32_t block = s->tables[r * s->ldt + b];
+            if (block < 0 || block >= s->pool_blocks) return 0;
+        }
+    }
+    for (int64_t z = 0; z < s->zero_count; z++)
+        if (s->zero_slots[z] < 0 || s->zero_slots[z] >= slots) return 0;
+    return 1;
+}
+
+/* Returns 0; -1 when a scratch allocation failed, -2 for an unsupported shape, -3 for an
+ * index out of range (nothing was written then). */
+int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
+    const int64_t rows = s->rows, hidden = m->hidden, d = m->head_dim, heads = m->heads, kvh = m->kv_heads;
+    const int64_t hq = heads * d, hk = kvh * d, width = hq + 2 * hk, inter = m->inter;
+    if (rows < 1 || rows > ME_STEP_MAX_ROWS || d % 8 || d > MAX_HEAD_DIM || heads > MAX_HEADS || heads % kvh)
+        return -2;
+    if (!in_range(m, s)) return -3;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < rows; r++) longest = s->positions[r] + 1 > longest ? s->positions[r] + 1 : longest;
+    const int64_t group = heads / kvh;
+    const int64_t split = rows >= 2 * threads ? 1 : kvh;  /* attention tasks: rows, or (row, KV head) */
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *h = malloc(sizeof(float) * (size_t)(rows * hidden));
+        float *scores = malloc(sizeof(float) * (size_t)(heads * (longest + 8)));
+        if (!h || !scores) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp barrier
+        if (!failed) {
+            for (int64_t l = 0; l < m->layers; l++) {
+                float *kpool = s->kpool + l * s->layer_stride, *vpool = s->vpool + l * s->layer_stride;
+                /* q, k, v */
+                norm_rows(s->x, rows, hidden, field(m, l, W_INPUT_NORM), m->eps, h);
+                #pragma omp for schedule(static)
+                for (int64_t blk = 0; blk < (width + BLOCK - 1) / BLOCK; blk++)
+                    linear_block(h, rows, hidden, field(m, l, W_QKV), width, hidden, hidden, field(m, l, W_QKV_BIAS),
+                                 NULL, 0, s->qkv, width, blk);
+                /* q/k norms and rotation, the new K and V into the pool, stale slots cleared */
+                const float *qn = field(m, l, W_Q_NORM), *kn = field(m, l, W_K_NORM);
+                #pragma omp for schedule(static)
+                for (int64_t task = 0; task < rows * (heads + kvh); task++) {
+                    const int64_t r = task / (heads + kvh), head = task % (heads + kvh);
+                    float *x = s->qkv + r * width + head * d;
+                    const float *norm = head < heads ? qn : kn;
+                    if (norm) rms_norm_row(x, d, norm, m->eps, x);
+                    rope_head(x, d, m->cos + s->positions[r] * d, m->signed_sin + s->positions[r] * d);
+                    if (head >= heads) {
+                        const int64_t kv = head - heads, at = s->slots[r] * hk + kv * d;
+                        memcpy(kpool + at, x, sizeof(float) * (size_t)d);
+                        memcpy(vpool + at, s->qkv + r * width + hq + hk + kv * d, sizeof(float) * (size_t)d);
+                    }
+                }
+                #pragma omp for schedule(static)
+                for (int64_t z = 0; z < s->zero_count; z++) {
+                    memset(kpool + s->zero_slots[z] * hk, 0, sizeof(float) * (size_t)hk);
+                    memset(vpool + s->zero_slots[z] * hk, 0, sizeof(float) * (size_t)hk);
+                }
+                /* attention */
+                const int64_t window = m->windows[l];
+                #pragma omp for schedule(dynamic, 1)
+                for (int64_t task = 0; task < rows * split; task++) {
+                    const int64_t r = task / split, kv0 = split == 1 ? 0 : task % split;
+                    const int64_t hi = s->positions[r] + 1, lo = window > 0 && hi > window ? hi - window : 0;
+                    attend_row(s->qkv + r * width, group, d, kpool, vpool, s->block_size, kvh, kv0,
+                               split == 1 ? kvh : kv0 + 1, s->tables + r * s->ldt, lo, hi, m->scales[l], scores,
+                               s->attn + r * hq);
+                }
+                /* x += attn @ o^T */
+                #pragma omp for schedule(static)
+                for (int64_t blk = 0; blk < (hidden + BLOCK - 1) / BLOCK; blk++)
+                    linear_block(s->attn, rows, hq, field(m, l, W_O), hidden, hq, hq, field(m, l, W_O_BIAS), s->x,
+                                 hidden, s->x, hidden, blk);
+                /* act(gate) * up, gate rows j and up rows inter + j of the fused weight read together */
+                norm_rows(s->x, rows, hidden, field(m, l, W_POST_NORM), m->eps, h);
+                const float *gu = field(m, l, W_GATE_UP), *gub = field(m, l, W_GATE_UP_BIAS);
+                #pragma omp for schedule(static)
+                for (int64_t blk = 0; blk < (inter + BLOCK - 1) / BLOCK; blk++) {
+                    const int64_t j = blk * BLOCK;
+                    const int n = (int)(inter - j < BLOCK ? inter - j : BLOCK);
+                    const __m256 bg = gub ? load_rows(gub + j, n) : _mm256_setzero_ps();
+                    const __m256 bu = gub ? load_rows(gub + inter + j, n) : _mm256_setzero_ps();
+                    for (int64_t r = 0; r < rows; r++) {
+                        __m256 g = _mm256_add_ps(dot_block(gu + j * hidden, hidden, n, h + r * hidden, hidden), bg);
+                        __m256 u = _mm256_add_ps(dot_block(gu + (inter + j) * hidden, hidden, n, h + r * hidden,
+                                                           hidden), bu);
+                        store_rows(s->act + r * inter + j, n, _mm256_mul_ps(act8(g, m->activation), u));
+                    }
+                }
+                /* x += act @ down^T */
+                #pragma omp for schedule(static)
+                for (int64_t blk = 0; blk < (hidden + BLOCK - 1) / BLOCK; blk++)
+                    linear_block(s->act, rows, inter, field(m, l, W_DOWN), hidden, inter, inter,
+                                 field(m, l, W_DOWN_BIAS), s->x, hidden, s->x, hidden, blk);
+            }
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) rms_norm_row(s->x + r * hidden, hidden, m->final_norm, m->eps,
+                                                            s->x + r * hidden);
+        }
+        free(h);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

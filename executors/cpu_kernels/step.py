@@ -1,0 +1,29 @@
+"""ctypes views of decode_step.c's two structures: a model (built once) and a step."""
+
+from __future__ import annotations
+
+import ctypes
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+# The columns of the per-layer address table, in decode_step.c's order.
+LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "q_norm", "k_norm", "post_norm", "gate_up",
+                "gate_up_bias", "down", "down_bias")
+MAX_STEP_ROWS = 8  # ME_STEP_MAX_ROWS
+UNSUPPORTED, OUT_OF_RANGE = -2, -3  # the kernel's refusals (the caller falls back to the op-by-op path)
+
+
+class DecoderSpec(ctypes.Structure):
+    """me_decoder: the shapes and the addresses of a model's tensors (which must outlive it)."""
+
+    _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
+                ("eps", ctypes.c_float), ("activation", ctypes.c_int32), ("weights", _P), ("windows", _P),
+                ("scales", _P), ("final_norm", _P), ("cos", _P), ("signed_sin", _P), ("max_positions", _I)]
+
+
+class StepSpec(ctypes.Structure):
+    """me_step: one step's rows, where they go in the pool, and its buffers."""
+
+    _fields_ = [("rows", _I), ("positions", _P), ("slots", _P), ("tables", _P), ("ldt", _I), ("zero_slots", _P),
+                ("zero_count", _I), ("kpool", _P), ("vpool", _P), ("layer_stride", _I), ("block_size", _I),
+                ("pool_blocks", _I), ("x", _P), ("qkv", _P), ("attn", _P), ("act", _P)]

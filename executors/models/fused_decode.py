@@ -1,0 +1,120 @@
+"""A whole decode step in one call of the CPU kernels (executors/cpu_kernels/decode_step.c).
+
+float32 on a CPU with the kernels built: a step whose rows are all decode rows (one new
+token each, with a cache), at most FUSED_MAX_ROWS of them, without LoRA or tensor
+parallelism, runs every layer in one kernel call, its threads meeting at barriers instead of
+returning to Python between ~300 op calls (bench/RESULTS.md run 10). Dense Llama / Qwen2 /
+Qwen3 / Mistral-shaped models qualify; what does not (experts, Gemma's sandwich norms and
+second rotary table, odd head sizes) keeps the op-by-op path of decoder.py, as does any step
+the kernel refuses (a position, slot or block out of range: nothing is written then, and the
+op-by-op path raises its usual error).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from executors.cpu_kernels import GLU_ACTIVATIONS, MAX_HEADS, MAX_ROPE_DIM, MAX_ROWS, CpuKernels
+from executors.cpu_kernels.step import LAYER_FIELDS, MAX_STEP_ROWS, OUT_OF_RANGE, DecoderSpec, StepSpec
+from executors.models.attention import StepContext
+
+if TYPE_CHECKING:
+    from executors.models.decoder import DecoderLM
+
+FUSED_MAX_ROWS = min(MAX_ROWS, MAX_STEP_ROWS)  # as many rows as the matvecs take (step_ops.py)
+FUSED_DECODE = True  # False: every step op by op (tests compare the two)
+
+
+class FusedDecode:
+    """One model's decode steps through me_decode_step_f32; `build` says None where it cannot."""
+
+    def __init__(self, model: DecoderLM, kernels: CpuKernels) -> None:
+        c = model.config
+        self.kernels = kernels
+        fused = model.fused
+        self.hidden, self.inter, self.width = c.hidden_size, c.intermediate_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.hq = c.num_heads * c.head_dim
+        self.weights = torch.tensor([[_address(getattr(w, f)) for f in LAYER_FIELDS] for w in fused], dtype=torch.int64)
+        self.windows = torch.tensor([c.window(i) or 0 for i in range(c.num_layers)], dtype=torch.int32)
+        self.scales = torch.tensor([c.attn_scale or c.head_dim ** -0.5] * c.num_layers, dtype=torch.float32)
+        self.final_norm = model.model.norm.fused_weight().contiguous()
+        # The tensors whose addresses the spec holds stay referenced here (and by the model).
+        self._tensors = (fused, self.final_norm, model.rope.cos, model.rope.signed_sin)
+        self.spec = DecoderSpec(
+            layers=c.num_layers, hidden=c.hidden_size, heads=c.num_heads, kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim, inter=c.intermediate_size, eps=c.rms_norm_eps,
+            activation=GLU_ACTIVATIONS[c.hidden_act], weights=self.weights.data_ptr(),
+            windows=self.windows.data_ptr(), scales=self.scales.data_ptr(), final_norm=self.final_norm.data_ptr(),
+            cos=model.rope.cos.data_ptr(), signed_sin=model.rope.signed_sin.data_ptr(),
+            max_positions=model.rope.cos.shape[0])
+
+    @classmethod
+    def build(cls, model: DecoderLM) -> FusedDecode | None:
+        kernels = model.cpu_kernels
+        if kernels is None or model.fused is None or unsupported(model) is not None:
+            return None
+        return cls(model, kernels)
+
+    def hidden_states(self, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor | None:
+        """The final normed hidden states of a step of decode rows ([m, hidden], x's storage
+        reused), or None where the step is not one this kernel runs."""
+        m = x.shape[0]
+        pool, segments = ctx.pool, ctx.segments
+        if (not FUSED_DECODE or m > FUSED_MAX_ROWS or ctx.lora is not None or pool is None or ctx.reference
+                or ctx.backend != "sdpa" or pool.dtype != torch.float32 or pool.device.type != "cpu"
+                or ctx.slot_mapping is None or ctx.slot_mapping.dtype != torch.int64 or len(segments) != m):
+            return None
+        bs = pool.block_size
+        tables = []
+        for row, seg in enumerate(segments):
+            if seg.q_len != 1 or seg.start == 0 or seg.q_start != row or seg.block_ids is None:
+                return None
+            tables.append(seg.block_ids[:seg.start // bs + 1])
+        width = max(map(len, tables))
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        positions = positions.to(torch.int64).contiguous()
+        zero = ctx.zero_slots
+        if zero is not None and zero.dtype != torch.int64:
+            return None
+        x = x.contiguous()
+        qkv, attn, act = x.new_empty(m, self.width), x.new_empty(m, self.hq), x.new_empty(m, self.inter)
+        key, value = pool.key, pool.value
+        step = StepSpec(
+            rows=m, positions=positions.data_ptr(), slots=ctx.slot_mapping.data_ptr(), tables=tables.data_ptr(),
+            ldt=width, zero_slots=None if zero is None else zero.data_ptr(), zero_count=0 if zero is None else zero.numel(),
+            kpool=key[0].data_ptr(), vpool=value[0].data_ptr(),
+            layer_stride=key[0].numel() if len(key) == 1 else (key[1].data_ptr() - key[0].data_ptr()) // 4,
+            block_size=bs, pool_blocks=key[0].shape[0], x=x.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
+            act=act.data_ptr())
+        status = self.kernels.decode_step(self.spec, step)
+        if status == OUT_OF_RANGE:
+            return None
+        return x
+
+
+def unsupported(model: DecoderLM) -> str | None:
+    """Why the model's decode steps cannot run as one kernel call; None when they can."""
+    c = model.config
+    if c.hidden_act not in GLU_ACTIVATIONS:
+        return f"activation {c.hidden_act}"
+    if c.head_dim % 8 or c.head_dim > MAX_ROPE_DIM or c.num_heads > MAX_HEADS or c.num_heads % c.num_kv_heads:
+        return f"attention shape {c.num_heads} heads / {c.num_kv_heads} KV heads of {c.head_dim}"
+    if model.rope_local is not None or model.head_rows is not None:
+        return "a second rotary table, or a tensor-parallel shard"
+    if model.rope.cos.dtype != torch.float32 or not model.rope.cos.is_contiguous():
+        return "rotary tables not float32"
+    for w in model.fused:
+        if w.gate_up is None or w.pre_ff_norm is not None or w.moe is not None:
+            return "experts or sandwich norms"
+        for name in LAYER_FIELDS:
+            t = getattr(w, name)
+            if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()
+                                  or t.is_mkldnn):
+                return f"{name} not a contiguous float32 CPU tensor"
+    return None
+
+
+def _address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
