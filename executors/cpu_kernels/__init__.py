@@ -3,6 +3,9 @@
 - matvec.c: the projections and the lm_head of steps of 1..MAX_ROWS rows, reading each
   row-major weight once at close to the memory bandwidth (1-4 rows are faster than oneDNN's
   packed weights and MKL on every weight shape measured, 8 rows about equal; bench/RESULTS.md);
+- gemm.c: those of steps of MAX_ROWS + 1..MATMUL_MAX_ROWS rows (batched decode) in
+  register-blocked tiles over the same row-major weights: as fast as oneDNN's packed copies
+  there without the second copy, faster than MKL's sgemm;
 - pointwise.c: RMSNorm, the rotary embedding and the gated activation without torch's
   per-op set-up;
 - paged_attention.c: the new tokens' K and V stored into the pool, and decode attention
@@ -27,7 +30,8 @@ from executors.cpu_kernels.build import KernelsUnavailable, build_library, load_
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 4  # steps of at most this many rows run their matmuls here
+MAX_ROWS = 4  # steps of at most this many rows run their matmuls through matvec.c
+MATMUL_MAX_ROWS = 64  # and up to this many through gemm.c
 MAX_HEADS = 256  # query heads the attention kernel takes (paged_attention.c)
 MAX_ROPE_DIM = 512  # head dimension the rotation takes (pointwise.c's row buffer)
 GLU_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
@@ -51,6 +55,7 @@ class CpuKernels:
         self._glu = _bind(library, "me_glu_f32", [_P, _I, _I, _I, _C, _P])
         self._store_kv = _bind(library, "me_store_kv_f32", [_P, _P, _I, _I, _I, _I, _P, _P, _P])
         self._argmax = _bind(library, "me_argmax_logprob_f32", [_P, _I, _I, _I, _P, _P], ctypes.c_int)
+        self._gemm = _bind(library, "me_gemm_f32", [_P, _I, _I, _P, _I, _I, _I, _P, _P, _I, _P, _I, _C])
         self._decode_step = _bind(library, "me_decode_step_f32", [_P, _P, _C], ctypes.c_int)
         self._attention = _bind(library, "me_decode_attention_f32",
                                 [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P, _F, _P, _I, _C], ctypes.c_int)
@@ -76,7 +81,8 @@ class CpuKernels:
         if residual is not None and residual.stride(1) != 1:
             residual = residual.contiguous()
         y = torch.empty(m, n, dtype=torch.float32)
-        self._linear(x.data_ptr(), m, x.stride(0), w.data_ptr(), n, k, w.stride(0),
+        kernel = self._linear if m <= MAX_ROWS else self._gemm
+        kernel(x.data_ptr(), m, x.stride(0), w.data_ptr(), n, k, w.stride(0),
                      None if bias is None else bias.data_ptr(),
                      None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
                      y.data_ptr(), n, torch.get_num_threads())

@@ -1,27 +1,31 @@
 /* A whole decode step of a dense float32 decoder, every layer, in one OpenMP parallel region.
  *
  * Calling the kernels of this directory op by op from Python costs a step of SmolLM2 ~300
- * calls: ~2.5 ms of Python on the 2-core EPYC of bench/RESULTS.md, and between the calls the
- * pool threads go idle, so the matvecs read the weights at 25-26 GB/s against 30-38 alone.
- * Here the threads stay inside one region for the step and meet at a barrier between the
- * phases of a layer (each phase needs all of the previous one's output):
+ * calls: ~2.5 ms of Python on the 2-core EPYC of bench/RESULTS.md, with the pool threads
+ * idle between the calls. Here the threads stay inside one region for the step and meet at
+ * a barrier between the phases of a layer (each phase needs all of the previous one's
+ * output):
  *
- *   RMSNorm (each thread its own copy) -> q/k/v matvec | q/k norm, rotation, K/V store |
- *   attention from the pool | o matvec + residual | RMSNorm -> gate/up matvec with the
- *   activation in its store | down matvec + residual
+ *   RMSNorm | q/k/v matmul | q/k norm, rotation, K/V store | attention from the pool |
+ *   o matmul + residual | RMSNorm | gate/up matmul, activation | down matmul + residual
  *
- * The layers are Llama / Qwen2 / Qwen3 / Mistral shaped: optional q/k/v, o and MLP biases,
- * optional q/k norms, a sliding window and score scale per layer. Steps of up to
- * ME_STEP_MAX_ROWS decode rows (one new token each, at its position, with a cache).
+ * Steps of up to MATVEC_ROWS rows stream each weight through matvec.h's blocks (the gate
+ * and up rows read together, the activation in the store); larger ones through gemm.h's
+ * register-blocked tiles. The layers are Llama / Qwen2 / Qwen3 / Mistral shaped: optional
+ * q/k/v, o and MLP biases, optional q/k norms, a sliding window and score scale per layer.
+ * Steps of up to ME_STEP_MAX_ROWS decode rows (one new token each, at its position, with a
+ * cache).
  */
 #include <stdlib.h>
 #include <string.h>
 
 #include "attention_row.h"
+#include "gemm.h"
 #include "matvec.h"
 #include "pointwise.h"
 
-#define ME_STEP_MAX_ROWS 8
+#define ME_STEP_MAX_ROWS 64
+#define MATVEC_ROWS 4  /* steps of up to this many rows stream each weight through matvec.h's blocks; larger ones use gemm.h's tiles */
 
 /* Addresses of one layer's tensors, in a [layers, LAYER_FIELDS] int64 table; 0 where absent. */
 enum { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_Q_NORM, W_K_NORM, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS,
@@ -52,17 +56,64 @@ typedef struct {
     int64_t block_size;
     int64_t pool_blocks;         /* blocks of a layer's pool (scratch blocks included) */
     float *x;                    /* [rows, hidden]: the embeddings in, the final normed hidden states out */
-    float *qkv, *attn, *act;     /* scratch: [rows, (heads + 2 kv_heads) head_dim], [rows, heads head_dim], [rows, inter] */
+    float *h, *qkv, *attn, *gu, *act;  /* scratch: [rows, hidden], [rows, (heads + 2 kv_heads) head_dim],
+                                        * [rows, heads head_dim], [rows, 2 inter], [rows, inter] */
 } me_step;
 
 static inline const float *field(const me_decoder *m, int64_t layer, int f) {
     return (const float *)(intptr_t)m->weights[layer * LAYER_FIELDS + f];
 }
 
-/* Each thread normalizes every row into its own buffer: no barrier, and rows <= 8 of
- * `hidden` floats take well under a microsecond. */
-static void norm_rows(const float *x, int64_t rows, int64_t hidden, const float *w, float eps, float *h) {
-    for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * hidden, hidden, w, eps, h + r * hidden);
+/* y = x @ w^T (+ bias) (+ residual) shared out over the team (an orphaned `omp for`, so it
+ * binds to the caller's parallel region; its end is a barrier). */
+static void step_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n, const float *bias,
+                        const float *residual, float *y) {
+    if (m <= MATVEC_ROWS) {
+        #pragma omp for schedule(static)
+        for (int64_t blk = 0; blk < (n + BLOCK - 1) / BLOCK; blk++)
+            linear_block(x, m, k, w, n, k, k, bias, residual, n, y, n, blk);
+    } else {
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < (n + NR - 1) / NR; g++) gemm_group(x, m, k, w, n, k, k, bias, residual, n, y, n, g);
+    }
+}
+
+static void step_norm(const float *x, int64_t rows, int64_t hidden, const float *w, float eps, float *y) {
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * hidden, hidden, w, eps, y + r * hidden);
+}
+
+/* act(gate) * up for every row: gate rows j and up rows inter + j of the fused weight. A
+ * few rows: each block of both read together, the activation in the store; more: the fused
+ * matmul into gu, then the activation over it. */
+static void step_glu(const me_decoder *m, const me_step *s, const float *gu_w, const float *gu_b) {
+    const int64_t rows = s->rows, hidden = m->hidden, inter = m->inter;
+    if (rows <= MATVEC_ROWS) {
+        #pragma omp for schedule(static)
+        for (int64_t blk = 0; blk < (inter + BLOCK - 1) / BLOCK; blk++) {
+            const int64_t j = blk * BLOCK;
+            const int n = (int)(inter - j < BLOCK ? inter - j : BLOCK);
+            const __m256 bg = gu_b ? load_rows(gu_b + j, n) : _mm256_setzero_ps();
+            const __m256 bu = gu_b ? load_rows(gu_b + inter + j, n) : _mm256_setzero_ps();
+            for (int64_t r = 0; r < rows; r++) {
+                const float *hr = s->h + r * hidden;
+                __m256 g = _mm256_add_ps(dot_block(gu_w + j * hidden, hidden, n, hr, hidden), bg);
+                __m256 u = _mm256_add_ps(dot_block(gu_w + (inter + j) * hidden, hidden, n, hr, hidden), bu);
+                store_rows(s->act + r * inter + j, n, _mm256_mul_ps(act8(g, m->activation), u));
+            }
+        }
+        return;
+    }
+    step_linear(s->h, rows, hidden, gu_w, 2 * inter, gu_b, NULL, s->gu);
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = s->gu + r * 2 * inter, *u = g + inter;
+        float *out = s->act + r * inter;
+        int64_t j = 0;
+        for (; j + 8 <= inter; j += 8)
+            _mm256_storeu_ps(out + j, _mm256_mul_ps(act8(_mm256_loadu_ps(g + j), m->activation), _mm256_loadu_ps(u + j)));
+        for (; j < inter; j++) out[j] = act1(g[j], m->activation) * u[j];
+    }
 }
 
 /* Every position inside the rotary tables, every slot and every block a row reads inside
@@ -98,9 +149,8 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        float *h = malloc(sizeof(float) * (size_t)(rows * hidden));
         float *scores = malloc(sizeof(float) * (size_t)(heads * (longest + 8)));
-        if (!h || !scores) {
+        if (!scores) {
             #pragma omp atomic write
             failed = 1;
         }
@@ -109,11 +159,8 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
             for (int64_t l = 0; l < m->layers; l++) {
                 float *kpool = s->kpool + l * s->layer_stride, *vpool = s->vpool + l * s->layer_stride;
                 /* q, k, v */
-                norm_rows(s->x, rows, hidden, field(m, l, W_INPUT_NORM), m->eps, h);
-                #pragma omp for schedule(static)
-                for (int64_t blk = 0; blk < (width + BLOCK - 1) / BLOCK; blk++)
-                    linear_block(h, rows, hidden, field(m, l, W_QKV), width, hidden, hidden, field(m, l, W_QKV_BIAS),
-                                 NULL, 0, s->qkv, width, blk);
+                step_norm(s->x, rows, hidden, field(m, l, W_INPUT_NORM), m->eps, s->h);
+                step_linear(s->h, rows, hidden, field(m, l, W_QKV), width, field(m, l, W_QKV_BIAS), NULL, s->qkv);
                 /* q/k norms and rotation, the new K and V into the pool, stale slots cleared */
                 const float *qn = field(m, l, W_Q_NORM), *kn = field(m, l, W_K_NORM);
                 #pragma omp for schedule(static)
@@ -144,38 +191,14 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
                                split == 1 ? kvh : kv0 + 1, s->tables + r * s->ldt, lo, hi, m->scales[l], scores,
                                s->attn + r * hq);
                 }
-                /* x += attn @ o^T */
-                #pragma omp for schedule(static)
-                for (int64_t blk = 0; blk < (hidden + BLOCK - 1) / BLOCK; blk++)
-                    linear_block(s->attn, rows, hq, field(m, l, W_O), hidden, hq, hq, field(m, l, W_O_BIAS), s->x,
-                                 hidden, s->x, hidden, blk);
-                /* act(gate) * up, gate rows j and up rows inter + j of the fused weight read together */
-                norm_rows(s->x, rows, hidden, field(m, l, W_POST_NORM), m->eps, h);
-                const float *gu = field(m, l, W_GATE_UP), *gub = field(m, l, W_GATE_UP_BIAS);
-                #pragma omp for schedule(static)
-                for (int64_t blk = 0; blk < (inter + BLOCK - 1) / BLOCK; blk++) {
-                    const int64_t j = blk * BLOCK;
-                    const int n = (int)(inter - j < BLOCK ? inter - j : BLOCK);
-                    const __m256 bg = gub ? load_rows(gub + j, n) : _mm256_setzero_ps();
-                    const __m256 bu = gub ? load_rows(gub + inter + j, n) : _mm256_setzero_ps();
-                    for (int64_t r = 0; r < rows; r++) {
-                        __m256 g = _mm256_add_ps(dot_block(gu + j * hidden, hidden, n, h + r * hidden, hidden), bg);
-                        __m256 u = _mm256_add_ps(dot_block(gu + (inter + j) * hidden, hidden, n, h + r * hidden,
-                                                           hidden), bu);
-                        store_rows(s->act + r * inter + j, n, _mm256_mul_ps(act8(g, m->activation), u));
-                    }
-                }
-                /* x += act @ down^T */
-                #pragma omp for schedule(static)
-                for (int64_t blk = 0; blk < (hidden + BLOCK - 1) / BLOCK; blk++)
-                    linear_block(s->act, rows, inter, field(m, l, W_DOWN), hidden, inter, inter,
-                                 field(m, l, W_DOWN_BIAS), s->x, hidden, s->x, hidden, blk);
+                /* x += attn @ o^T; the MLP */
+                step_linear(s->attn, rows, hq, field(m, l, W_O), hidden, field(m, l, W_O_BIAS), s->x, s->x);
+                step_norm(s->x, rows, hidden, field(m, l, W_POST_NORM), m->eps, s->h);
+                step_glu(m, s, field(m, l, W_GATE_UP), field(m, l, W_GATE_UP_BIAS));
+                step_linear(s->act, rows, inter, field(m, l, W_DOWN), hidden, field(m, l, W_DOWN_BIAS), s->x, s->x);
             }
-            #pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; r++) rms_norm_row(s->x + r * hidden, hidden, m->final_norm, m->eps,
-                                                            s->x + r * hidden);
+            step_norm(s->x, rows, hidden, m->final_norm, m->eps, s->x);
         }
-        free(h);
         free(scores);
     }
     return failed ? -1 : 0;

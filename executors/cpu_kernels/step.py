@@ -9,7 +9,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 # The columns of the per-layer address table, in decode_step.c's order.
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "q_norm", "k_norm", "post_norm", "gate_up",
                 "gate_up_bias", "down", "down_bias")
-MAX_STEP_ROWS = 8  # ME_STEP_MAX_ROWS
+MAX_STEP_ROWS = 64  # ME_STEP_MAX_ROWS
 UNSUPPORTED, OUT_OF_RANGE = -2, -3  # the kernel's refusals (the caller falls back to the op-by-op path)
 
 
@@ -26,4 +26,4 @@ class StepSpec(ctypes.Structure):
 
     _fields_ = [("rows", _I), ("positions", _P), ("slots", _P), ("tables", _P), ("ldt", _I), ("zero_slots", _P),
                 ("zero_count", _I), ("kpool", _P), ("vpool", _P), ("layer_stride", _I), ("block_size", _I),
-                ("pool_blocks", _I), ("x", _P), ("qkv", _P), ("attn", _P), ("act", _P)]
+                ("pool_blocks", _I), ("x", _P), ("h", _P), ("qkv", _P), ("attn", _P), ("gu", _P), ("act", _P)]

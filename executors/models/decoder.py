@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executors.cpu_kernels import MAX_ROWS, CpuKernels, cpu_kernels
+from executors.cpu_kernels import MATMUL_MAX_ROWS, CpuKernels, cpu_kernels
 from executors.lora import LoraBatch
 from executors.models import cpu_layout, step_ops
 from executors.models.fused_decode import FusedDecode
@@ -279,10 +279,11 @@ class DecoderLM(nn.Module):
             # at M = 1..512 here (bench/RESULTS.md). A second copy of the matmul weights.
             fused = [step_ops.packed(w) for w in fused]
             self.packed_head = step_ops.pack(head)
-        elif (step_ops.should_pack(head, torch.float32)
+        elif (self.cpu_kernels is None and step_ops.should_pack(head, torch.float32)
               and sum(p.numel() for p in self.parameters()) * 4 <= step_ops.PACK_FP32_MAX_BYTES):
-            # float32 on CPU: oneDNN prepacked copies for steps of PACKED_FP32_ROWS rows (batched
-            # decode), 1.25-1.4x faster than MKL's sgemm there; slower at 1 row and no better
+            # float32 on CPU without the kernels (whose tiles match these without a copy): oneDNN
+            # prepacked copies for steps of PACKED_FP32_ROWS rows (batched decode), 1.25-1.4x
+            # faster than MKL's sgemm there; slower at 1 row and no better
             # for prefill-sized steps, which keep F.linear. Doubles the weights' memory, so
             # only for models up to PACK_FP32_MAX_BYTES.
             self.fused_fp32_packed = [step_ops.packed(w) for w in fused]
@@ -428,7 +429,7 @@ class DecoderLM(nn.Module):
         rows = hidden.shape[0]
         if self.packed_head is not None and not reference:
             out = step_ops.linear(hidden.contiguous(), self.packed_head, None).float()
-        elif self.cpu_kernels is not None and not reference and rows <= MAX_ROWS:
+        elif self.cpu_kernels is not None and not reference and rows <= MATMUL_MAX_ROWS:
             out = self.cpu_kernels.linear(hidden, self.head_weight())
         elif self.packed_head_fp32 is not None and not reference and rows in step_ops.PACKED_FP32_ROWS:
             out = step_ops.linear(hidden.contiguous(), self.packed_head_fp32, None)

@@ -1,7 +1,7 @@
 """A whole decode step in one call of the CPU kernels (executors/cpu_kernels/decode_step.c).
 
 float32 on a CPU with the kernels built: a step whose rows are all decode rows (one new
-token each, with a cache), at most FUSED_MAX_ROWS of them, without LoRA or tensor
+token each, with a cache), at most FUSED_MAX_ROWS of them (batched decode included), without LoRA or tensor
 parallelism, runs every layer in one kernel call, its threads meeting at barriers instead of
 returning to Python between ~300 op calls (bench/RESULTS.md run 10). Dense Llama / Qwen2 /
 Qwen3 / Mistral-shaped models qualify; what does not (experts, Gemma's sandwich norms and
@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from executors.cpu_kernels import GLU_ACTIVATIONS, MAX_HEADS, MAX_ROPE_DIM, MAX_ROWS, CpuKernels
+from executors.cpu_kernels import GLU_ACTIVATIONS, MATMUL_MAX_ROWS, MAX_HEADS, MAX_ROPE_DIM, CpuKernels
 from executors.cpu_kernels.step import LAYER_FIELDS, MAX_STEP_ROWS, OUT_OF_RANGE, DecoderSpec, StepSpec
 from executors.models.attention import StepContext
 
 if TYPE_CHECKING:
     from executors.models.decoder import DecoderLM
 
-FUSED_MAX_ROWS = min(MAX_ROWS, MAX_STEP_ROWS)  # as many rows as the matvecs take (step_ops.py)
+FUSED_MAX_ROWS = min(MATMUL_MAX_ROWS, MAX_STEP_ROWS)  # as many rows as the kernels' matmuls take (step_ops.py)
 FUSED_DECODE = True  # False: every step op by op (tests compare the two)
 
 
@@ -79,15 +79,16 @@ class FusedDecode:
         if zero is not None and zero.dtype != torch.int64:
             return None
         x = x.contiguous()
-        qkv, attn, act = x.new_empty(m, self.width), x.new_empty(m, self.hq), x.new_empty(m, self.inter)
+        h, qkv, attn = x.new_empty(m, self.hidden), x.new_empty(m, self.width), x.new_empty(m, self.hq)
+        gu, act = x.new_empty(m, 2 * self.inter), x.new_empty(m, self.inter)
         key, value = pool.key, pool.value
         step = StepSpec(
             rows=m, positions=positions.data_ptr(), slots=ctx.slot_mapping.data_ptr(), tables=tables.data_ptr(),
             ldt=width, zero_slots=None if zero is None else zero.data_ptr(), zero_count=0 if zero is None else zero.numel(),
             kpool=key[0].data_ptr(), vpool=value[0].data_ptr(),
             layer_stride=key[0].numel() if len(key) == 1 else (key[1].data_ptr() - key[0].data_ptr()) // 4,
-            block_size=bs, pool_blocks=key[0].shape[0], x=x.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
-            act=act.data_ptr())
+            block_size=bs, pool_blocks=key[0].shape[0], x=x.data_ptr(), h=h.data_ptr(), qkv=qkv.data_ptr(),
+            attn=attn.data_ptr(), gu=gu.data_ptr(), act=act.data_ptr())
         status = self.kernels.decode_step(self.spec, step)
         if status == OUT_OF_RANGE:
             return None

@@ -55,7 +55,7 @@ def test_no_compiler_is_a_reason_not_a_crash(monkeypatch):
         kernel_build.compiler()
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 13, 32, 64])  # matvec.c up to 4, gemm.c's tiles and their tails past
 @pytest.mark.parametrize("n,k", [(8, 8), (13, 20), (960, 576), (100, 1537)])
 def test_linear_matches_torch(kernels, m, n, k):
     g = torch.Generator().manual_seed(n * 31 + k + m)
@@ -75,6 +75,8 @@ def test_linear_reads_strided_views(kernels):
     x = fused[:, 8:32]  # a slice of a fused output: rows 40 floats apart
     assert kernels.accepts(head) and not kernels.accepts(embed.t())
     torch.testing.assert_close(kernels.linear(x, head), F.linear(x, head), atol=1e-5, rtol=1e-5)
+    many = torch.randn(9, 40, generator=g)[:, 8:32]  # the same through gemm.c
+    torch.testing.assert_close(kernels.linear(many, head), F.linear(many, head), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (3, 20), (2, 5, 32)])

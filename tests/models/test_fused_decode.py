@@ -1,10 +1,11 @@
 """Decode steps as one kernel call (executors/models/fused_decode.py) against the reference.
 
-The kernel runs every layer of a step of 1-4 decode rows; test_cpu_paths.py and
-test_sliding_window.py cover it under their "default" policy. Here: it is the path those
-steps take, batches of every size it takes mixed with larger steps (which run op by op, on
-the same caches, and must find the blocks the kernel entered cleared), what it refuses and
-that a refusal writes nothing.
+The kernel runs every layer of a step of up to 64 decode rows (1-4 through the matvecs,
+more through the register-blocked tiles); test_cpu_paths.py and test_sliding_window.py
+cover it under their "default" policy. Here: it is the path those steps take, at batch
+sizes on both sides of 4, followed by a step through torch's block gather on the same
+caches (which must find the blocks the kernel entered cleared); what it leaves to the op-by-op path; what
+it refuses, and that a refusal writes nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import executors.cpu_kernels as cpu_kernels_module
 from executors.cpu_kernels.step import OUT_OF_RANGE
 from executors.models import attention, fused_decode
 from executors.models.attention import Segment, StepContext
-from executors.types import DecodeInput, LogitsPolicy, PrefillInput
+from executors.types import DecodeInput, LogitsPolicy, PrefillInput, UnifiedBatchItem
 from tests.models import test_sliding_window as windows
 from tests.models.test_cpu_paths import Pair, same, tiny_model, tokens
 
@@ -40,17 +41,15 @@ def calls(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
-def test_batches_of_one_to_four_rows_and_larger_steps_on_the_same_caches(family, calls, monkeypatch):
-    # The larger steps gather whole blocks (masked): a stale NaN the kernel failed to clear
-    # in a block it entered would poison them.
-    monkeypatch.setattr(attention, "PAGED_KERNEL", False)
+def test_batches_of_every_size_then_gathers_on_the_same_caches(family, calls, monkeypatch):
     pair = Pair(family, model=windows.tiny_model(family)) if family == "mistral" else Pair(family)
     try:
         pair.fast.pool._storage.fill_(float("nan"))  # stale slots must be cleared, not read
         pair.ref.pool._storage.fill_(float("nan"))
-        outs, _ = pair.both("batch_prefill", [PrefillInput(input_ids=tokens(n)) for n in (3, 7, 4, 12, 9)])
+        outs, _ = pair.both("batch_prefill", [PrefillInput(input_ids=tokens(n)) for n in (3, 7, 4, 12, 9, 1, 5, 6)])
         handles = [o.kv_cache for o in outs]
-        for step, batch in enumerate((1, 2, 3, 4, 5, 4, 1, 5, 3, 2, 4, 4, 4, 4)):
+        batches = (1, 2, 3, 4, 5, 8, 4, 1, 7, 3, 2, 8, 8, 8)
+        for step, batch in enumerate(batches):
             chosen = handles[:batch] if step % 2 else handles[-batch:][::-1]  # rows in other orders
             a, b = pair.both("batch_decode", [DecodeInput(token_id=t, kv_cache=h)
                                               for t, h in zip(tokens(batch), chosen)])
@@ -59,8 +58,17 @@ def test_batches_of_one_to_four_rows_and_larger_steps_on_the_same_caches(family,
                 same(x, y)
             done = {x.kv_cache.cache_id: x.kv_cache for x in a}
             handles = [done.get(h.cache_id, h) for h in handles]
-        steps_of_at_most_four = 12
-        assert calls == [0] * steps_of_at_most_four
+        assert calls == [0] * len(batches)
+        # Then op by op through torch's batched block gather, which reads whole blocks
+        # (masked): a stale NaN the kernel failed to clear in a block it entered would poison it.
+        monkeypatch.setattr(fused_decode, "FUSED_DECODE", False)
+        monkeypatch.setattr(attention, "PAGED_KERNEL", False)
+        monkeypatch.setattr(attention, "MAX_VIEW_RUNS", 0)
+        a, b = pair.both("batch_decode", [DecodeInput(token_id=t, kv_cache=h) for t, h in zip(tokens(8), handles)])
+        for x, y in zip(a, b, strict=True):
+            assert np.isfinite(x.logits.logits.array).all()
+            same(x, y)
+        assert len(calls) == len(batches)
     finally:
         pair.close()
 
@@ -98,11 +106,15 @@ def test_an_index_out_of_range_is_refused_before_anything_is_written(calls):
 def test_steps_it_leaves_to_the_op_by_op_path(calls):
     pair = Pair("qwen3")
     try:
-        outs, _ = pair.both("batch_prefill", [PrefillInput(input_ids=tokens(5)) for _ in range(5)])
-        a, b = pair.both("batch_decode", [DecodeInput(token_id=3, kv_cache=o.kv_cache) for o in outs])  # 5 rows
+        outs, _ = pair.both("batch_prefill", [PrefillInput(input_ids=tokens(5)) for _ in range(3)])
+        items = [UnifiedBatchItem(seq_id="", q_tokens=tokens(4), pos_offset=0, is_final_chunk=True)]  # a prompt
+        items += [UnifiedBatchItem(seq_id=o.kv_cache.cache_id, q_tokens=tokens(1), pos_offset=5, is_final_chunk=True)
+                  for o in outs]  # beside three decode rows
+        a, b = pair.both("unified_decode", items)
         for x, y in zip(a, b, strict=True):
-            same(x, y)
-        va, vb = pair.both("forward_verify", a[0].kv_cache, [4, 5, 6], LogitsPolicy())  # three rows of one sequence
+            np.testing.assert_allclose(x.logits.logits.array, y.logits.logits.array, atol=1e-4, rtol=0)
+        other, _ = pair.both("prefill", PrefillInput(input_ids=tokens(6)))
+        va, vb = pair.both("forward_verify", other.kv_cache, [4, 5, 6], LogitsPolicy())  # three rows of one sequence
         for x, y in zip(va.outputs, vb.outputs, strict=True):
             np.testing.assert_allclose(x.logits.array, y.logits.array, atol=1e-4, rtol=0)
         assert calls == []
