@@ -67,7 +67,10 @@ def for_step(positions: torch.Tensor, fused: list[FusedLayer], packed: list[Fuse
         norm, rotate = kernels.rms_norm, _kernel_rotate(kernels, positions, rope, rope_local or rope)
         glu = functools.partial(kernels.glu, activation=activation)
     else:
-        norm, rotate = torch_norm, _torch_rotate(positions, rope, rope_local, dtype)
+        # The kernels' RMSNorm (threaded over rows) also beats torch's on prefill-sized steps:
+        # 21 against 47 us at 128 rows of 576, 92 against 242 at 1024.
+        norm = kernels.rms_norm if kernels is not None else torch_norm
+        rotate = _torch_rotate(positions, rope, rope_local, dtype)
         glu = functools.partial(torch_glu, act=layers.activation(activation))
     if kernels is not None and rows <= MATMUL_MAX_ROWS:
         return StepOps(fused, kernels.linear, kernels.residual_linear, norm, rotate, glu)
