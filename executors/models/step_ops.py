@@ -3,9 +3,9 @@
 - float32 on a CPU with the kernels of executors/cpu_kernels built: steps of up to
   MATMUL_MAX_ROWS rows (decode, batched decode) run their matmuls there, over the row-major
   weights (1-4 rows through the matvecs, at close to the memory bandwidth; more through
-  register-blocked tiles); steps of up to KERNEL_OPS_MAX_ROWS rows run their RMSNorms,
-  rotations and gated activation there (torch's per-op set-up is most of those ops' cost at
-  decode sizes). Larger steps keep torch's ops. (Decode steps of dense models usually skip
+  register-blocked tiles); steps of up to KERNEL_OPS_MAX_ROWS rows run their rotations and
+  gated activation there (torch's per-op set-up is most of those ops' cost at decode
+  sizes), and steps of any size their RMSNorms. Larger steps keep torch's other ops. (Decode steps of dense models usually skip
   all of this: executors/models/fused_decode.py runs them as one kernel call.)
 - float32 on a CPU without the kernels, steps of PACKED_FP32_ROWS rows: oneDNN prepacked
   copies (batched decode), 1.25-1.4x faster than MKL's sgemm there. They double the
