@@ -319,7 +319,7 @@ def test_a_lost_rank_turns_the_server_unavailable_in_bounded_time(fault, models)
         stop_and_check(server)
 
 
-def test_start_up_refusals(models, tmp_path):
+def test_start_up_refusals(models):
     """Heads that do not split, and a torchrun world that does not match the flag: a message, no process left."""
     server = launch("tcp", ["--model", str(models["qwen3"]), "--tensor-parallel-size", "3"])
     assert server.proc.wait(120) != 0

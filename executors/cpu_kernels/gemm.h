@@ -1,7 +1,9 @@
 /* A register-blocked tile for steps of several rows (gemm.c, decode_step.c): y = x @ w^T for
  * MR rows of x against NR rows of w, both read along k, one FMA accumulator per (row, weight
- * row) pair: 4 x 3 tiles keep 12 accumulators, the three weight vectors and one x vector in
- * the 16 AVX registers, 12 FMAs for 7 loads, so the FMA units, not the loads, set the pace. */
+ * row) pair, 12 for a 4 x 3 tile, reduced once at the end. With the weight vectors and an x
+ * vector that is 16 AVX registers; gcc keeps two weight vectors and folds the third into
+ * the FMAs, 10 loads for 12 FMAs. Tiles of 3x4, 2x6 and 2x5 measured the same (60-65 % of
+ * the sgemm peak at 32 rows, bench/RESULTS.md run 10), 6x2 and 8x1 slower. */
 #ifndef MODELEXEC_GEMM_H
 #define MODELEXEC_GEMM_H
 

@@ -2,7 +2,8 @@
  *
  * A decode step at batch 1 multiplies one row by every weight matrix once, so it runs at
  * the rate the weights stream from memory. MKL's sgemv reads a [n, k] row-major weight at
- * 12-20 GB/s on the 2-core EPYC of bench/RESULTS.md; these loops read it at 30-38 GB/s:
+ * 12-20 GB/s on the 2-core EPYC of bench/RESULTS.md; these loops read it at ~24 GB/s from
+ * memory, what torch.sum reads at (30-38 GB/s when the weight sits in the L3):
  * eight weight rows a block (eight sequential streams the hardware prefetcher follows),
  * one FMA accumulator per row, the block's eight sums reduced together and stored as one
  * vector. Threads split the blocks statically through OpenMP; the library links the same

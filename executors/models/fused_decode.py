@@ -86,7 +86,7 @@ class FusedDecode:
             rows=m, positions=positions.data_ptr(), slots=ctx.slot_mapping.data_ptr(), tables=tables.data_ptr(),
             ldt=width, zero_slots=None if zero is None else zero.data_ptr(), zero_count=0 if zero is None else zero.numel(),
             kpool=key[0].data_ptr(), vpool=value[0].data_ptr(),
-            layer_stride=key[0].numel() if len(key) == 1 else (key[1].data_ptr() - key[0].data_ptr()) // 4,
+            layer_stride=key[0].numel(),  # the layers' pools are consecutive in one allocation
             block_size=bs, pool_blocks=key[0].shape[0], x=x.data_ptr(), h=h.data_ptr(), qkv=qkv.data_ptr(),
             attn=attn.data_ptr(), gu=gu.data_ptr(), act=act.data_ptr())
         status = self.kernels.decode_step(self.spec, step)

@@ -180,8 +180,8 @@ def test_argmax_logprob_matches_torch(kernels):
 
 
 def test_a_model_computes_the_same_with_and_without_the_kernels(kernels):
-    """Prefill, then decode steps of 1, 3, 4 (kernels) and 6 rows (oneDNN, kernel attention),
-    against the same executor with --no-cpu-kernels."""
+    """Prefill, then decode steps of 1, 3, 4 (matvecs) and 6 rows (gemm tiles), against the
+    same executor with --no-cpu-kernels (torch's ops, oneDNN's packed weights at 6 rows)."""
     import asyncio
 
     from executors.llm import LlmExecutor, LlmExecutorConfig
