@@ -208,7 +208,8 @@ class LlmExecutor(KvCacheExecutor):
                 if not cuda:
                     raise
                 log.warning("decode CUDA graphs are off, decode steps run eagerly: %s: %s", type(e).__name__, e)
-        self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        self.num_parameters = self.model.num_parameters()
+        # What the weights take in memory as stored (float32 CPU panels: their padding included).
         self._param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self._packed_bytes = self.model.packed_bytes()
         if self._packed_bytes:
@@ -245,7 +246,7 @@ class LlmExecutor(KvCacheExecutor):
     def _weights_digest(self) -> str:
         # The parameters as served (dtype included), in their logical layout: the same
         # checkpoint gives the same digest on a CPU (whose float32 layouts differ) and a GPU.
-        return digest_tensors(self.model.named_parameters())
+        return digest_tensors(self.model.logical_parameters())
 
     # -- the forward ----------------------------------------------------------------------
     def _forward_step(self, items: list[StepItem]) -> StepLogits:

@@ -1,11 +1,9 @@
 """float32 kernels for the small steps of decode on a CPU (AVX2 + FMA, built by build.py).
 
-- matvec.c: the projections and the lm_head of steps of 1..MAX_ROWS rows, reading each
-  row-major weight once at close to the memory bandwidth (1-4 rows are faster than oneDNN's
-  packed weights and MKL on every weight shape measured, 8 rows about equal; bench/RESULTS.md);
-- gemm.c: those of steps of MAX_ROWS + 1..MATMUL_MAX_ROWS rows (batched decode) in
-  register-blocked tiles over the same row-major weights: as fast as oneDNN's packed copies
-  there without the second copy, faster than MKL's sgemm;
+- panel.c: the projections and the lm_head of steps of every size over weights stored in
+  16-column panels (panels.py, the weights' one copy): decode rows stream them at the
+  memory's rate, larger steps run at 150-195 GFLOP/s, above MKL's sgemm over row-major
+  weights at every size measured (bench/RESULTS.md run 11);
 - pointwise.c: RMSNorm, the rotary embedding and the gated activation without torch's
   per-op set-up;
 - paged_attention.c: the new tokens' K and V stored into the pool, and decode attention
@@ -27,11 +25,10 @@ import logging
 import torch
 
 from executors.cpu_kernels.build import KernelsUnavailable, build_library, load_library
+from executors.cpu_kernels.panels import Panels
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 4  # steps of at most this many rows run their matmuls through matvec.c
-MATMUL_MAX_ROWS = 64  # and up to this many through gemm.c
 MAX_HEADS = 256  # query heads the attention kernel takes (paged_attention.c)
 MAX_ROPE_DIM = 512  # head dimension the rotation takes (pointwise.c's row buffer)
 GLU_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
@@ -49,46 +46,45 @@ class CpuKernels:
     """ctypes bindings; every tensor is float32 on the CPU with rows of unit stride."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._linear = _bind(library, "me_linear_f32", [_P, _I, _I, _P, _I, _I, _I, _P, _P, _I, _P, _I, _C])
+        self._linear = _bind(library, "me_panel_linear_f32", [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I, _C])
         self._rms_norm = _bind(library, "me_rms_norm_f32", [_P, _I, _I, _I, _I, _I, _P, _F, _P, _I, _I, _C])
         self._rope = _bind(library, "me_rope_f32", [_P, _I, _I, _I, _I, _P, _P, _P])
         self._glu = _bind(library, "me_glu_f32", [_P, _I, _I, _I, _C, _P])
         self._store_kv = _bind(library, "me_store_kv_f32", [_P, _P, _I, _I, _I, _I, _P, _P, _P])
         self._argmax = _bind(library, "me_argmax_logprob_f32", [_P, _I, _I, _I, _P, _P], ctypes.c_int)
-        self._gemm = _bind(library, "me_gemm_f32", [_P, _I, _I, _P, _I, _I, _I, _P, _P, _I, _P, _I, _C])
         self._decode_step = _bind(library, "me_decode_step_f32", [_P, _P, _C], ctypes.c_int)
         self._attention = _bind(library, "me_decode_attention_f32",
                                 [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P, _F, _P, _I, _C], ctypes.c_int)
 
     @staticmethod
     def accepts(w: torch.Tensor) -> bool:
-        """A weight the matvec reads as it is: float32 on the CPU, rows of unit stride."""
-        return w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2 and w.stride(1) == 1
+        """A weight the kernels take once packed (panels.pack): a float32 matrix on the CPU."""
+        return w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
 
     @staticmethod
     def attention_accepts(heads: int, kv_heads: int, head_dim: int) -> bool:
         return heads <= MAX_HEADS and heads % kv_heads == 0 and head_dim % 8 == 0
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+    def linear(self, x: torch.Tensor, w: Panels, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ w.T (+ bias) (+ residual): x [m, k], w [n, k] as `accepts` says, bias [n], residual [m, n]."""
+        """x @ w.T (+ bias) (+ residual): x [m, k], w [n, k] as panels, bias [n], residual [m, n]."""
         m, k = x.shape
-        n = w.shape[0]
+        if k != w.k:
+            raise ValueError(f"x has {k} columns, the weight {w.k}")
         if x.stride(1) != 1:
             x = x.contiguous()
         if bias is not None and bias.stride(0) != 1:
             bias = bias.contiguous()
         if residual is not None and residual.stride(1) != 1:
             residual = residual.contiguous()
-        y = torch.empty(m, n, dtype=torch.float32)
-        kernel = self._linear if m <= MAX_ROWS else self._gemm
-        kernel(x.data_ptr(), m, x.stride(0), w.data_ptr(), n, k, w.stride(0),
+        y = torch.empty(m, w.n, dtype=torch.float32)
+        self._linear(x.data_ptr(), m, x.stride(0), w.data.data_ptr(), w.n, k,
                      None if bias is None else bias.data_ptr(),
                      None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
-                     y.data_ptr(), n, torch.get_num_threads())
+                     y.data_ptr(), w.n, torch.get_num_threads())
         return y
 
-    def residual_linear(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor,
+    def residual_linear(self, x: torch.Tensor, a: torch.Tensor, w: Panels,
                         bias: torch.Tensor | None) -> torch.Tensor:
         """x + a @ w.T (+ bias): the residual add in the kernel's store."""
         return self.linear(a, w, bias, residual=x)

@@ -9,10 +9,8 @@
  *   RMSNorm | q/k/v matmul | q/k norm, rotation, K/V store | attention from the pool |
  *   o matmul + residual | RMSNorm | gate/up matmul, activation | down matmul + residual
  *
- * Steps of up to MATVEC_ROWS rows stream each weight through matvec.h's blocks (the gate
- * and up rows read together, the activation in the store); larger ones through gemm.h's
- * register-blocked tiles. The layers are Llama / Qwen2 / Qwen3 / Mistral shaped: optional
- * q/k/v, o and MLP biases, optional q/k norms, a sliding window and score scale per layer.
+ * The matmuls read the weights as panels (panel.h). The layers are Llama / Qwen2 / Qwen3 /
+ * Mistral shaped: optional q/k/v, o and MLP biases, optional q/k norms, a sliding window and score scale per layer.
  * Steps of up to ME_STEP_MAX_ROWS decode rows (one new token each, at its position, with a
  * cache).
  */
@@ -20,12 +18,10 @@
 #include <string.h>
 
 #include "attention_row.h"
-#include "gemm.h"
-#include "matvec.h"
+#include "panel.h"
 #include "pointwise.h"
 
 #define ME_STEP_MAX_ROWS 64
-#define MATVEC_ROWS 4  /* steps of up to this many rows stream each weight through matvec.h's blocks; larger ones use gemm.h's tiles */
 
 /* Addresses of one layer's tensors, in a [layers, LAYER_FIELDS] int64 table; 0 where absent. */
 enum { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_Q_NORM, W_K_NORM, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS,
@@ -35,7 +31,7 @@ typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter;
     float eps;
     int32_t activation;          /* ACT_SILU or ACT_GELU_TANH */
-    const int64_t *weights;      /* [layers, LAYER_FIELDS]; every matrix row-major, rows of unit stride */
+    const int64_t *weights;      /* [layers, LAYER_FIELDS]; every matrix as panels (panel.h) */
     const int32_t *windows;      /* [layers]: keys a query sees, 0 for all */
     const float *scales;         /* [layers]: of q.k */
     const float *final_norm;
@@ -64,18 +60,11 @@ static inline const float *field(const me_decoder *m, int64_t layer, int f) {
     return (const float *)(intptr_t)m->weights[layer * LAYER_FIELDS + f];
 }
 
-/* y = x @ w^T (+ bias) (+ residual) shared out over the team (an orphaned `omp for`, so it
- * binds to the caller's parallel region; its end is a barrier). */
+/* y = x @ w^T (+ bias) (+ residual), w as panels, shared out over the team; a barrier ends it. */
 static void step_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n, const float *bias,
                         const float *residual, float *y) {
-    if (m <= MATVEC_ROWS) {
-        #pragma omp for schedule(static)
-        for (int64_t blk = 0; blk < (n + BLOCK - 1) / BLOCK; blk++)
-            linear_block(x, m, k, w, n, k, k, bias, residual, n, y, n, blk);
-    } else {
-        #pragma omp for schedule(static)
-        for (int64_t g = 0; g < (n + NR - 1) / NR; g++) gemm_group(x, m, k, w, n, k, k, bias, residual, n, y, n, g);
-    }
+    panel_linear_team(x, m, k, w, n, k, bias, residual, n, y, n);
+    #pragma omp barrier
 }
 
 static void step_norm(const float *x, int64_t rows, int64_t hidden, const float *w, float eps, float *y) {
@@ -83,28 +72,10 @@ static void step_norm(const float *x, int64_t rows, int64_t hidden, const float 
     for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * hidden, hidden, w, eps, y + r * hidden);
 }
 
-/* act(gate) * up for every row: gate rows j and up rows inter + j of the fused weight. A
- * few rows: each block of both read together, the activation in the store; more: the fused
- * matmul into gu, then the activation over it. */
+/* act(gate) * up for every row: the fused gate/up matmul into gu, then the activation. */
 static void step_glu(const me_decoder *m, const me_step *s, const float *gu_w, const float *gu_b) {
-    const int64_t rows = s->rows, hidden = m->hidden, inter = m->inter;
-    if (rows <= MATVEC_ROWS) {
-        #pragma omp for schedule(static)
-        for (int64_t blk = 0; blk < (inter + BLOCK - 1) / BLOCK; blk++) {
-            const int64_t j = blk * BLOCK;
-            const int n = (int)(inter - j < BLOCK ? inter - j : BLOCK);
-            const __m256 bg = gu_b ? load_rows(gu_b + j, n) : _mm256_setzero_ps();
-            const __m256 bu = gu_b ? load_rows(gu_b + inter + j, n) : _mm256_setzero_ps();
-            for (int64_t r = 0; r < rows; r++) {
-                const float *hr = s->h + r * hidden;
-                __m256 g = _mm256_add_ps(dot_block(gu_w + j * hidden, hidden, n, hr, hidden), bg);
-                __m256 u = _mm256_add_ps(dot_block(gu_w + (inter + j) * hidden, hidden, n, hr, hidden), bu);
-                store_rows(s->act + r * inter + j, n, _mm256_mul_ps(act8(g, m->activation), u));
-            }
-        }
-        return;
-    }
-    step_linear(s->h, rows, hidden, gu_w, 2 * inter, gu_b, NULL, s->gu);
+    const int64_t rows = s->rows, inter = m->inter;
+    step_linear(s->h, rows, m->hidden, gu_w, 2 * inter, gu_b, NULL, s->gu);
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = s->gu + r * 2 * inter, *u = g + inter;

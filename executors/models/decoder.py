@@ -13,8 +13,10 @@ up into one [2 I, hidden] matmul, the residual adds folded into addmm, one fused
 op, the rotary tables looked up once per step, and the planned attention of attention.py.
 The fused weights are the storage: the modules' q_proj/k_proj/... parameters become views
 into them, so fusing costs no memory and parameter counts do not change. In float32 on a
-CPU each kind of weight is then stored in the layout its one-row matmuls read fastest
-(cpu_layout.py), still one copy.
+CPU with the kernels of executors/cpu_kernels built, every matmul weight is then stored as
+the kernels' 16-column panels instead, the modules becoming PanelLinear over them
+(panel_modules.py); without the kernels, each kind of weight in the layout its one-row
+matmuls read fastest (cpu_layout.py). One copy either way.
 
 LoRA: when the step's context carries a LoraBatch (executors/lora.py), both forwards add
 each row's adapter delta to every adapted projection's output, in place. The fast one adds
@@ -36,12 +38,12 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from executors.cpu_kernels import MATMUL_MAX_ROWS, CpuKernels, cpu_kernels
+from executors.cpu_kernels import CpuKernels, cpu_kernels
+from executors.cpu_kernels.panels import Panels
 from executors.lora import LoraBatch
-from executors.models import cpu_layout, step_ops
+from executors.models import cpu_layout, panel_modules, step_ops
 from executors.models.fused_decode import FusedDecode
 from executors.models.attention import LayerAttention, StepContext, attend, attend_reference
 from executors.models.config import DecoderConfig
@@ -207,10 +209,12 @@ class DecoderLM(nn.Module):
         self.packed_head: torch.Tensor | None = None
         self.fused_fp32_packed: list[FusedLayer] | None = None  # float32: for PACKED_FP32_ROWS-row steps
         self.packed_head_fp32: torch.Tensor | None = None
-        # float32 on a CPU: the AVX2 kernels for steps of a few rows (step_ops.py), when
-        # use_cpu_kernels allows and they build here; the weights then all stay row-major.
+        # float32 on a CPU: the AVX2 kernels (step_ops.py), when use_cpu_kernels allows and
+        # they build here; the matmul weights are then stored as their panels (panel_modules.py).
         self.use_cpu_kernels = True
         self.cpu_kernels: CpuKernels | None = None
+        self.head_panels: Panels | None = None  # the lm_head as panels, with the kernels
+        self.head_copy = False  # head_panels is a copy (a TP rank's slice of a tied embedding), not the storage
         self.fused_decode: FusedDecode | None = None  # with the kernels: decode steps in one call
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
@@ -270,8 +274,12 @@ class DecoderLM(nn.Module):
             if self.cpu_kernels is None or not all(map(self.cpu_kernels.accepts, self._matmul_weights())):
                 self.cpu_kernels = None
                 cpu_layout.relayout(self)  # MKL's one-row matmuls: each kind of weight in its faster layout
+            else:
+                panel_modules.pack_model(self)  # the kernels' layout, the weights' one copy
             self.fused_decode = FusedDecode.build(self)
             fused = self.fused
+        if self.head_panels is not None:
+            return self
         head = self.head_weight()
         if step_ops.should_pack(head, torch.bfloat16):
             # bfloat16 on CPU: oneDNN prepacked weights (AMX / avx512_bf16 layout) instead of
@@ -293,7 +301,10 @@ class DecoderLM(nn.Module):
 
     def head_weight(self) -> torch.Tensor:
         """The lm_head's weight: the embedding when tied; under tensor parallelism this rank's
-        vocabulary rows (of a tied embedding: a view, no copy)."""
+        vocabulary rows (of a tied embedding: a view, no copy). Stored as panels, it is unpacked
+        (a new tensor): for the reference forward, not the fast one."""
+        if self.head_panels is not None:
+            return self.head_panels.unpack()
         if not self.config.tie_word_embeddings:
             return self.lm_head.weight.detach()
         w = self.model.embed_tokens.weight.detach()
@@ -304,17 +315,30 @@ class DecoderLM(nn.Module):
         return [*dense, self.head_weight()]
 
     def packed_bytes(self) -> int:
-        """Memory of the oneDNN packed copies of the matmul weights kept beside the parameters."""
+        """Memory of copies of the matmul weights kept beside the parameters: oneDNN's packed
+        ones, or a tensor-parallel rank's panels of its slice of a tied embedding."""
+        if self.head_panels is not None:
+            return self.head_panels.nbytes if self.head_copy else 0
         layers = [w for group in (self.fused_fp32_packed, self.fused) for w in group or ()]
         tensors = [t for w in layers for t in (w.qkv, w.o, w.gate_up, w.down)]
         tensors += [self.packed_head, self.packed_head_fp32]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None and t.is_mkldnn)
+
+    def num_parameters(self) -> int:
+        """The checkpoint's parameter count (panels' padding not counted)."""
+        return panel_modules.logical_numel(self)
+
+    def logical_parameters(self):
+        """named_parameters() in the checkpoint's layout (panels unpacked, one at a time)."""
+        return panel_modules.logical_parameters(self)
 
     def _apply(self, fn, recurse: bool = True):
         """.to(), .cuda(), .half() and the like: the fused tensors are not parameters, so they
         would stay behind (on the old device or dtype) while each parameter moves on its own.
         Drop them, move the parameters, and fuse again where the model was fused."""
         fused = self.fused is not None
+        if self.head_panels is not None:  # row-major modules again, to move and re-fuse
+            panel_modules.unpack_model(self)
         self.fused = self.packed_head = self.fused_fp32_packed = self.packed_head_fp32 = self.cpu_kernels = None
         self.fused_decode = None
         out = super()._apply(fn, recurse)
@@ -336,7 +360,7 @@ class DecoderLM(nn.Module):
         return self.model.norm(x)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        x = self.model.embed_tokens(input_ids)  # nn.Embedding, or PanelEmbedding over the tied head's panels
         if self.config.embed_scale is not None:  # Gemma: sqrt(hidden), rounded to the model's dtype
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
         return x
@@ -429,8 +453,8 @@ class DecoderLM(nn.Module):
         rows = hidden.shape[0]
         if self.packed_head is not None and not reference:
             out = step_ops.linear(hidden.contiguous(), self.packed_head, None).float()
-        elif self.cpu_kernels is not None and not reference and rows <= MATMUL_MAX_ROWS:
-            out = self.cpu_kernels.linear(hidden, self.head_weight())
+        elif self.head_panels is not None and not reference:
+            out = self.cpu_kernels.linear(hidden, self.head_panels)
         elif self.packed_head_fp32 is not None and not reference and rows in step_ops.PACKED_FP32_ROWS:
             out = step_ops.linear(hidden.contiguous(), self.packed_head_fp32, None)
         else:

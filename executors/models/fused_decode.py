@@ -16,14 +16,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from executors.cpu_kernels import GLU_ACTIVATIONS, MATMUL_MAX_ROWS, MAX_HEADS, MAX_ROPE_DIM, CpuKernels
+from executors.cpu_kernels import GLU_ACTIVATIONS, MAX_HEADS, MAX_ROPE_DIM, CpuKernels
+from executors.cpu_kernels.panels import Panels
 from executors.cpu_kernels.step import LAYER_FIELDS, MAX_STEP_ROWS, OUT_OF_RANGE, DecoderSpec, StepSpec
 from executors.models.attention import StepContext
 
 if TYPE_CHECKING:
     from executors.models.decoder import DecoderLM
 
-FUSED_MAX_ROWS = min(MATMUL_MAX_ROWS, MAX_STEP_ROWS)  # as many rows as the kernels' matmuls take (step_ops.py)
+FUSED_MAX_ROWS = MAX_STEP_ROWS
 FUSED_DECODE = True  # False: every step op by op (tests compare the two)
 
 
@@ -111,11 +112,18 @@ def unsupported(model: DecoderLM) -> str | None:
             return "experts or sandwich norms"
         for name in LAYER_FIELDS:
             t = getattr(w, name)
-            if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()
-                                  or t.is_mkldnn):
+            if name in MATMUL_FIELDS and not isinstance(t, Panels):
+                return f"{name} not stored as panels"
+            t = t.data if isinstance(t, Panels) else t
+            if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()):
                 return f"{name} not a contiguous float32 CPU tensor"
     return None
 
 
-def _address(t: torch.Tensor | None) -> int:
+MATMUL_FIELDS = ("qkv", "o", "gate_up", "down")
+
+
+def _address(t: torch.Tensor | Panels | None) -> int:
+    if isinstance(t, Panels):
+        return t.data.data_ptr()
     return 0 if t is None else t.data_ptr()

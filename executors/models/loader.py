@@ -68,7 +68,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                shard: Callable[[DecoderConfig], ShardPlan] | None = None, cpu_kernels: bool = True) -> DecoderLM:
     """`shard`: under tensor parallelism, the plan of this rank's slices (given the model's
     config); only those slices are read from the files. `cpu_kernels`: float32 on a CPU, run
-    steps of a few rows through the AVX2 matvec kernels where they build (executors/cpu_kernels)."""
+    the steps through the AVX2 kernels where they build (executors/cpu_kernels), the matmul
+    weights stored as their panels (panel_modules.py)."""
     model_dir = Path(model_dir)
     config = DecoderConfig.from_dir(model_dir)
     plan = shard(config) if shard is not None else None
@@ -115,6 +116,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         shown = ", ".join(sorted(unexpected)[:5])
         raise UnsupportedModel(f"{model_dir}: tensors the {config.architecture} config does not expect: {shown}")
     model.load_state_dict(state, assign=True, strict=True)
+    state.clear()  # the model holds the tensors now: fusing and packing free each one it replaces
     model.reset_buffers(device)  # rotary tables and expert-load counters: built, not loaded
     log.info("fusing %s's q/k/v and gate/up weights for the fast forward", model_dir.name)
     model.use_cpu_kernels = cpu_kernels

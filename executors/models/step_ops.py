@@ -1,12 +1,12 @@
 """Which code runs a step's matmuls, norms and rotations, by device, dtype and row count.
 
-- float32 on a CPU with the kernels of executors/cpu_kernels built: steps of up to
-  MATMUL_MAX_ROWS rows (decode, batched decode) run their matmuls there, over the row-major
-  weights (1-4 rows through the matvecs, at close to the memory bandwidth; more through
-  register-blocked tiles); steps of up to KERNEL_OPS_MAX_ROWS rows run their rotations and
-  gated activation there (torch's per-op set-up is most of those ops' cost at decode
-  sizes), and steps of any size their RMSNorms. Larger steps keep torch's other ops. (Decode steps of dense models usually skip
-  all of this: executors/models/fused_decode.py runs them as one kernel call.)
+- float32 on a CPU with the kernels of executors/cpu_kernels built: steps of every size run
+  their matmuls there, over the weights stored as panels (panel_modules.py; at the memory's
+  rate for decode rows, above MKL's sgemm for larger steps) and their RMSNorms; steps of
+  up to KERNEL_OPS_MAX_ROWS rows also their rotations and gated activation (torch's per-op
+  set-up is most of those ops' cost at decode sizes). Larger steps keep torch's other ops.
+  (Decode steps of dense models usually skip all of this: executors/models/fused_decode.py
+  runs them as one kernel call.)
 - float32 on a CPU without the kernels, steps of PACKED_FP32_ROWS rows: oneDNN prepacked
   copies (batched decode), 1.25-1.4x faster than MKL's sgemm there. They double the
   weights' memory, so only for models up to PACK_FP32_MAX_BYTES; status reports them
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from executors.cpu_kernels import MATMUL_MAX_ROWS, MAX_ROPE_DIM
+from executors.cpu_kernels import MAX_ROPE_DIM
 from executors.models import layers
 from executors.models.layers import RotaryEmbedding, apply_rope
 
@@ -72,7 +72,7 @@ def for_step(positions: torch.Tensor, fused: list[FusedLayer], packed: list[Fuse
         norm = kernels.rms_norm if kernels is not None else torch_norm
         rotate = _torch_rotate(positions, rope, rope_local, dtype)
         glu = functools.partial(torch_glu, act=layers.activation(activation))
-    if kernels is not None and rows <= MATMUL_MAX_ROWS:
+    if kernels is not None:  # the weights are panels (panel_modules.py): every step through the kernels
         return StepOps(fused, kernels.linear, kernels.residual_linear, norm, rotate, glu)
     if packed is not None and rows in PACKED_FP32_ROWS:
         return StepOps(packed, linear, residual_linear, norm, rotate, glu)

@@ -1,8 +1,8 @@
 """The float32 CPU kernels (executors/cpu_kernels) against torch's ops, shape by shape.
 
-Odd sizes on purpose: outputs not a multiple of the 8-row block, inputs not a multiple of
-8 floats (the masked tails), strided views (a fused projection's slices, the lm_head as a
-row slice of the embedding), windows and fragmented block tables. The kernels must build on
+Odd sizes on purpose: outputs not a multiple of the 16-column panel, row counts not a
+multiple of the 6-row tile, inputs not a multiple of 8 floats (the masked tails), strided
+views (a fused projection's slices, the lm_head as panels of a row slice of the embedding), windows and fragmented block tables. The kernels must build on
 this machine whenever it has a C compiler and AVX2 + FMA: a silent fallback to torch would
 let every other test pass without running them.
 """
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from executors.cpu_kernels import build as kernel_build
 from executors.cpu_kernels import cpu_kernels
+from executors.cpu_kernels.panels import pack
 from executors.models.layers import apply_rope
 
 try:
@@ -55,28 +56,47 @@ def test_no_compiler_is_a_reason_not_a_crash(monkeypatch):
         kernel_build.compiler()
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 13, 32, 64])  # matvec.c up to 4, gemm.c's tiles and their tails past
-@pytest.mark.parametrize("n,k", [(8, 8), (13, 20), (960, 576), (100, 1537)])
+# Rows: one tile of 1..6 and its tails, several tiles, past a chunk of 256 rows (panel.h).
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 13, 32, 64, 300])
+@pytest.mark.parametrize("n,k", [(8, 8), (13, 20), (960, 576), (100, 1537)])  # a part-filled last panel
 def test_linear_matches_torch(kernels, m, n, k):
     g = torch.Generator().manual_seed(n * 31 + k + m)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k ** 0.5
     bias, residual = torch.randn(n, generator=g), torch.randn(m, n, generator=g)
-    torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kernels.linear(x, w, bias), F.linear(x, w, bias), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(kernels.residual_linear(residual, x, w, bias), residual + F.linear(x, w, bias),
+    p = pack(w)
+    torch.testing.assert_close(kernels.linear(x, p), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernels.linear(x, p, bias), F.linear(x, w, bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernels.residual_linear(residual, x, p, bias), residual + F.linear(x, w, bias),
                                atol=1e-5, rtol=1e-5)
 
 
-def test_linear_reads_strided_views(kernels):
+def test_panels_round_trip_and_views():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(37, 20, generator=g)
+    p = pack(w)
+    assert p.data.shape == (3, 20, 16) and p.data.is_contiguous()
+    assert torch.equal(p.data[2, :, 5:], torch.zeros(20, 11)), "the last panel is zero past n"
+    assert torch.equal(p.unpack(), w) and torch.equal(p.unpack(5, 33), w[5:33])
+    view = p.rows(16, 30)
+    assert view.data.data_ptr() == p.data[1].data_ptr() and torch.equal(view.unpack(), w[16:30])
+    ids = torch.tensor([0, 36, 17, 5])
+    assert torch.equal(p.embedding(ids), w[ids])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        p.rows(10, 20)
+
+
+def test_linear_reads_strided_inputs_and_panel_views(kernels):
     g = torch.Generator().manual_seed(1)
     embed = torch.randn(50, 24, generator=g)
-    head = embed[10:37]  # a tensor-parallel rank's rows of a tied embedding
+    head = pack(embed).rows(16, 43)  # a tensor-parallel rank's rows of a tied embedding, no copy
     fused = torch.randn(3, 40, generator=g)
     x = fused[:, 8:32]  # a slice of a fused output: rows 40 floats apart
-    assert kernels.accepts(head) and not kernels.accepts(embed.t())
-    torch.testing.assert_close(kernels.linear(x, head), F.linear(x, head), atol=1e-5, rtol=1e-5)
-    many = torch.randn(9, 40, generator=g)[:, 8:32]  # the same through gemm.c
-    torch.testing.assert_close(kernels.linear(many, head), F.linear(many, head), atol=1e-5, rtol=1e-5)
+    assert kernels.accepts(embed.t())  # any float32 matrix packs
+    torch.testing.assert_close(kernels.linear(x, head), F.linear(x, embed[16:43]), atol=1e-5, rtol=1e-5)
+    many = torch.randn(9, 40, generator=g)[:, 8:32]
+    torch.testing.assert_close(kernels.linear(many, head), F.linear(many, embed[16:43]), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="columns"):
+        kernels.linear(torch.randn(2, 23), head)
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (3, 20), (2, 5, 32)])
@@ -180,8 +200,9 @@ def test_argmax_logprob_matches_torch(kernels):
 
 
 def test_a_model_computes_the_same_with_and_without_the_kernels(kernels):
-    """Prefill, then decode steps of 1, 3, 4 (matvecs) and 6 rows (gemm tiles), against the
-    same executor with --no-cpu-kernels (torch's ops, oneDNN's packed weights at 6 rows)."""
+    """Prefill, then decode steps of 1, 3, 4 and 6 rows (one panel tile, and a tile with a
+    tail), against the same executor with --no-cpu-kernels (torch's ops, oneDNN's packed
+    weights at 6 rows)."""
     import asyncio
 
     from executors.llm import LlmExecutor, LlmExecutorConfig

@@ -224,16 +224,26 @@ def test_runs_of_block_tables():
     assert attention.runs_of([3, 4, 5, 9, 10, 2], 4) == [(3, 3), (9, 1)]
 
 
-def test_fusing_keeps_parameters_and_their_count():
+@pytest.mark.parametrize("kernels", [True, False])
+def test_fusing_keeps_parameters_and_their_count(kernels):
+    """Without the CPU kernels the modules' weights become views of the fused tensors; with
+    them, panels (tests/models/test_panel_weights.py). The checkpoint's parameters, their
+    count and the state_dict are the same either way."""
     model = tiny_model("qwen2")
+    model.use_cpu_kernels = kernels
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    count = sum(p.numel() for p in model.parameters())
     model.fuse()
-    after = dict(model.named_parameters())
-    assert set(before) == set(after)
+    after = dict(model.logical_parameters())
+    assert list(before) == list(after)
     for n, p in after.items():
         assert torch.equal(before[n], p), n
-    layer = model.model.layers[0].self_attn
-    assert layer.q_proj.weight.data_ptr() == model.fused[0].qkv.data_ptr(), "q_proj is a view of the fused weight"
+    assert model.num_parameters() == count
+    state = model.state_dict()
+    assert all(torch.equal(state[n], p) for n, p in before.items())
+    if model.cpu_kernels is None:
+        layer = model.model.layers[0].self_attn
+        assert layer.q_proj.weight.data_ptr() == model.fused[0].qkv.data_ptr(), "q_proj is a view of the fused weight"
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -1,0 +1,58 @@
+"""The float32 matmul weights' layout for the CPU kernels (panel.h): 16-column panels.
+
+A weight w [n, k] of y = x @ w.T is stored as ceil(n / 16) panels of [k, 16], panel j
+holding w[16 j : 16 j + 16].T, zero-padded past n. The kernels read it for steps of every
+size, faster than MKL's sgemm over the row-major weight at 1 to 4096 rows on the 2-core
+EPYC of bench/RESULTS.md (run 11), so it is the weight's one copy; `unpack` gives the
+[n, k] matrix back where something needs that (the reference forward, the weights' digest).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+PANEL = 16  # panel.h's PANEL
+
+
+class Panels(NamedTuple):
+    """A weight [n, k] as panels: data [ceil(n / 16), k, 16], float32, contiguous."""
+
+    data: torch.Tensor
+    n: int
+
+    @property
+    def k(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def unpack(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Rows [lo, hi) of the [n, k] matrix, as a new contiguous tensor."""
+        hi = self.n if hi is None else hi
+        first, last = lo // PANEL, -(-hi // PANEL)
+        block = self.data[first:last].transpose(1, 2).reshape(-1, self.k)
+        return block[lo - first * PANEL:hi - first * PANEL].contiguous()
+
+    def rows(self, lo: int, hi: int) -> Panels:
+        """Rows [lo, hi) as panels sharing this storage (lo a multiple of PANEL): the panels
+        past hi compute columns that are never stored."""
+        if lo % PANEL:
+            raise ValueError(f"a panel view starts at a multiple of {PANEL} rows, not {lo}")
+        return Panels(self.data[lo // PANEL:-(-hi // PANEL)], hi - lo)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the [n, k] matrix ([m] -> [m, k]): a tied embedding's lookup."""
+        return self.data[ids // PANEL, :, ids % PANEL]
+
+
+def pack(w: torch.Tensor) -> Panels:
+    """w [n, k] (any strides) as panels (a copy)."""
+    n, k = w.shape
+    count = -(-n // PANEL)
+    data = torch.zeros(count, PANEL, k, dtype=w.dtype, device=w.device)
+    data.view(-1, k)[:n] = w
+    return Panels(data.transpose(1, 2).contiguous(), n)

@@ -1,0 +1,164 @@
+"""A float32 CPU model's matmul weights stored once, as the CPU kernels' panels.
+
+With the kernels of executors/cpu_kernels built, DecoderLM.fuse() packs every dense matmul
+weight (the fused q/k/v, o, the fused gate/up, down and the lm_head; a tied lm_head with the
+embedding) into panels (cpu_kernels/panels.py), layer by layer, and drops the row-major
+tensors: the panels are the weights' one copy, and what status counts. The nn.Linear modules
+become PanelLinear, which keep the modules' names, logical shapes and state_dict keys, and
+give their [out, in] weight back on request (unpacked, a new tensor) for what reads it
+outside the fast forward: the reference forward, the weights' digest, `unpack_model` before
+the model moves to another device or dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executors.cpu_kernels.panels import Panels, pack
+
+if TYPE_CHECKING:
+    from executors.models.decoder import DecoderLM
+
+
+class PanelLinear(nn.Module):
+    """nn.Linear over rows [lo, hi) of panels shared with its siblings (q/k/v, gate/up)."""
+
+    def __init__(self, panels: nn.Parameter, n: int, lo: int, hi: int, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.panels = panels  # the same Parameter in every sibling: counted once
+        self.n, self.lo, self.hi = n, lo, hi
+        self.bias = bias
+        self.in_features, self.out_features = panels.shape[1], hi - lo
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The [out, in] weight (unpacked: a new tensor on each access)."""
+        return Panels(self.panels.detach(), self.n).unpack(self.lo, self.hi)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.weight
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+
+class PanelEmbedding(nn.Module):
+    """nn.Embedding over a tied embedding stored as the lm_head's panels."""
+
+    def __init__(self, panels: nn.Parameter, n: int) -> None:
+        super().__init__()
+        self.panels = panels
+        self.num_embeddings, self.embedding_dim = n, panels.shape[1]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return Panels(self.panels.detach(), self.num_embeddings).unpack()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(f"token ids must lie in [0, {self.num_embeddings})")
+        return Panels(self.panels.detach(), self.num_embeddings).embedding(ids)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.weight
+
+
+def _parameter(p: Panels) -> nn.Parameter:
+    return nn.Parameter(p.data, requires_grad=False)
+
+
+def _replace(owner: nn.Module, names: list[str], panels: Panels) -> nn.Parameter:
+    """Owner's Linear children `names`, consecutive row ranges of one weight, as PanelLinear."""
+    shared, row = _parameter(panels), 0
+    for name in names:
+        linear = getattr(owner, name)
+        rows = linear.out_features
+        setattr(owner, name, PanelLinear(shared, panels.n, row, row + rows, linear.bias))
+        row += rows
+    return shared
+
+
+def pack_model(model: DecoderLM) -> None:
+    """Store model.fused's dense matmul weights and the lm_head as panels, one layer at a
+    time (the peak is one layer's weights above the model), the modules as PanelLinear."""
+    for i, (layer, w) in enumerate(zip(model.model.layers, model.fused)):
+        a, ffn = layer.self_attn, layer.ffn
+        qkv, o = pack(w.qkv), pack(w.o)
+        changes = dict(qkv=Panels(_replace(a, ["q_proj", "k_proj", "v_proj"], qkv).detach(), qkv.n),
+                       o=Panels(_replace(a, ["o_proj"], o).detach(), o.n))
+        if w.gate_up is not None:
+            gate_up, down = pack(w.gate_up), pack(w.down)
+            changes.update(gate_up=Panels(_replace(ffn, ["gate_proj", "up_proj"], gate_up).detach(), gate_up.n),
+                           down=Panels(_replace(ffn, ["down_proj"], down).detach(), down.n))
+        model.fused[i] = w._replace(**changes)
+    c = model.config
+    if not c.tie_word_embeddings:
+        head = pack(model.lm_head.weight.detach())
+        model.head_panels = Panels(_replace(model, ["lm_head"], head).detach(), head.n)
+    elif model.head_rows is None or model.head_rows[0] % 16 == 0:
+        table = pack(model.model.embed_tokens.weight.detach())
+        shared = _parameter(table)
+        model.model.embed_tokens = PanelEmbedding(shared, table.n)
+        table = Panels(shared.detach(), table.n)
+        model.head_panels = table if model.head_rows is None else table.rows(*model.head_rows)
+    else:  # a tensor-parallel rank's slice of a tied embedding that no panel boundary starts
+        model.head_panels = pack(model.head_weight())
+        model.head_copy = True
+
+
+def unpack_model(model: DecoderLM) -> None:
+    """Undo pack_model: nn.Linear / nn.Embedding modules with row-major weights again."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, PanelLinear):
+                linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                   device="meta")
+                linear.weight = nn.Parameter(child.weight, requires_grad=False)
+                linear.bias = child.bias
+                setattr(module, name, linear)
+            elif isinstance(child, PanelEmbedding):
+                embedding = nn.Embedding(child.num_embeddings, child.embedding_dim, device="meta")
+                embedding.weight = nn.Parameter(child.weight, requires_grad=False)
+                setattr(module, name, embedding)
+    model.head_panels = None
+    model.head_copy = False
+
+
+def logical_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """named_parameters() as the unpacked model would list them: PanelLinear and
+    PanelEmbedding give their [out, in] weight (one at a time) under the name `weight`."""
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        dot = prefix + "." if prefix else ""
+        if isinstance(module, (PanelLinear, PanelEmbedding)):
+            yield dot + "weight", module.weight
+            if getattr(module, "bias", None) is not None and id(module.bias) not in seen:
+                seen.add(id(module.bias))
+                yield dot + "bias", module.bias
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield dot + name, p
+
+
+def logical_numel(model: nn.Module) -> int:
+    """The model's parameter count without the panels' padding (and without unpacking)."""
+    total, seen = 0, set()
+    for module in model.modules():
+        if isinstance(module, PanelLinear):
+            total += module.in_features * module.out_features
+        elif isinstance(module, PanelEmbedding):
+            total += module.num_embeddings * module.embedding_dim
+        for name, p in module.named_parameters(recurse=False):
+            if name != "panels" and id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+    return total
