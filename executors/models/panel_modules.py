@@ -25,7 +25,16 @@ if TYPE_CHECKING:
     from executors.models.decoder import DecoderLM
 
 
-class PanelLinear(nn.Module):
+class _OverPanels(nn.Module):
+    """What PanelLinear and PanelEmbedding share: a state_dict loads into row-major modules only."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        error_msgs.append(f"{prefix.rstrip('.')}: the weights are stored as panels; load a state_dict before "
+                          "fuse(), or call panel_modules.unpack_model() first")
+
+
+class PanelLinear(_OverPanels):
     """nn.Linear over rows [lo, hi) of panels shared with its siblings (q/k/v, gate/up)."""
 
     def __init__(self, panels: nn.Parameter, n: int, lo: int, hi: int, bias: nn.Parameter | None) -> None:
@@ -49,7 +58,7 @@ class PanelLinear(nn.Module):
             destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
 
 
-class PanelEmbedding(nn.Module):
+class PanelEmbedding(_OverPanels):
     """nn.Embedding over a tied embedding stored as the lm_head's panels."""
 
     def __init__(self, panels: nn.Parameter, n: int) -> None:

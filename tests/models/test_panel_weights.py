@@ -114,3 +114,9 @@ def test_an_embedding_lookup_out_of_range_is_refused():
         model.model.embed_tokens(torch.tensor([1, 300]))
     with pytest.raises(IndexError):
         model.model.embed_tokens(torch.tensor([-1]))
+
+
+def test_loading_a_state_dict_into_panels_says_what_to_do():
+    model = tiny_model("qwen3").fuse()
+    with pytest.raises(RuntimeError, match="stored as panels"):
+        model.load_state_dict(model.state_dict())
