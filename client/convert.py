@@ -233,30 +233,54 @@ def device_to_proto(device: str) -> pb.Device:
     return pb.Device(type=_DEVICE_TYPES[name], index=int(index or 0))
 
 
+_DEVICE_NAMED: dict[tuple[int, int], str] = {}
+
+
 def device_from_proto(device: pb.Device) -> str:
     """Name a device as "cuda:0" (CPU 0 as plain "cpu", unset as the empty string)."""
+    key = (device.type, device.index)
+    known = _DEVICE_NAMED.get(key)
+    if known is not None:
+        return known
     name = _DEVICE_NAMES.get(device.type)
     if name is None:
-        return ""
-    if device.type == pb.DEVICE_TYPE_CPU and device.index == 0:
-        return "cpu"
-    return f"{name}:{device.index}"
+        known = ""
+    elif device.type == pb.DEVICE_TYPE_CPU and device.index == 0:
+        known = "cpu"
+    else:
+        known = f"{name}:{device.index}"
+    if len(_DEVICE_NAMED) < 256:  # a server names a handful
+        _DEVICE_NAMED[key] = known
+    return known
+
+
+_DEVICE_WIRE: dict[str, pb.Device] = {}
+
+
+def fill_handle(target: pb.KvCacheHandle, handle: KvCacheHandle) -> None:
+    """Fill a KvCacheHandle field in place (a decode step's requests carry one per item:
+    filling beats building messages and copying them in, 3x at batch 32)."""
+    target.cache_id = handle.cache_id
+    table = target.block_table
+    table.block_ids.extend(handle.block_ids)
+    table.sequence_length = handle.sequence_length
+    table.block_size = handle.block_size
+    target.num_layers = handle.num_layers
+    target.num_kv_heads = handle.num_kv_heads
+    target.head_dim = handle.head_dim
+    device = _DEVICE_WIRE.get(handle.device)
+    if device is None:
+        device = device_to_proto(handle.device)
+        if len(_DEVICE_WIRE) < 256:
+            _DEVICE_WIRE[handle.device] = device
+    target.device.CopyFrom(device)
 
 
 def handle_to_proto(handle: KvCacheHandle) -> pb.KvCacheHandle:
     """The wire form of a handle, sent back unchanged as the contract asks."""
-    return pb.KvCacheHandle(
-        cache_id=handle.cache_id,
-        block_table=pb.BlockTable(
-            block_ids=handle.block_ids,
-            sequence_length=handle.sequence_length,
-            block_size=handle.block_size,
-        ),
-        num_layers=handle.num_layers,
-        num_kv_heads=handle.num_kv_heads,
-        head_dim=handle.head_dim,
-        device=device_to_proto(handle.device),
-    )
+    msg = pb.KvCacheHandle()
+    fill_handle(msg, handle)
+    return msg
 
 
 def handle_from_proto(handle: pb.KvCacheHandle) -> KvCacheHandle:
@@ -340,21 +364,27 @@ def policy_from_proto(policy: pb.LogitsPolicy) -> LogitsPolicy | None:
 
 
 def _set_policy(target: Any, policy: LogitsPolicy | None) -> None:
-    if policy is not None:
+    """target.logits_policy from policy (left unset for None), in place."""
+    if policy is None:
+        return
+    if policy.kind == "argmax":
+        target.logits_policy.argmax.SetInParent()
+    else:
         target.logits_policy.CopyFrom(policy_to_proto(policy))
 
 
 def logits_from_proto(output: pb.LogitsOutput) -> LogitsOutput:
     """The domain form of one LogitsOutput; only the fields of its kind are set."""
     kind = _KIND_NAMES.get(output.kind, "unspecified")
+    if kind == "argmax":  # a decode step's usual answer: one constructor call
+        return LogitsOutput(kind, token_id=output.token_id, logprob=output.logprob)
     result = LogitsOutput(kind=kind)
     if kind == "full":
         result.logits = tensor_to_ndarray(output.logits)
-    elif kind in ("argmax", "sample"):
+    elif kind == "sample":
         result.token_id = output.token_id
         result.logprob = output.logprob
-        if kind == "sample":
-            result.sampling_logprob = output.sampling_logprob
+        result.sampling_logprob = output.sampling_logprob
     elif kind == "top_k":
         result.top_token_ids = np.array(output.top_token_ids, dtype=np.int64)
         result.top_logprobs = np.array(output.top_logprobs, dtype=np.float32)
@@ -383,31 +413,34 @@ def prefill_input_to_proto(item: PrefillInput) -> pb.PrefillInput:
     if item.position_ids is not None:
         msg.position_ids.extend(token_list(item.position_ids, "position_ids"))
     if item.kv_cache is not None:
-        msg.kv_cache.CopyFrom(handle_to_proto(item.kv_cache))
+        fill_handle(msg.kv_cache, item.kv_cache)
     _item_metadata(item.metadata, item.lora_adapter, msg.metadata)
     _set_policy(msg, item.logits_policy)
     return msg
 
 
-def decode_input_to_proto(item: DecodeInput) -> pb.DecodeInput:
-    """One DecodeInput on the wire."""
-    msg = pb.DecodeInput(token_id=int(item.token_id), kv_cache=handle_to_proto(item.kv_cache))
+def decode_input_to_proto(item: DecodeInput, msg: pb.DecodeInput | None = None) -> pb.DecodeInput:
+    """One DecodeInput on the wire (filled into msg where given)."""
+    msg = pb.DecodeInput() if msg is None else msg
+    msg.token_id = int(item.token_id)
+    fill_handle(msg.kv_cache, item.kv_cache)
     if item.position_id is not None:
         msg.position_id = int(item.position_id)
-    _item_metadata(item.metadata, item.lora_adapter, msg.metadata)
+    if item.metadata or item.lora_adapter is not None:
+        _item_metadata(item.metadata, item.lora_adapter, msg.metadata)
     _set_policy(msg, item.logits_policy)
     return msg
 
 
-def unified_item_to_proto(item: UnifiedBatchItem) -> pb.UnifiedBatchItem:
-    """One UnifiedBatchItem on the wire."""
-    msg = pb.UnifiedBatchItem(
-        seq_id=item.seq_id,
-        q_tokens=token_list(item.q_tokens, "q_tokens"),
-        pos_offset=int(item.pos_offset),
-        is_final_chunk=bool(item.is_final_chunk),
-    )
-    _item_metadata(item.metadata, item.lora_adapter, msg.metadata)
+def unified_item_to_proto(item: UnifiedBatchItem, msg: pb.UnifiedBatchItem | None = None) -> pb.UnifiedBatchItem:
+    """One UnifiedBatchItem on the wire (filled into msg where given)."""
+    msg = pb.UnifiedBatchItem() if msg is None else msg
+    msg.seq_id = item.seq_id
+    msg.q_tokens.extend(token_list(item.q_tokens, "q_tokens"))
+    msg.pos_offset = int(item.pos_offset)
+    msg.is_final_chunk = bool(item.is_final_chunk)
+    if item.metadata or item.lora_adapter is not None:
+        _item_metadata(item.metadata, item.lora_adapter, msg.metadata)
     _set_policy(msg, item.logits_policy)
     return msg
 
@@ -417,7 +450,9 @@ def prefill_request(item: PrefillInput) -> pb.PrefillRequest:
 
 
 def decode_request(item: DecodeInput) -> pb.DecodeRequest:
-    return pb.DecodeRequest(input=decode_input_to_proto(item))
+    request = pb.DecodeRequest()
+    decode_input_to_proto(item, request.input)
+    return request
 
 
 def batch_prefill_request(items: Sequence[PrefillInput]) -> pb.BatchPrefillRequest:
@@ -425,12 +460,18 @@ def batch_prefill_request(items: Sequence[PrefillInput]) -> pb.BatchPrefillReque
 
 
 def batch_decode_request(items: Sequence[DecodeInput]) -> pb.BatchDecodeRequest:
-    return pb.BatchDecodeRequest(inputs=[decode_input_to_proto(i) for i in items])
+    request = pb.BatchDecodeRequest()
+    for item in items:
+        decode_input_to_proto(item, request.inputs.add())
+    return request
 
 
 def unified_decode_request(batch: UnifiedBatch | Sequence[UnifiedBatchItem]) -> pb.UnifiedDecodeRequest:
     items = batch.items if isinstance(batch, UnifiedBatch) else batch
-    return pb.UnifiedDecodeRequest(batch=pb.UnifiedBatch(items=[unified_item_to_proto(i) for i in items]))
+    request = pb.UnifiedDecodeRequest()
+    for item in items:
+        unified_item_to_proto(item, request.batch.items.add())
+    return request
 
 
 _FORWARD_OUTPUTS: dict[str, int] = {

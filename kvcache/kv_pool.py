@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kvcache import host_memory
+
 
 class PagedKvPool:
     """K and V for every layer, preallocated as [num_blocks, block_size, num_kv_heads, head_dim].
@@ -36,7 +38,8 @@ class PagedKvPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.scratch_block = num_blocks if scratch_blocks else None
-        self._storage = torch.zeros(
+        # On huge pages on a CPU: decode attention streams this pool (host_memory's doc).
+        self._storage = host_memory.zeros(
             2, num_layers, num_blocks + scratch_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
         )
         self.key = list(self._storage[0])  # key[layer]: [num_blocks, block_size, H, D]

@@ -119,14 +119,18 @@ def metadata(fields: Any, where: str) -> dict[str, Any]:
     return values
 
 
+DEFAULT_POLICY = t.LogitsPolicy()  # frozen: one instance serves every item that leaves it unset
+ARGMAX_POLICY = t.LogitsPolicy(t.LogitsKind.ARGMAX)
+
+
 def logits_policy(msg: pb.LogitsPolicy, where: str) -> t.LogitsPolicy:
     which = msg.WhichOneof("policy")
     if which is None:
-        return t.LogitsPolicy()
+        return DEFAULT_POLICY
+    if which == "argmax":
+        return ARGMAX_POLICY
     if which == "full":
         return t.LogitsPolicy(t.LogitsKind.FULL, full_dtype=_dtype(msg.full.dtype, f"{where}.full.dtype", t.DType.FLOAT32))
-    if which == "argmax":
-        return t.LogitsPolicy(t.LogitsKind.ARGMAX)
     if which == "top_k":
         return t.LogitsPolicy(t.LogitsKind.TOP_K, k=msg.top_k.k)
     s = msg.sample
@@ -140,9 +144,10 @@ def logits_policy(msg: pb.LogitsPolicy, where: str) -> t.LogitsPolicy:
 
 
 def kv_handle(msg: pb.KvCacheHandle, where: str) -> t.KvCacheHandle:
-    if not msg.cache_id:
+    cache_id = msg.cache_id
+    if not cache_id:
         raise InvalidParameter(f"{where}.cache_id is required", field=f"{where}.cache_id")
-    return t.KvCacheHandle(cache_id=msg.cache_id, sequence_length=msg.block_table.sequence_length)
+    return t.KvCacheHandle(cache_id=cache_id, sequence_length=msg.block_table.sequence_length)
 
 
 def prefill_input(msg: pb.PrefillInput, where: str) -> t.PrefillInput:
@@ -162,22 +167,24 @@ def decode_input(msg: pb.DecodeInput, where: str) -> t.DecodeInput:
     if not msg.HasField("kv_cache"):
         raise InvalidParameter(f"{where}.kv_cache is required: decode continues a prefilled cache",
                                field=f"{where}.kv_cache")
+    fields = msg.metadata
     return t.DecodeInput(
         token_id=msg.token_id,
         kv_cache=kv_handle(msg.kv_cache, f"{where}.kv_cache"),
         position_id=msg.position_id if msg.HasField("position_id") else None,
-        metadata=metadata(msg.metadata, f"{where}.metadata"),
+        metadata=metadata(fields, f"{where}.metadata") if fields else {},
         logits_policy=logits_policy(msg.logits_policy, f"{where}.logits_policy"),
     )
 
 
 def unified_item(msg: pb.UnifiedBatchItem, where: str) -> t.UnifiedBatchItem:
+    fields = msg.metadata
     return t.UnifiedBatchItem(
         seq_id=msg.seq_id,
         q_tokens=msg.q_tokens,
         pos_offset=msg.pos_offset,
         is_final_chunk=msg.is_final_chunk,
-        metadata=metadata(msg.metadata, f"{where}.metadata"),
+        metadata=metadata(fields, f"{where}.metadata") if fields else {},
         logits_policy=logits_policy(msg.logits_policy, f"{where}.logits_policy"),
     )
 
@@ -229,55 +236,126 @@ def lora_source(msg: pb.LoadLoraAdapterRequest) -> t.LoraSource:
 
 
 # -- responses -------------------------------------------------------------------------------
+# Decode-path messages are filled in place (`fill_*`, repeated fields through add()): a
+# message built from keyword arguments copies every sub-message it is given, which made
+# building a batch-32 BatchDecodeResponse 3x slower (0.29 ms against 0.10).
+def fill_tensor(target: pb.Tensor, ht: t.HostTensor) -> None:
+    target.dtype = DTYPE_TO_PB[ht.dtype]
+    target.shape.extend(ht.shape)
+    target.data = np.ascontiguousarray(ht.array, dtype=WIRE_NUMPY[ht.dtype]).tobytes()
+
+
 def tensor(ht: t.HostTensor) -> pb.Tensor:
-    data = np.ascontiguousarray(ht.array, dtype=WIRE_NUMPY[ht.dtype]).tobytes()
-    return pb.Tensor(dtype=DTYPE_TO_PB[ht.dtype], shape=ht.shape, data=data)
+    out = pb.Tensor()
+    fill_tensor(out, ht)
+    return out
+
+
+_DEVICES: dict[str, pb.Device] = {}
 
 
 def device(name: str) -> pb.Device:
-    kind, _, index = name.partition(":")
-    return pb.Device(type=DEVICE_TYPE_TO_PB.get(kind, pb.DEVICE_TYPE_UNSPECIFIED), index=int(index or 0))
+    known = _DEVICES.get(name)
+    if known is None:
+        kind, _, index = name.partition(":")
+        known = pb.Device(type=DEVICE_TYPE_TO_PB.get(kind, pb.DEVICE_TYPE_UNSPECIFIED), index=int(index or 0))
+        if len(_DEVICES) < 256:  # names come from the executor: a handful
+            _DEVICES[name] = known
+    out = pb.Device()
+    out.CopyFrom(known)
+    return out
+
+
+def fill_handle(target: pb.KvCacheHandle, h: t.KvCacheHandle) -> None:
+    target.cache_id = h.cache_id
+    table = target.block_table
+    table.block_ids.extend(h.block_ids)
+    table.sequence_length = h.sequence_length
+    table.block_size = h.block_size
+    target.num_layers = h.num_layers
+    target.num_kv_heads = h.num_kv_heads
+    target.head_dim = h.head_dim
+    target.device.CopyFrom(_DEVICES.get(h.device) or device(h.device))
 
 
 def handle(h: t.KvCacheHandle) -> pb.KvCacheHandle:
-    return pb.KvCacheHandle(
-        cache_id=h.cache_id,
-        block_table=pb.BlockTable(block_ids=h.block_ids, sequence_length=h.sequence_length, block_size=h.block_size),
-        num_layers=h.num_layers,
-        num_kv_heads=h.num_kv_heads,
-        head_dim=h.head_dim,
-        device=device(h.device),
-    )
+    out = pb.KvCacheHandle()
+    fill_handle(out, h)
+    return out
+
+
+def fill_logits(target: pb.LogitsOutput, r: t.LogitsResult) -> None:
+    target.kind = LOGITS_KIND_TO_PB[r.kind]
+    if r.logits is not None:
+        fill_tensor(target.logits, r.logits)
+    if r.token_id is not None:
+        target.token_id = r.token_id
+    if r.logprob is not None:
+        target.logprob = r.logprob
+    if r.sampling_logprob is not None:
+        target.sampling_logprob = r.sampling_logprob
+    if r.top_token_ids:
+        target.top_token_ids.extend(r.top_token_ids)
+        target.top_logprobs.extend(r.top_logprobs)
 
 
 def logits_output(r: t.LogitsResult) -> pb.LogitsOutput:
-    out = pb.LogitsOutput(kind=LOGITS_KIND_TO_PB[r.kind])
-    if r.logits is not None:
-        out.logits.CopyFrom(tensor(r.logits))
-    if r.token_id is not None:
-        out.token_id = r.token_id
-    if r.logprob is not None:
-        out.logprob = r.logprob
-    if r.sampling_logprob is not None:
-        out.sampling_logprob = r.sampling_logprob
-    out.top_token_ids.extend(r.top_token_ids)
-    out.top_logprobs.extend(r.top_logprobs)
+    out = pb.LogitsOutput()
+    fill_logits(out, r)
     return out
 
 
-def prefill_output(o: t.PrefillOutput) -> pb.PrefillOutput:
-    return pb.PrefillOutput(logits=logits_output(o.logits), kv_cache=handle(o.kv_cache))
+def fill_output(target: pb.PrefillOutput | pb.DecodeOutput, o: t.PrefillOutput | t.DecodeOutput) -> None:
+    """A PrefillOutput or DecodeOutput (the same two fields)."""
+    fill_logits(target.logits, o.logits)
+    fill_handle(target.kv_cache, o.kv_cache)
 
 
-def decode_output(o: t.DecodeOutput) -> pb.DecodeOutput:
-    return pb.DecodeOutput(logits=logits_output(o.logits), kv_cache=handle(o.kv_cache))
-
-
-def unified_result(r: t.UnifiedItemResult) -> pb.UnifiedItemResult:
-    out = pb.UnifiedItemResult(seq_id=r.seq_id, kv_cache=handle(r.kv_cache))
+def fill_unified_result(target: pb.UnifiedItemResult, r: t.UnifiedItemResult) -> None:
+    target.seq_id = r.seq_id
+    fill_handle(target.kv_cache, r.kv_cache)
     if r.logits is not None:
-        out.logits.CopyFrom(logits_output(r.logits))
-    return out
+        fill_logits(target.logits, r.logits)
+
+
+def prefill_response(out: t.PrefillOutput) -> pb.PrefillResponse:
+    response = pb.PrefillResponse()
+    fill_output(response.output, out)
+    return response
+
+
+def decode_response(out: t.DecodeOutput) -> pb.DecodeResponse:
+    response = pb.DecodeResponse()
+    fill_output(response.output, out)
+    return response
+
+
+def batch_prefill_response(outs: list[t.PrefillOutput]) -> pb.BatchPrefillResponse:
+    response = pb.BatchPrefillResponse()
+    for o in outs:
+        fill_output(response.outputs.add(), o)
+    return response
+
+
+def batch_decode_response(outs: list[t.DecodeOutput]) -> pb.BatchDecodeResponse:
+    response = pb.BatchDecodeResponse()
+    for o in outs:
+        fill_output(response.outputs.add(), o)
+    return response
+
+
+def unified_decode_response(results: list[t.UnifiedItemResult]) -> pb.UnifiedDecodeResponse:
+    response = pb.UnifiedDecodeResponse()
+    for r in results:
+        fill_unified_result(response.results.add(), r)
+    return response
+
+
+def step_response(step_id: int, results: list[t.UnifiedItemResult]) -> pb.StepSessionResponse:
+    response = pb.StepSessionResponse(step_id=step_id)
+    for r in results:
+        fill_unified_result(response.results.add(), r)
+    return response
 
 
 def _value_map(target: Any, values: dict[str, Any]) -> None:

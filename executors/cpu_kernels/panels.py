@@ -49,10 +49,21 @@ class Panels(NamedTuple):
         return self.data[ids // PANEL, :, ids % PANEL]
 
 
-def pack(w: torch.Tensor) -> Panels:
-    """w [n, k] (any strides) as panels (a copy)."""
+def panels_numel(n: int, k: int) -> int:
+    """Elements of a weight [n, k] as panels."""
+    return -(-n // PANEL) * k * PANEL
+
+
+def pack(w: torch.Tensor, out: torch.Tensor | None = None) -> Panels:
+    """w [n, k] (any strides) as panels: a copy, into `out` (panels_numel(n, k) contiguous
+    elements, e.g. a slice of an arena) where given."""
     n, k = w.shape
-    count = -(-n // PANEL)
-    data = torch.zeros(count, PANEL, k, dtype=w.dtype, device=w.device)
-    data.view(-1, k)[:n] = w
-    return Panels(data.transpose(1, 2).contiguous(), n)
+    count, full = -(-n // PANEL), n // PANEL
+    if out is None:
+        out = torch.empty(count * k * PANEL, dtype=w.dtype, device=w.device)
+    data = out.view(count, k, PANEL)
+    data[:full].copy_(w[:full * PANEL].reshape(full, PANEL, k).transpose(1, 2))
+    if full < count:  # the last panel, zero-padded past n
+        data[full].zero_()
+        data[full, :, :n - full * PANEL].copy_(w[full * PANEL:].T)
+    return Panels(data, n)

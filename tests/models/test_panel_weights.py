@@ -47,6 +47,9 @@ def test_the_panels_are_the_only_copy(family):
     padding = stored - logical
     assert 0 <= padding < 16 * sum(m.in_features for m in model.modules() if isinstance(m, PanelLinear)) + 16 * 64
     assert model.num_parameters() == logical and model.packed_bytes() == 0
+    # One allocation (host_memory's huge pages when large enough) holds every packed weight.
+    arenas = {m.panels.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, PanelLinear)}
+    assert arenas == {model.head_panels.data.untyped_storage().data_ptr()}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
