@@ -7,12 +7,12 @@ weights stream at 30-33 GB/s instead of 26-28 on the 2-core EPYC of bench/RESULT
 
 Linux backs anonymous private memory with huge pages where the process asks for it
 (madvise(MADV_HUGEPAGE)) when transparent_hugepage is `madvise`, the common default; the
-pages are then faulted in as 2 MiB pages, which must happen after the advice. So
-`zeros` maps the memory itself, advises it, and only then writes the zeros (claiming the
-memory at once, as torch.zeros does), or leaves the pages to be faulted in by their first
-writer (`claim=False`: the weights, packed into it layer by layer while the loaded copy of
-each is freed, so the peak stays one layer above the model). Elsewhere (not Linux, not the CPU, a tensor under
-2 MiB, or a kernel that refuses the advice) it is plain torch.zeros.
+pages are then faulted in as 2 MiB pages, which must happen after the advice. So `zeros`
+maps the memory itself, advises it, and only then writes the zeros (claiming the memory at
+once, as torch.zeros does), or leaves the pages to be faulted in by their first writer
+(`claim=False`: the weights, packed into it layer by layer while the loaded copy of each is
+freed, so the peak stays one layer above the model). Elsewhere (not Linux, not the CPU, a
+tensor under 2 MiB) it is plain torch.zeros; a kernel that refuses the advice gets 4 KiB pages.
 """
 
 from __future__ import annotations

@@ -275,7 +275,8 @@ def fill_handle(target: pb.KvCacheHandle, h: t.KvCacheHandle) -> None:
     target.num_layers = h.num_layers
     target.num_kv_heads = h.num_kv_heads
     target.head_dim = h.head_dim
-    target.device.CopyFrom(_DEVICES.get(h.device) or device(h.device))
+    known = _DEVICES.get(h.device)
+    target.device.CopyFrom(device(h.device) if known is None else known)
 
 
 def handle(h: t.KvCacheHandle) -> pb.KvCacheHandle:
