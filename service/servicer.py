@@ -19,7 +19,7 @@ from executors.timing import CallTimer, current_call_timer
 from executors.transfer_types import DEFAULT_MAX_CHUNK_BYTES
 from generated.modelexec.v1 import executor_pb2 as pb
 from generated.modelexec.v1 import executor_pb2_grpc as pb_grpc
-from service import convert, convert_transfer
+from service import convert, convert_describe, convert_transfer
 from service.config import ServeConfig
 from service.errors import _malformed, _Undecodable, to_status_error
 
@@ -83,24 +83,24 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
     # -- description ----------------------------------------------------------------------
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
         call = _Call()
-        return pb.GetInfoResponse(info=convert.model_info(self.executor.info()), server_version=SERVER_VERSION,
+        return pb.GetInfoResponse(info=convert_describe.model_info(self.executor.info()), server_version=SERVER_VERSION,
                                   executor_name=self.executor.name, timing=call.timing())
 
     async def GetCapabilities(self, request, context) -> pb.GetCapabilitiesResponse:
         call = _Call()
-        caps = convert.capabilities(self.executor.capabilities(), self.limits)
+        caps = convert_describe.capabilities(self.executor.capabilities(), self.limits)
         return pb.GetCapabilitiesResponse(capabilities=caps, timing=call.timing())
 
     async def GetStatus(self, request, context) -> pb.GetStatusResponse:
         call = _Call()
-        return pb.GetStatusResponse(status=convert.status(self.executor.status()), timing=call.timing())
+        return pb.GetStatusResponse(status=convert_describe.status(self.executor.status()), timing=call.timing())
 
     async def GetCacheMetrics(self, request, context) -> pb.GetCacheMetricsResponse:
         call = _Call()
         metrics = self.executor.cache_metrics()
         out = pb.GetCacheMetricsResponse(timing=call.timing())
         if metrics is not None:
-            out.metrics.CopyFrom(convert.cache_metrics(metrics))
+            out.metrics.CopyFrom(convert_describe.cache_metrics(metrics))
         return out
 
     async def GetLoraMetrics(self, request, context) -> pb.GetLoraMetricsResponse:
@@ -108,7 +108,7 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         metrics = self.executor.lora_metrics()
         out = pb.GetLoraMetricsResponse(timing=call.timing())
         if metrics is not None:
-            out.metrics.CopyFrom(convert.lora_metrics(metrics))
+            out.metrics.CopyFrom(convert_describe.lora_metrics(metrics))
         return out
 
     # -- prefill and decode ---------------------------------------------------------------
@@ -257,17 +257,17 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
     async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest, context) -> pb.LoadLoraAdapterResponse:
         call = _Call()
         info = await self.executor.load_lora_adapter(request.name, convert.lora_source(request))
-        return pb.LoadLoraAdapterResponse(adapter=convert.lora_adapter_info(info), timing=call.timing())
+        return pb.LoadLoraAdapterResponse(adapter=convert_describe.lora_adapter_info(info), timing=call.timing())
 
     async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest, context) -> pb.UnloadLoraAdapterResponse:
         call = _Call()
         info = await self.executor.unload_lora_adapter(convert.lora_name(request.name))
-        return pb.UnloadLoraAdapterResponse(adapter=convert.lora_adapter_info(info), timing=call.timing())
+        return pb.UnloadLoraAdapterResponse(adapter=convert_describe.lora_adapter_info(info), timing=call.timing())
 
     async def ListLoraAdapters(self, request, context) -> pb.ListLoraAdaptersResponse:
         call = _Call()
         infos = self.executor.list_lora_adapters()
-        return pb.ListLoraAdaptersResponse(adapters=[convert.lora_adapter_info(i) for i in infos], timing=call.timing())
+        return pb.ListLoraAdaptersResponse(adapters=[convert_describe.lora_adapter_info(i) for i in infos], timing=call.timing())
 
     # -- lifecycle ------------------------------------------------------------------------
     async def Warmup(self, request: pb.WarmupRequest, context) -> pb.WarmupResponse:

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from client import ExecutorClient
 from executors import types as t
 from generated.modelexec.v1 import executor_pb2 as pb
-from service import convert
+from service import convert_describe
 from service.observability import RANK_MEMORY_KINDS, ServiceMetrics
 
 LAYOUT = t.ParallelLayout(
@@ -74,7 +74,7 @@ def test_the_defaults_describe_one_process():
 
 # -- service conversion, read back as the client reads it ----------------------------------
 def test_model_info_carries_the_layout():
-    info = over_the_wire(convert.model_info(model_info(LAYOUT)))
+    info = over_the_wire(convert_describe.model_info(model_info(LAYOUT)))
     p = info.parallel
     assert (p.tensor_parallel_size, p.backend, p.launcher) == (2, "nccl", "spawn")
     assert [(r.rank, r.device.type, r.device.index, r.host, r.pid) for r in p.ranks] == [
@@ -82,21 +82,21 @@ def test_model_info_carries_the_layout():
 
 
 def test_a_single_process_reports_size_one_and_no_ranks():
-    info = over_the_wire(convert.model_info(model_info(None)))
+    info = over_the_wire(convert_describe.model_info(model_info(None)))
     assert info.HasField("parallel")
     assert info.parallel == pb.ParallelLayout(tensor_parallel_size=1)
     limits = pb.ServiceLimits()
-    assert over_the_wire(convert.capabilities(capabilities(), limits)).tensor_parallel_size == 1
-    assert list(over_the_wire(convert.status(status())).ranks) == []
+    assert over_the_wire(convert_describe.capabilities(capabilities(), limits)).tensor_parallel_size == 1
+    assert list(over_the_wire(convert_describe.status(status())).ranks) == []
 
 
 def test_capabilities_carry_the_size():
-    caps = over_the_wire(convert.capabilities(capabilities(4), pb.ServiceLimits()))
+    caps = over_the_wire(convert_describe.capabilities(capabilities(4), pb.ServiceLimits()))
     assert caps.tensor_parallel_size == 4 and caps.supports_tensor_parallelism
 
 
 def test_status_carries_each_ranks_memory():
-    ranks = over_the_wire(convert.status(status(RANKS))).ranks
+    ranks = over_the_wire(convert_describe.status(status(RANKS))).ranks
     assert [(r.rank, r.parameter_bytes, r.kv_pool_bytes, r.lora_bytes, r.device_allocated_bytes,
              r.device_peak_bytes) for r in ranks] == [
         (m.rank, m.parameter_bytes, m.kv_pool_bytes, m.lora_bytes, m.device_allocated_bytes, m.device_peak_bytes)
