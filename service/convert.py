@@ -251,18 +251,22 @@ def tensor(ht: t.HostTensor) -> pb.Tensor:
     return out
 
 
-_DEVICES: dict[str, pb.Device] = {}
+_DEVICES: dict[str, pb.Device] = {}  # shared: copied into messages, never handed out
 
 
-def device(name: str) -> pb.Device:
+def _known_device(name: str) -> pb.Device:
     known = _DEVICES.get(name)
     if known is None:
         kind, _, index = name.partition(":")
         known = pb.Device(type=DEVICE_TYPE_TO_PB.get(kind, pb.DEVICE_TYPE_UNSPECIFIED), index=int(index or 0))
         if len(_DEVICES) < 256:  # names come from the executor: a handful
             _DEVICES[name] = known
+    return known
+
+
+def device(name: str) -> pb.Device:
     out = pb.Device()
-    out.CopyFrom(known)
+    out.CopyFrom(_known_device(name))
     return out
 
 
@@ -275,8 +279,7 @@ def fill_handle(target: pb.KvCacheHandle, h: t.KvCacheHandle) -> None:
     target.num_layers = h.num_layers
     target.num_kv_heads = h.num_kv_heads
     target.head_dim = h.head_dim
-    known = _DEVICES.get(h.device)
-    target.device.CopyFrom(device(h.device) if known is None else known)
+    target.device.CopyFrom(_known_device(h.device))
 
 
 def handle(h: t.KvCacheHandle) -> pb.KvCacheHandle:
@@ -319,41 +322,21 @@ def fill_unified_result(target: pb.UnifiedItemResult, r: t.UnifiedItemResult) ->
         fill_logits(target.logits, r.logits)
 
 
-def prefill_response(out: t.PrefillOutput) -> pb.PrefillResponse:
-    response = pb.PrefillResponse()
+def with_output(response: Any, out: t.PrefillOutput | t.DecodeOutput) -> Any:
+    """A PrefillResponse or DecodeResponse with its output filled in."""
     fill_output(response.output, out)
     return response
 
 
-def decode_response(out: t.DecodeOutput) -> pb.DecodeResponse:
-    response = pb.DecodeResponse()
-    fill_output(response.output, out)
-    return response
-
-
-def batch_prefill_response(outs: list[t.PrefillOutput]) -> pb.BatchPrefillResponse:
-    response = pb.BatchPrefillResponse()
+def with_outputs(response: Any, outs: list[t.PrefillOutput] | list[t.DecodeOutput]) -> Any:
+    """A BatchPrefillResponse or BatchDecodeResponse with its outputs filled in."""
     for o in outs:
         fill_output(response.outputs.add(), o)
     return response
 
 
-def batch_decode_response(outs: list[t.DecodeOutput]) -> pb.BatchDecodeResponse:
-    response = pb.BatchDecodeResponse()
-    for o in outs:
-        fill_output(response.outputs.add(), o)
-    return response
-
-
-def unified_decode_response(results: list[t.UnifiedItemResult]) -> pb.UnifiedDecodeResponse:
-    response = pb.UnifiedDecodeResponse()
-    for r in results:
-        fill_unified_result(response.results.add(), r)
-    return response
-
-
-def step_response(step_id: int, results: list[t.UnifiedItemResult]) -> pb.StepSessionResponse:
-    response = pb.StepSessionResponse(step_id=step_id)
+def with_results(response: Any, results: list[t.UnifiedItemResult]) -> Any:
+    """A UnifiedDecodeResponse or StepSessionResponse with its results filled in."""
     for r in results:
         fill_unified_result(response.results.add(), r)
     return response

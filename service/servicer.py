@@ -116,26 +116,26 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         call = _Call()
         self._check_size(1, len(request.input.input_ids), "input.input_ids")
         out = await self.executor.prefill(convert.prefill_input(request.input, "input"))
-        return call.stamp(convert.prefill_response(out))
+        return call.stamp(convert.with_output(pb.PrefillResponse(), out))
 
     async def Decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
         call = _Call()
         out = await self.executor.decode(convert.decode_input(request.input, "input"))
-        return call.stamp(convert.decode_response(out))
+        return call.stamp(convert.with_output(pb.DecodeResponse(), out))
 
     async def BatchPrefill(self, request: pb.BatchPrefillRequest, context) -> pb.BatchPrefillResponse:
         call = _Call()
         self._check_size(len(request.inputs), sum(len(i.input_ids) for i in request.inputs), "inputs")
         inputs = [convert.prefill_input(m, f"inputs[{i}]") for i, m in enumerate(request.inputs)]
         outs = await self.executor.batch_prefill(inputs)
-        return call.stamp(convert.batch_prefill_response(outs))
+        return call.stamp(convert.with_outputs(pb.BatchPrefillResponse(), outs))
 
     async def BatchDecode(self, request: pb.BatchDecodeRequest, context) -> pb.BatchDecodeResponse:
         call = _Call()
         self._check_size(len(request.inputs), len(request.inputs), "inputs")
         inputs = [convert.decode_input(m, f"inputs[{i}]") for i, m in enumerate(request.inputs)]
         outs = await self.executor.batch_decode(inputs)
-        return call.stamp(convert.batch_decode_response(outs))
+        return call.stamp(convert.with_outputs(pb.BatchDecodeResponse(), outs))
 
     async def UnifiedDecode(self, request: pb.UnifiedDecodeRequest, context) -> pb.UnifiedDecodeResponse:
         call = _Call()
@@ -143,7 +143,7 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         self._check_size(len(items), sum(len(i.q_tokens) for i in items), "batch.items")
         results = await self.executor.unified_decode(
             [convert.unified_item(m, f"batch.items[{i}]") for i, m in enumerate(items)])
-        return call.stamp(convert.unified_decode_response(results))
+        return call.stamp(convert.with_results(pb.UnifiedDecodeResponse(), results))
 
     async def StepSession(self, requests, context):
         # Steps run in order, each as UnifiedDecode would; a failed step is answered with its
@@ -164,7 +164,7 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
                     error=pb.StepError(code=err.code.value[0], message=err.message, reason=err.reason,
                                        metadata=err.metadata))
                 continue
-            yield call.stamp(convert.step_response(request.step_id, results))
+            yield call.stamp(convert.with_results(pb.StepSessionResponse(step_id=request.step_id), results))
 
     # -- forward and speculative decoding -------------------------------------------------
     async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:

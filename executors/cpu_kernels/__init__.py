@@ -154,7 +154,6 @@ class CpuKernels:
         if status != 0:
             raise MemoryError("the decode attention kernel could not allocate its score buffer")
 
-
     def decode_step(self, model: ctypes.Structure, step: ctypes.Structure) -> int:
         """me_decode_step_f32 (step.py's DecoderSpec and StepSpec): 0, or step.OUT_OF_RANGE
         when an index was out of range (nothing written); raises on the other failures."""

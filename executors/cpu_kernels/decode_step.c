@@ -77,14 +77,8 @@ static void step_glu(const me_decoder *m, const me_step *s, const float *gu_w, c
     const int64_t rows = s->rows, inter = m->inter;
     step_linear(s->h, rows, m->hidden, gu_w, 2 * inter, gu_b, NULL, s->gu);
     #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = s->gu + r * 2 * inter, *u = g + inter;
-        float *out = s->act + r * inter;
-        int64_t j = 0;
-        for (; j + 8 <= inter; j += 8)
-            _mm256_storeu_ps(out + j, _mm256_mul_ps(act8(_mm256_loadu_ps(g + j), m->activation), _mm256_loadu_ps(u + j)));
-        for (; j < inter; j++) out[j] = act1(g[j], m->activation) * u[j];
-    }
+    for (int64_t r = 0; r < rows; r++)
+        glu_row(s->gu + r * 2 * inter, s->gu + r * 2 * inter + inter, inter, m->activation, s->act + r * inter);
 }
 
 /* Every position inside the rotary tables, every slot and every block a row reads inside

@@ -36,12 +36,5 @@ void me_rope_f32(float *x, int64_t m, int64_t heads, int64_t ldx, int64_t d, con
 /* A gated MLP's activation: y[t, j] = act(gu[t, j]) * gu[t, inter + j], act SiLU (0) or
  * GELU with the tanh approximation (1); gu rows ldg apart, y [m, inter] contiguous. */
 void me_glu_f32(const float *gu, int64_t m, int64_t ldg, int64_t inter, int activation, float *y) {
-    for (int64_t t = 0; t < m; t++) {
-        const float *g = gu + t * ldg, *u = g + inter;
-        float *out = y + t * inter;
-        int64_t j = 0;
-        for (; j + 8 <= inter; j += 8)
-            _mm256_storeu_ps(out + j, _mm256_mul_ps(act8(_mm256_loadu_ps(g + j), activation), _mm256_loadu_ps(u + j)));
-        for (; j < inter; j++) out[j] = act1(g[j], activation) * u[j];
-    }
+    for (int64_t t = 0; t < m; t++) glu_row(gu + t * ldg, gu + t * ldg + inter, inter, activation, y + t * inter);
 }

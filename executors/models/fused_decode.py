@@ -1,13 +1,13 @@
 """A whole decode step in one call of the CPU kernels (executors/cpu_kernels/decode_step.c).
 
 float32 on a CPU with the kernels built: a step whose rows are all decode rows (one new
-token each, with a cache), at most FUSED_MAX_ROWS of them (batched decode included), without LoRA or tensor
-parallelism, runs every layer in one kernel call, its threads meeting at barriers instead of
-returning to Python between ~300 op calls (bench/RESULTS.md run 10). Dense Llama / Qwen2 /
-Qwen3 / Mistral-shaped models qualify; what does not (experts, Gemma's sandwich norms and
-second rotary table, odd head sizes) keeps the op-by-op path of decoder.py, as does any step
-the kernel refuses (a position, slot or block out of range: nothing is written then, and the
-op-by-op path raises its usual error).
+token each, with a cache), at most FUSED_MAX_ROWS of them (batched decode included),
+without LoRA or tensor parallelism, runs every layer in one kernel call, its threads
+meeting at barriers instead of returning to Python between ~300 op calls (bench/RESULTS.md
+run 10). Dense Llama / Qwen2 / Qwen3 / Mistral-shaped models qualify; what does not
+(experts, Gemma's sandwich norms and second rotary table, odd head sizes) keeps the
+op-by-op path of decoder.py, as does any step the kernel refuses (a position, slot or block
+out of range: nothing is written then, and the op-by-op path raises its usual error).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from executors.models.decoder import DecoderLM
 
 FUSED_MAX_ROWS = MAX_STEP_ROWS
+MATMUL_FIELDS = ("qkv", "o", "gate_up", "down")  # the layer fields stored as panels
 FUSED_DECODE = True  # False: every step op by op (tests compare the two)
 
 
@@ -119,8 +120,6 @@ def unsupported(model: DecoderLM) -> str | None:
                 return f"{name} not a contiguous float32 CPU tensor"
     return None
 
-
-MATMUL_FIELDS = ("qkv", "o", "gate_up", "down")
 
 
 def _address(t: torch.Tensor | Panels | None) -> int:

@@ -2,9 +2,10 @@
 
 Odd sizes on purpose: outputs not a multiple of the 16-column panel, row counts not a
 multiple of the 6-row tile, inputs not a multiple of 8 floats (the masked tails), strided
-views (a fused projection's slices, the lm_head as panels of a row slice of the embedding), windows and fragmented block tables. The kernels must build on
-this machine whenever it has a C compiler and AVX2 + FMA: a silent fallback to torch would
-let every other test pass without running them.
+views (a fused projection's slices, the lm_head as panels of a row slice of the
+embedding), windows and fragmented block tables. The kernels must build on this machine
+whenever it has a C compiler and AVX2 + FMA: a silent fallback to torch would let every
+other test pass without running them.
 """
 
 from __future__ import annotations

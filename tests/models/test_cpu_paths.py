@@ -4,8 +4,8 @@ Two LlmExecutors share one tiny random model: one runs the fast path (fused weig
 CPU kernels of executors/cpu_kernels for small steps, planned attention), the other the
 reference (per-layer modules, per-sequence slot gathers). Both receive the same calls, so
 their block tables are identical, and every output must agree. Each scenario runs under
-five policies: the defaults (decode steps of 1-4 rows as one kernel call, larger ones
-through the paged CPU kernel), the kernels op by op, torch's plan of pool views and block
+five policies: the defaults (decode steps of up to 64 rows as one kernel call, other steps
+op by op through the CPU kernels), the kernels op by op, torch's plan of pool views and block
 gathers, everything through pool views (with log-sum-exp merges over fragmented blocks) and
 everything through the batched block gather.
 """
@@ -37,7 +37,7 @@ FAMILIES = {
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "tie_word_embeddings": False, "head_dim": 32},
 }
 POLICIES = {
-    "default": {},  # decode steps of 1-4 rows in one kernel call, larger ones through the paged CPU kernel
+    "default": {},  # decode steps of up to 64 rows in one kernel call, other steps op by op
     "ops": {"FUSED_DECODE": False},  # decode steps op by op, through the paged CPU kernel
     "torch": {"FUSED_DECODE": False, "PAGED_KERNEL": False},  # views and gathers as the plan picks them
     "views": {"FUSED_DECODE": False, "PAGED_KERNEL": False, "VIEW_MIN_TOKENS": 0, "MAX_VIEW_RUNS": 1000},

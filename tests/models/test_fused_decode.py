@@ -1,11 +1,11 @@
 """Decode steps as one kernel call (executors/models/fused_decode.py) against the reference.
 
-The kernel runs every layer of a step of up to 64 decode rows (1-4 through the matvecs,
-more through the register-blocked tiles); test_cpu_paths.py and test_sliding_window.py
-cover it under their "default" policy. Here: it is the path those steps take, at batch
-sizes on both sides of 4, followed by a step through torch's block gather on the same
-caches (which must find the blocks the kernel entered cleared); what it leaves to the op-by-op path; what
-it refuses, and that a refusal writes nothing.
+The kernel runs every layer of a step of up to 64 decode rows (its matmuls over the
+panels in 6-row tiles); test_cpu_paths.py and test_sliding_window.py cover it under their
+"default" policy. Here: it is the path those steps take, at batch sizes from 1 to 8 (one
+tile, a tile and its tail), followed by a step through torch's block gather on the same
+caches (which must find the blocks the kernel entered cleared); what it leaves to the
+op-by-op path; what it refuses, and that a refusal writes nothing.
 """
 
 from __future__ import annotations
