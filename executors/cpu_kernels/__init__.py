@@ -8,6 +8,8 @@
   per-op set-up;
 - paged_attention.c: the new tokens' K and V stored into the pool, and decode attention
   reading K and V in place through the block tables;
+- prefill_attention.c: causal attention of fresh prompts over themselves, as panel matmuls
+  over the causal triangle;
 - argmax.c: the ARGMAX policy's token and log-probability in one call;
 - decode_step.c: a whole decode step of a dense model, every layer, in one call
   (executors/models/fused_decode.py; its structures in step.py).
@@ -48,11 +50,13 @@ class CpuKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._linear = _bind(library, "me_panel_linear_f32", [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I, _C])
         self._rms_norm = _bind(library, "me_rms_norm_f32", [_P, _I, _I, _I, _I, _I, _P, _F, _P, _I, _I, _C])
-        self._rope = _bind(library, "me_rope_f32", [_P, _I, _I, _I, _I, _P, _P, _P])
-        self._glu = _bind(library, "me_glu_f32", [_P, _I, _I, _I, _C, _P])
+        self._rope = _bind(library, "me_rope_f32", [_P, _I, _I, _I, _I, _P, _P, _P, _C])
+        self._glu = _bind(library, "me_glu_f32", [_P, _I, _I, _I, _C, _P, _C])
         self._store_kv = _bind(library, "me_store_kv_f32", [_P, _P, _I, _I, _I, _I, _P, _P, _P])
         self._argmax = _bind(library, "me_argmax_logprob_f32", [_P, _I, _I, _I, _P, _P], ctypes.c_int)
         self._decode_step = _bind(library, "me_decode_step_f32", [_P, _P, _C], ctypes.c_int)
+        self._prefill_attention = _bind(library, "me_prefill_attention_f32",
+                                        [_P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F, _P, _I, _C], ctypes.c_int)
         self._attention = _bind(library, "me_decode_attention_f32",
                                 [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P, _F, _P, _I, _C], ctypes.c_int)
 
@@ -106,7 +110,8 @@ class CpuKernels:
         """Rotate x ([m, heads, d], heads d floats apart, d <= MAX_ROPE_DIM) in place; tables
         [max_positions, d], every position below max_positions (step_ops checks both)."""
         m, heads, d = x.shape
-        self._rope(x.data_ptr(), m, heads, x.stride(0), d, positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr())
+        self._rope(x.data_ptr(), m, heads, x.stride(0), d, positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
+                   torch.get_num_threads())
         return x
 
     def glu(self, gu: torch.Tensor, activation: str) -> torch.Tensor:
@@ -115,7 +120,7 @@ class CpuKernels:
         if gu.stride(1) != 1:
             gu = gu.contiguous()
         y = torch.empty(m, inter, dtype=torch.float32)
-        self._glu(gu.data_ptr(), m, gu.stride(0), inter, GLU_ACTIVATIONS[activation], y.data_ptr())
+        self._glu(gu.data_ptr(), m, gu.stride(0), inter, GLU_ACTIVATIONS[activation], y.data_ptr(), torch.get_num_threads())
         return y
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kpool: torch.Tensor,
@@ -153,6 +158,22 @@ class CpuKernels:
                                  hi.data_ptr(), scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
         if status != 0:
             raise MemoryError("the decode attention kernel could not allocate its score buffer")
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
+                          out: torch.Tensor) -> None:
+        """out = causal attention of `count` equal prompts (consecutive rows) over themselves:
+        q [rows, heads, d], k and v [rows, kv_heads, d] (heads d floats apart, rows of any
+        stride), out [rows, heads, d] likewise; heads a multiple of kv_heads."""
+        rows, heads, d = q.shape
+        kv_heads = k.shape[1]
+        for t in (q, k, v, out):
+            if t.stride(2) != 1 or t.stride(1) != d:
+                raise ValueError("q, k, v and out need heads of d contiguous floats")
+        status = self._prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), count, rows // count, q.stride(0),
+                                         k.stride(0), v.stride(0), heads, kv_heads, d, scale, out.data_ptr(),
+                                         out.stride(0), torch.get_num_threads())
+        if status:
+            raise MemoryError("the prefill attention kernel could not allocate its scratch")
 
     def decode_step(self, model: ctypes.Structure, step: ctypes.Structure) -> int:
         """me_decode_step_f32 (step.py's DecoderSpec and StepSpec): 0, or step.OUT_OF_RANGE

@@ -25,16 +25,21 @@ void me_rms_norm_f32(const float *x, int64_t outer, int64_t inner, int64_t ldx_o
 /* NeoX rotation of `heads` heads of d floats for each of m tokens, in place:
  * x = x * cos[p] + swap_halves(x) * signed_sin[p], p = positions[t]; the tables are
  * [max_positions, d] (signed_sin: sin with its first half negated, layers.py's table).
- * Token t's heads start at x + t * ldx, d floats apart. d even, at most MAX_HEAD_DIM. */
+ * Token t's heads start at x + t * ldx, d floats apart. d even, at most MAX_HEAD_DIM.
+ * Threaded over tokens for prefill-sized steps (decode steps stay on the caller's thread:
+ * waking the team costs more than their rows). */
 void me_rope_f32(float *x, int64_t m, int64_t heads, int64_t ldx, int64_t d, const int64_t *positions,
-                 const float *cos_table, const float *signed_sin_table) {
+                 const float *cos_table, const float *signed_sin_table, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (m * heads * d >= 65536)
     for (int64_t t = 0; t < m; t++)
         for (int64_t h = 0; h < heads; h++)
             rope_head(x + t * ldx + h * d, d, cos_table + positions[t] * d, signed_sin_table + positions[t] * d);
 }
 
 /* A gated MLP's activation: y[t, j] = act(gu[t, j]) * gu[t, inter + j], act SiLU (0) or
- * GELU with the tanh approximation (1); gu rows ldg apart, y [m, inter] contiguous. */
-void me_glu_f32(const float *gu, int64_t m, int64_t ldg, int64_t inter, int activation, float *y) {
+ * GELU with the tanh approximation (1); gu rows ldg apart, y [m, inter] contiguous. Threaded
+ * over rows for prefill-sized steps, as the rotation. */
+void me_glu_f32(const float *gu, int64_t m, int64_t ldg, int64_t inter, int activation, float *y, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads) if (m * inter >= 65536)
     for (int64_t t = 0; t < m; t++) glu_row(gu + t * ldg, gu + t * ldg + inter, inter, activation, y + t * inter);
 }

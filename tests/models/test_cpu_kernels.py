@@ -117,15 +117,17 @@ def test_rms_norm_of_head_slices(kernels):
     torch.testing.assert_close(kernels.rms_norm(q, w, 1e-6), F.rms_norm(q, (16,), w, 1e-6), atol=1e-5, rtol=1e-5)
 
 
-def test_rope_matches_apply_rope(kernels):
+@pytest.mark.parametrize("tokens", [3, 400])  # a decode step's rows; a prefill's, threaded
+def test_rope_matches_apply_rope(kernels, tokens):
     g = torch.Generator().manual_seed(4)
-    d, positions = 32, torch.tensor([0, 5, 17])
+    d = 32
+    positions = torch.tensor([0, 5, 17]) if tokens == 3 else torch.randint(0, 64, (tokens,), generator=g)
     freqs = torch.outer(torch.arange(64, dtype=torch.float32), torch.rand(d // 2, generator=g))
     emb = torch.cat([freqs, freqs], -1)
     cos, sin = emb.cos(), emb.sin()
     sin[:, :d // 2].neg_()
-    qkv = torch.randn(3, 9 * d, generator=g)
-    view = qkv[:, :6 * d].view(3, 6, d)
+    qkv = torch.randn(tokens, 9 * d, generator=g)
+    view = qkv[:, :6 * d].view(tokens, 6, d)
     expected = apply_rope(view, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
     kernels.rope_(view, positions, cos, sin)
     torch.testing.assert_close(view, expected, atol=1e-6, rtol=1e-6)
@@ -162,14 +164,45 @@ def test_decode_attention_matches_sdpa(kernels, heads, kv_heads, d):
         torch.testing.assert_close(out[r], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("count,n,heads,kv_heads,d", [
+    (1, 128, 9, 3, 64),  # SmolLM2's prefill: 22 tiles of 6 tokens, 8 key panels
+    (3, 37, 4, 2, 24),  # several prompts; a tail tile and tail key panel; d not a multiple of 16
+    (2, 2, 8, 1, 8),  # all query heads over one KV head
+    (1, 300, 2, 2, 128),  # threaded over tiles of very different lengths
+])
+def test_prefill_attention_matches_causal_sdpa(kernels, count, n, heads, kv_heads, d):
+    g = torch.Generator().manual_seed(count * n + d)
+    width = (heads + 2 * kv_heads) * d
+    qkv = torch.randn(count * n, width + 5, generator=g) * 2  # rows wider than the heads: strided views
+    q = qkv[:, :heads * d].view(-1, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(-1, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:width].view(-1, kv_heads, d)
+    out = torch.full((count * n, heads, d), float("nan"))
+    kernels.prefill_attention(q, k, v, count, 0.3, out)
+
+    def by_prompt(t):
+        return t.reshape(count, n, t.shape[1], d).transpose(1, 2)
+
+    expected = F.scaled_dot_product_attention(by_prompt(q), by_prompt(k), by_prompt(v), is_causal=True,
+                                              enable_gqa=True, scale=0.3).transpose(1, 2).reshape(-1, heads, d)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_attention_refuses_heads_that_are_not_contiguous(kernels):
+    q = torch.randn(4, 2, 16)
+    with pytest.raises(ValueError, match="heads of d contiguous floats"):
+        kernels.prefill_attention(q.transpose(0, 1).contiguous().transpose(0, 1), q, q, 1, 0.25, torch.empty(4, 2, 16))
+
+
+@pytest.mark.parametrize("rows,inter", [(3, 37), (70, 1001)])  # a decode step's; a prefill's, threaded
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_glu_matches_torch(kernels, activation):
+def test_glu_matches_torch(kernels, activation, rows, inter):
     from executors.models.layers import activation as torch_activation
 
     g = torch.Generator().manual_seed(5)
-    gu = torch.randn(3, 2 * 37, generator=g) * 4
+    gu = torch.randn(rows, 2 * inter, generator=g) * 4
     gu[0, :5] = torch.tensor([-100.0, -30.0, 0.0, 30.0, 100.0])  # the exp's clamps
-    expected = torch_activation(activation)(gu[:, :37]) * gu[:, 37:]
+    expected = torch_activation(activation)(gu[:, :inter]) * gu[:, inter:]
     torch.testing.assert_close(kernels.glu(gu, activation), expected, atol=1e-5, rtol=1e-5)
 
 
