@@ -53,7 +53,7 @@ class CpuKernels:
         self._rope = _bind(library, "me_rope_f32", [_P, _I, _I, _I, _I, _P, _P, _P, _C])
         self._glu = _bind(library, "me_glu_f32", [_P, _I, _I, _I, _C, _P, _C])
         self._store_kv = _bind(library, "me_store_kv_f32", [_P, _P, _I, _I, _I, _I, _P, _P, _P])
-        self._argmax = _bind(library, "me_argmax_logprob_f32", [_P, _I, _I, _I, _P, _P], ctypes.c_int)
+        self._argmax = _bind(library, "me_argmax_logprob_f32", [_P, _I, _I, _I, _P, _P, _C], ctypes.c_int)
         self._decode_step = _bind(library, "me_decode_step_f32", [_P, _P, _C], ctypes.c_int)
         self._prefill_attention = _bind(library, "me_prefill_attention_f32",
                                         [_P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F, _P, _I, _C], ctypes.c_int)
@@ -143,7 +143,8 @@ class CpuKernels:
             x = x.contiguous()
         token = torch.empty(rows, dtype=torch.int64)
         logprob = torch.empty(rows, dtype=torch.float32)
-        if self._argmax(x.data_ptr(), rows, n, x.stride(0), token.data_ptr(), logprob.data_ptr()) != 0:
+        if self._argmax(x.data_ptr(), rows, n, x.stride(0), token.data_ptr(), logprob.data_ptr(),
+                        torch.get_num_threads()) != 0:
             return None
         return token.tolist(), logprob.tolist()
 

@@ -233,6 +233,17 @@ def test_argmax_logprob_matches_torch(kernels):
         assert kernels.argmax_logprob(y) is None  # torch's rules apply then
 
 
+def test_argmax_logprob_of_a_batch_threaded_over_rows(kernels):
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(12, 49152, generator=g) * 3  # a batch's logits: rows shared out over the threads
+    tokens, logprobs = kernels.argmax_logprob(x)
+    assert tokens == torch.argmax(x, -1).tolist()
+    expected = torch.log_softmax(x, -1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-5, rtol=1e-5)
+    x[11, 5] = float("nan")  # in the last thread's rows
+    assert kernels.argmax_logprob(x) is None
+
+
 def test_a_model_computes_the_same_with_and_without_the_kernels(kernels):
     """Prefill, then decode steps of 1, 3, 4 and 6 rows (one panel tile, and a tile with a
     tail), against the same executor with --no-cpu-kernels (torch's ops, oneDNN's packed
