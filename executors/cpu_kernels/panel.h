@@ -73,6 +73,19 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
 #undef ME_OUT
 }
 
+/* panel_tile for any mr in 1..TILE_ROWS, each row count its own inlined copy. */
+static inline void panel_tile_rows(const float *x, int64_t ldx, int64_t mr, const float *panel, int64_t k, int cols,
+                                   const float *bias, const float *residual, int64_t ldr, float *y, int64_t ldy) {
+    switch (mr) {
+    case 6: panel_tile(x, ldx, 6, panel, k, cols, bias, residual, ldr, y, ldy); break;
+    case 5: panel_tile(x, ldx, 5, panel, k, cols, bias, residual, ldr, y, ldy); break;
+    case 4: panel_tile(x, ldx, 4, panel, k, cols, bias, residual, ldr, y, ldy); break;
+    case 3: panel_tile(x, ldx, 3, panel, k, cols, bias, residual, ldr, y, ldy); break;
+    case 2: panel_tile(x, ldx, 2, panel, k, cols, bias, residual, ldr, y, ldy); break;
+    default: panel_tile(x, ldx, 1, panel, k, cols, bias, residual, ldr, y, ldy); break;
+    }
+}
+
 /* Rows [m0, m1) of x against panel j of y[:, :n] = x @ w^T (+ bias) (+ residual). */
 static inline void panel_rows(const float *x, int64_t m0, int64_t m1, int64_t ldx, const float *panels, int64_t n,
                               int64_t k, const float *bias, const float *residual, int64_t ldr, float *y, int64_t ldy,
@@ -83,15 +96,8 @@ static inline void panel_rows(const float *x, int64_t m0, int64_t m1, int64_t ld
     const float *b = bias ? bias + col : NULL;
     for (int64_t i = m0; i < m1; i += TILE_ROWS) {
         const float *xi = x + i * ldx, *ri = residual ? residual + i * ldr + col : NULL;
-        float *yi = y + i * ldy + col;
-        switch (m1 - i < TILE_ROWS ? (int)(m1 - i) : TILE_ROWS) {
-        case 6: panel_tile(xi, ldx, 6, panel, k, cols, b, ri, ldr, yi, ldy); break;
-        case 5: panel_tile(xi, ldx, 5, panel, k, cols, b, ri, ldr, yi, ldy); break;
-        case 4: panel_tile(xi, ldx, 4, panel, k, cols, b, ri, ldr, yi, ldy); break;
-        case 3: panel_tile(xi, ldx, 3, panel, k, cols, b, ri, ldr, yi, ldy); break;
-        case 2: panel_tile(xi, ldx, 2, panel, k, cols, b, ri, ldr, yi, ldy); break;
-        default: panel_tile(xi, ldx, 1, panel, k, cols, b, ri, ldr, yi, ldy); break;
-        }
+        panel_tile_rows(xi, ldx, m1 - i < TILE_ROWS ? m1 - i : TILE_ROWS, panel, k, cols, b, ri, ldr,
+                        y + i * ldy + col, ldy);
     }
 }
 

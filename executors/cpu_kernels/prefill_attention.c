@@ -71,19 +71,6 @@ static void pack_kv(const float *k, const float *v, int64_t n, int64_t ld_k, int
     }
 }
 
-/* y[i, :cols] = x[i] @ panel for i < mr (1..6): panel_tile with mr known at each call. */
-static inline void tile(const float *x, int64_t ldx, int64_t mr, const float *panel, int64_t k, int cols, float *y,
-                        int64_t ldy) {
-    switch (mr) {
-    case 6: panel_tile(x, ldx, 6, panel, k, cols, NULL, NULL, 0, y, ldy); break;
-    case 5: panel_tile(x, ldx, 5, panel, k, cols, NULL, NULL, 0, y, ldy); break;
-    case 4: panel_tile(x, ldx, 4, panel, k, cols, NULL, NULL, 0, y, ldy); break;
-    case 3: panel_tile(x, ldx, 3, panel, k, cols, NULL, NULL, 0, y, ldy); break;
-    case 2: panel_tile(x, ldx, 2, panel, k, cols, NULL, NULL, 0, y, ldy); break;
-    default: panel_tile(x, ldx, 1, panel, k, cols, NULL, NULL, 0, y, ldy); break;
-    }
-}
-
 /* out = causal attention of `count` prompts of n tokens each over themselves (see the top).
  * heads a multiple of kv_heads. Returns 0, or -1 when a scratch allocation failed. */
 int me_prefill_attention_f32(const float *q, const float *k, const float *v, int64_t count, int64_t n, int64_t ldq,
@@ -121,12 +108,13 @@ int me_prefill_attention_f32(const float *q, const float *k, const float *v, int
             const float *kp = packed + (c * kv_heads + h / group) * kv_size, *vp = kp + key_panels * d * PANEL;
             const float *x = q + (c * n + t0) * ldq + h * d;
             const int64_t seen = (t1 + PANEL - 1) / PANEL;  /* key panels up to the tile's last token */
-            for (int64_t j = 0; j < seen; j++) tile(x, ldq, mr, kp + j * d * PANEL, d, PANEL, scores + j * PANEL, width);
+            for (int64_t j = 0; j < seen; j++)
+                panel_tile_rows(x, ldq, mr, kp + j * d * PANEL, d, PANEL, NULL, NULL, 0, scores + j * PANEL, width);
             for (int64_t r = 0; r < mr; r++) softmax_row(scores + r * width, t0 + r + 1, t1, scale);
             float *y = out + (c * n + t0) * ldo + h * d;
             for (int64_t p = 0; p < dim_panels; p++) {
                 const int cols = (int)(d - p * PANEL < PANEL ? d - p * PANEL : PANEL);
-                tile(scores, width, mr, vp + p * n * PANEL, t1, cols, y + p * PANEL, ldo);
+                panel_tile_rows(scores, width, mr, vp + p * n * PANEL, t1, cols, NULL, NULL, 0, y + p * PANEL, ldo);
             }
         }
         free(scores);

@@ -425,7 +425,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: S
         f = plan.fresh[0]
         if _kernel_fresh(ctx, q, f):
             out = q.new_empty(m, heads, d)
-            ctx.cpu.prefill_attention(q, k, v, f.count, d ** -0.5 if scale is None else scale, out)
+            ctx.cpu.prefill_attention(q, k, v, f.count, _scale(scale, d), out)
             return out.view(m, heads * d)
         return _fresh(q, k, v, 0, f, scale).reshape(m, heads * d)
     if plan.whole and plan.gathered:
@@ -447,8 +447,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: S
     for f in plan.fresh:
         rows = slice(f.r0, f.r0 + f.count * f.n)
         if _kernel_fresh(ctx, q, f):
-            ctx.cpu.prefill_attention(q[rows], k[rows], v[rows], f.count, d ** -0.5 if scale is None else scale,
-                                      out[rows])
+            ctx.cpu.prefill_attention(q[rows], k[rows], v[rows], f.count, _scale(scale, d), out[rows])
         else:
             out[rows] = _fresh(q, k, v, f.r0, f, scale).view(f.count * f.n, heads, d)
     if plan.views:
@@ -474,7 +473,7 @@ def _paged(cpu: CpuKernels, q: torch.Tensor, pool: PagedKvPool, layer: int, p: _
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     cpu.decode_attention(q, pool.key[layer], pool.value[layer], p.tables, p.lo, p.hi,
-                         q.shape[2] ** -0.5 if scale is None else scale, out)
+                         _scale(scale, q.shape[2]), out)
 
 
 def _kernel_fresh(ctx: StepContext, q: torch.Tensor, f: _Fresh) -> bool:
@@ -482,6 +481,11 @@ def _kernel_fresh(ctx: StepContext, q: torch.Tensor, f: _Fresh) -> bool:
     whole prompt (no window's mask), and more than one token (a single token is its own
     value). 2x SDPA's speed (cpu_kernels/prefill_attention.c)."""
     return ctx.cpu is not None and f.mask is None and f.n > 1 and q.dtype == torch.float32
+
+
+def _scale(scale: float | None, d: int) -> float:
+    """The score scale a kernel is given: the layer's, else SDPA's default."""
+    return d ** -0.5 if scale is None else scale
 
 
 def _fresh(q, k, v, r0: int, f: _Fresh, scale: float | None) -> torch.Tensor:
