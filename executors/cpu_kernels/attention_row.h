@@ -8,9 +8,19 @@
 
 #define MAX_HEADS 256
 
+/* Load floats [from, to) of p in ascending order and drop them. Run before a run of slots is
+ * read in strides (head by head): this CPU's prefetchers follow demand loads in ascending
+ * order, not the strided ones (nor software prefetches), and the strided reads then hit L1. */
+static inline void touch(const float *p, int64_t from, int64_t to) {
+    __m256 sink = _mm256_setzero_ps();
+    for (int64_t i = from; i < to; i += 16) sink = _mm256_add_ps(sink, _mm256_loadu_ps(p + i));
+    __asm__ volatile("" : : "x"(sink));
+}
+
 /* Scores of one query head against `n` (<= 8) consecutive slots of a block, slots `stride`
  * floats apart: the eight dot products reduced together (lane j: slot j). */
-static inline __m256 scores8(const float *q, const float *k, int64_t stride, int n, int64_t d) {
+static inline __attribute__((always_inline)) __m256 scores8(const float *q, const float *k, int64_t stride, int n,
+                                                            int64_t d) {
     __m256 acc[8];
     for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t c = 0; c < d; c += 8) {
@@ -30,6 +40,7 @@ static inline void attend_row(const float *q, int64_t group, int64_t d, const fl
     const int64_t stride = kv_heads * d;  /* floats between consecutive slots of a block */
     const int64_t heads = (kv1 - kv0) * group;  /* query heads of this task, from kv0 * group */
     const __m256 vscale = _mm256_set1_ps(scale);
+    const int whole = kv0 == 0 && kv1 == kv_heads;  /* the task reads whole slots */
     q += kv0 * group * d;
     out += kv0 * group * d;
     /* Scores, a run of slots of one block (up to 8) at a time. */
@@ -38,9 +49,12 @@ static inline void attend_row(const float *q, int64_t group, int64_t d, const fl
         int64_t n = bs - offset < hi - p ? bs - offset : hi - p;
         n = n < 8 ? n : 8;
         const float *slot = kpool + ((int64_t)table[p / bs] * bs + offset) * stride;
+        if (whole) touch(slot, 0, n * stride);
         for (int64_t h = 0; h < heads; h++) {
             const float *k = slot + (kv0 + h / group) * d;
-            __m256 s = _mm256_mul_ps(scores8(q + h * d, k, stride, (int)n, d), vscale);
+            /* A constant 8 unrolls scores8's loop over the slots: its accumulators stay in registers. */
+            const __m256 raw = n == 8 ? scores8(q + h * d, k, stride, 8, d) : scores8(q + h * d, k, stride, (int)n, d);
+            const __m256 s = _mm256_mul_ps(raw, vscale);
             float *dst = scores + h * keys + (p - lo);
             if (n == 8) _mm256_storeu_ps(dst, s);
             else _mm256_maskstore_ps(dst, tail_mask(n), s);

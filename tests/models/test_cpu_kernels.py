@@ -142,10 +142,11 @@ def reference_attention(q, kpool, vpool, table, lo, hi, scale):
     return out.squeeze(1).flatten()
 
 
+@pytest.mark.parametrize("bs", [4, 16])  # runs of 4 slots; full runs of 8 and a tail run
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 32), (16, 1, 128), (8, 2, 8)])
-def test_decode_attention_matches_sdpa(kernels, heads, kv_heads, d):
+def test_decode_attention_matches_sdpa(kernels, heads, kv_heads, d, bs):
     g = torch.Generator().manual_seed(heads * d)
-    blocks, bs = 40, 4
+    blocks = 40
     kpool, vpool = torch.randn(blocks, bs, kv_heads, d, generator=g), torch.randn(blocks, bs, kv_heads, d, generator=g)
     # Row 0: contiguous blocks; row 1: fragmented; row 2: one key; row 3: a window (keys 9..22).
     bounds = [(0, 29), (0, 17), (0, 1), (9, 23)]
@@ -153,7 +154,7 @@ def test_decode_attention_matches_sdpa(kernels, heads, kv_heads, d):
     tables[0, :8] = torch.arange(3, 11)
     tables[1, :5] = torch.tensor([30, 2, 17, 5, 39])
     tables[2, 0] = 12
-    tables[3, 2:6] = torch.tensor([20, 21, 35, 1])  # blocks 0-1 fell out of the window: never read
+    tables[3, 2:6] = torch.tensor([20, 21, 35, 1])  # 4-slot blocks 0-1 fell out of the window: never read
     lo = torch.tensor([b[0] for b in bounds], dtype=torch.int32)
     hi = torch.tensor([b[1] for b in bounds], dtype=torch.int32)
     q = torch.randn(4, heads, d, generator=g) * 2
