@@ -97,6 +97,14 @@ def test_the_peers_part_reports_each_target_or_how_to_install_it():
     assert "2.25x CTranslate2's tokens/s  [target >= 2x: met]" in text
     assert "0.95x CTranslate2's time  [target <= 1x: met]" in text
     assert "120 GFLOP/s, 67 % of the 180 GFLOP/s peak  [target >= 75 %: SHORT]" in text
+    # Rounds: each ratio between rows of one round, the median of those reported with them.
+    slower = [{**r, "round": 1, "decode_ms_b1": r["decode_ms_b1"] * 1.5} for r in rows]  # ours 1.25x again
+    ct2_dip = [{**r, "round": 2} for r in rows]
+    ct2_dip[1]["tok_s_b32"] = 150.0  # ours 3.00x in that round
+    text = "\n".join(peers.table_lines(rows + slower + ct2_dip))
+    assert "medians of 3 rounds" in text
+    assert "decode batch 1: 1.25x llama.cpp F32's step (rounds: 1.25, 1.25, 1.25)  [target <= 1.3x: met]" in text
+    assert "decode batch 32: 2.25x CTranslate2's tokens/s (rounds: 2.25, 2.25, 3.00)  [target >= 2x: met]" in text
 
 
 def test_the_grpc_floor_is_a_bare_echo_of_the_same_sizes():
