@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-import executors.models.attention as attention
+import executors.models.attention_plan as attention_plan
 import executors.models.fused_decode as fused_decode
 from executors.llm import LlmExecutor, LlmExecutorConfig
 from executors.models.config import DecoderConfig
@@ -86,7 +86,7 @@ class Pair:
 @pytest.fixture(params=list(POLICIES))
 def policy(request, monkeypatch):
     for name, value in POLICIES[request.param].items():
-        monkeypatch.setattr(fused_decode if name == "FUSED_DECODE" else attention, name, value)
+        monkeypatch.setattr(fused_decode if name == "FUSED_DECODE" else attention_plan, name, value)
     return request.param
 
 
@@ -219,9 +219,9 @@ def test_stale_pool_contents_never_leak_into_the_fast_path(policy):
 
 
 def test_runs_of_block_tables():
-    assert attention.runs_of([5], 1) == [(5, 1)]
-    assert attention.runs_of([3, 4, 5, 9, 10, 2], 6) == [(3, 3), (9, 2), (2, 1)]
-    assert attention.runs_of([3, 4, 5, 9, 10, 2], 4) == [(3, 3), (9, 1)]
+    assert attention_plan.runs_of([5], 1) == [(5, 1)]
+    assert attention_plan.runs_of([3, 4, 5, 9, 10, 2], 6) == [(3, 3), (9, 2), (2, 1)]
+    assert attention_plan.runs_of([3, 4, 5, 9, 10, 2], 4) == [(3, 3), (9, 1)]
 
 
 @pytest.mark.parametrize("kernels", [True, False])

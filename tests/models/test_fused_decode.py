@@ -16,7 +16,7 @@ import torch
 
 import executors.cpu_kernels as cpu_kernels_module
 from executors.cpu_kernels.step import OUT_OF_RANGE
-from executors.models import attention, fused_decode
+from executors.models import attention_plan, fused_decode
 from executors.models.attention import Segment, StepContext
 from executors.types import DecodeInput, LogitsPolicy, PrefillInput, UnifiedBatchItem
 from tests.models import test_sliding_window as windows
@@ -62,8 +62,8 @@ def test_batches_of_every_size_then_gathers_on_the_same_caches(family, calls, mo
         # Then op by op through torch's batched block gather, which reads whole blocks
         # (masked): a stale NaN the kernel failed to clear in a block it entered would poison it.
         monkeypatch.setattr(fused_decode, "FUSED_DECODE", False)
-        monkeypatch.setattr(attention, "PAGED_KERNEL", False)
-        monkeypatch.setattr(attention, "MAX_VIEW_RUNS", 0)
+        monkeypatch.setattr(attention_plan, "PAGED_KERNEL", False)
+        monkeypatch.setattr(attention_plan, "MAX_VIEW_RUNS", 0)
         a, b = pair.both("batch_decode", [DecodeInput(token_id=t, kv_cache=h) for t, h in zip(tokens(8), handles)])
         for x, y in zip(a, b, strict=True):
             assert np.isfinite(x.logits.logits.array).all()
