@@ -78,7 +78,8 @@ model: venv
 protos: venv
 	$(PY) -m generated
 
-# The performance suite (bench/suite.py; ~7 min, `make bench ARGS=--quick` ~3-4 min): a table,
+# The performance suite (bench/suite.py; the peers part alone, three rounds, ~5 min on the EPYC
+# of bench/RESULTS.md; `make bench ARGS=--quick` ~3-4 min, one round of peers): a table,
 # bench/results/<date>-<host>.json and plots. transformers (the comparison) comes with the
 # test requirements, matplotlib with bench/requirements.txt, the peers (llama.cpp, built from
 # source, and CTranslate2) with bench/requirements-peers.txt.
