@@ -9,7 +9,8 @@ stream) and each logits policy (`--policies`, all by default) times `--rounds` d
 steps (after one warm-up step), and prints one JSON object: {rpc: {policy: [step wall time
 minus the executor time the server reports, in seconds, per step]}}; with `--walls`, the
 whole wall time of each step instead. It imports the client only (no torch), as a
-scheduler would.
+scheduler would, and tunes its process's malloc as a scheduler asking for FULL logits
+should (`client.keep_freed_memory`; `--default-malloc` leaves glibc's defaults).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 
 import numpy as np
 
-from client import DecodeInput, ExecutorClient, LogitsPolicy, PrefillInput, UnifiedBatchItem
+from client import DecodeInput, ExecutorClient, LogitsPolicy, PrefillInput, UnifiedBatchItem, keep_freed_memory
 
 POLICIES = {
     "FULL fp32": LogitsPolicy.full("float32"),
@@ -40,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of %(default)s")
     p.add_argument("--walls", action="store_true", help="report whole step wall times, not wall minus executor time")
+    p.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc thresholds as they are")
     args = p.parse_args(argv)
+    if not args.default_malloc:
+        keep_freed_memory()
     policies = {name: POLICIES[name] for name in args.policies.split(",")}
     rng = np.random.default_rng(args.seed)
     result: dict[str, dict[str, list[float]]] = {}

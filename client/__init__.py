@@ -31,6 +31,7 @@ from .errors import (
     from_rpc_error,
 )
 from .limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT_S, HEALTH_SERVICE_NAME
+from .process_memory import keep_freed_memory
 from .security import bearer_metadata, tls_credentials
 from .types import (
     CallTiming,
@@ -92,5 +93,6 @@ __all__ = [
     "UnknownError",
     "bearer_metadata",
     "from_rpc_error",
+    "keep_freed_memory",
     "tls_credentials",
 ]
