@@ -5,8 +5,9 @@ A client asking for FULL logits receives megabytes a step (a batch-32 step of Sm
 With glibc's defaults each buffer above its mmap threshold is a new mapping whose pages
 fault in as they are first written, and freed memory at the heap's top goes back to the
 kernel, to be faulted in again by the next message. On the 2-core EPYC of
-bench/RESULTS.md (a KVM guest, where page faults are dear), receiving that 6.3 MB response
-took ~15 ms a round trip, and ~7-8 ms once the client process called this (run 14).
+bench/RESULTS.md (a KVM guest, where page faults are dear), a round trip that received a
+fresh 6.3 MB response took 13.4-17.5 ms, and 5.4-7.4 ms once the client process had called
+this (run 14).
 
 It is process-wide and opt-in: a library should not change its host process's allocator
 behind its back. A scheduler that asks for FULL logits calls it once at start. The cost is
