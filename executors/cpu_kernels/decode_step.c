@@ -114,11 +114,7 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(heads * (longest + 8)));
-        if (!scores) {
-            #pragma omp atomic write
-            failed = 1;
-        }
+        float *scores = thread_scratch(heads * (longest + 8), &failed);
         #pragma omp barrier
         if (!failed) {
             for (int64_t l = 0; l < m->layers; l++) {

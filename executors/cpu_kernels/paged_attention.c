@@ -33,11 +33,7 @@ int me_decode_attention_f32(const float *q, int64_t rows, int64_t ldq, int64_t h
     int failed = 0;
     #pragma omp parallel num_threads(threads) if (tasks >= 2 && tasks * longest * (kv_heads / split) >= 4096)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(heads * (longest + 8)));
-        if (!scores) {
-            #pragma omp atomic write
-            failed = 1;
-        }
+        float *scores = thread_scratch(heads * (longest + 8), &failed);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             if (!scores) continue;

@@ -93,11 +93,7 @@ int me_prefill_attention_f32(const float *q, const float *k, const float *v, int
             float *kp = packed + task * kv_size;
             pack_kv(k + c * n * ldk + g * d, v + c * n * ldv + g * d, n, ldk, ldv, d, kp, kp + key_panels * d * PANEL);
         }
-        float *scores = malloc(sizeof(float) * (size_t)(TILE_ROWS * width));
-        if (!scores) {
-            #pragma omp atomic write
-            failed = 1;
-        }
+        float *scores = thread_scratch(TILE_ROWS * width, &failed);
         /* The last tiles of a prompt see the most keys: they go out first. */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {

@@ -1,9 +1,21 @@
-/* AVX2 helpers shared by the kernels of this directory. */
+/* AVX2 (and scratch) helpers shared by the kernels of this directory. */
 #ifndef MODELEXEC_SIMD_H
 #define MODELEXEC_SIMD_H
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
+
+/* A thread's scratch of `floats` floats inside a parallel region (the caller frees it); NULL,
+ * with *failed set for the whole team to see, when malloc fails. */
+static inline float *thread_scratch(int64_t floats, int *failed) {
+    float *scratch = malloc(sizeof(float) * (size_t)floats);
+    if (!scratch) {
+        #pragma omp atomic write
+        *failed = 1;
+    }
+    return scratch;
+}
 
 /* 1..8 valid lanes of a chunk of 8 floats. */
 static inline __m256i tail_mask(int64_t valid) {

@@ -121,7 +121,6 @@ def unsupported(model: DecoderLM) -> str | None:
     return None
 
 
-
 def _address(t: torch.Tensor | Panels | None) -> int:
     if isinstance(t, Panels):
         return t.data.data_ptr()
