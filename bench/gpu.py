@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.suite import ARGMAX, PROMPT_LEN, ROOT, SEED, Loop, prompts, serve
+from bench.common import ARGMAX, PROMPT_LEN, ROOT, SEED, Loop, inproc_batch_decode, prompts, serve
 from executors.llm import LlmExecutor, LlmExecutorConfig
 from executors.types import DecodeInput, PrefillInput
 
@@ -244,8 +244,6 @@ def bench_prefill(loop, ex, shape, args, ceilings, rows) -> None:
 def bench_grpc(loop, ex, shape, args, rows) -> None:
     """The decode step at batch 32 with ARGMAX in-process and over gRPC (unix socket) from a
     client in a process of its own: BatchDecode, UnifiedDecode and a StepSession stream."""
-    from bench.suite import _inproc_batch_decode
-
     batch, rounds = sizes(args).grpc_batch, 10 if args.quick else 30
     server = serve(loop, ex, unix_socket=tempfile.mktemp(prefix="modelexec-bench-", suffix=".sock"))
     try:
@@ -255,7 +253,7 @@ def bench_grpc(loop, ex, shape, args, rows) -> None:
         walls = []
         for r in range(rounds + 1):
             sync(args.device)
-            steps, _, wall_ns = loop.run(_inproc_batch_decode(
+            steps, _, wall_ns = loop.run(inproc_batch_decode(
                 ex, [DecodeInput(token_id=5, kv_cache=h, logits_policy=ARGMAX) for h in hs]))
             hs = [s.kv_cache for s in steps]
             if r:

@@ -31,7 +31,7 @@ VARIANTS = ("row-major", "layouts", "kernels", "fused")
 
 def measure(variant: str, batches: list[int], steps: int) -> dict[str, float]:
     """Median in-process step (ms) at each batch size, in this process."""
-    from bench.suite import ARGMAX, MODEL_DIR, PROMPT_LEN, prompts
+    from bench.common import ARGMAX, MODEL_DIR, PROMPT_LEN, prompts
     from executors.llm import LlmExecutor, LlmExecutorConfig
     from executors.models import cpu_layout, fused_decode
     from executors.types import DecodeInput, PrefillInput

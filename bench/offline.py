@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.common import SEED
 from bench.gpu import QWEN3_06B, SHAPES, random_transformers, run_dtype, sync
-from bench.suite import SEED
 
 REQUESTS = 256
 LENGTHS = (100, 1024)

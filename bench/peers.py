@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from bench.suite import ARGMAX, MODEL_DIR, PROMPT_LEN, ROOT, SEED, Loop, executor, prompts, serve, timed
+from bench.common import ARGMAX, MODEL_DIR, PROMPT_LEN, ROOT, SEED, Loop, executor, prompts, serve, timed
 from executors.types import PrefillInput
 
 PEERS_DIR = ROOT / "models" / "peers"

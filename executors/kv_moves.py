@@ -15,12 +15,13 @@ from collections.abc import Sequence
 from executors.errors import FailedPrecondition, InvalidParameter, OutOfRange, Unsupported
 from executors.identity import current_identity
 from executors.kv_transfer import KvExport, KvImport, check_description, export_description
+from executors.lora_calls import named_adapter
 from executors.transfer_types import DEFAULT_MAX_CHUNK_BYTES, CacheInfo, KvExportDescription, KvFingerprint
 from executors.types import DType
 
 
 class KvMoves:
-    """Mixed into KvCacheExecutor: uses its kv, pool, caches, worker, _run and _adapter."""
+    """Mixed into KvCacheExecutor: uses its kv, pool, caches, loras, worker and _run."""
 
     async def kv_fingerprint(self) -> KvFingerprint:
         """This executor's model and KV layout; the weights' digest is computed once, off the worker."""
@@ -48,7 +49,7 @@ class KvMoves:
     async def import_kv(self, description: KvExportDescription, cache_id: str | None) -> KvImport:
         check_description(description, await self.kv_fingerprint(), self.vocab_size, self.max_sequence_length,
                           cache_id)
-        adapter = self._adapter(description.lora_adapter, "start.description.lora_adapter")
+        adapter = named_adapter(self.loras, description.lora_adapter, "start.description.lora_adapter", self.name)
         session = KvImport(self, description, cache_id, current_identity.get(), adapter)
         await self._run(session.begin_now, on_abandon=lambda _: session.abort())
         return session

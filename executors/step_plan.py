@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from executors.kv_executor import Rows
 from executors.lora import LoraAdapter, LoraBatch
 from executors.models.attention import Segment, StepContext
 from executors.models.decoder import DecoderLM
+from executors.step_items import Rows
 from kvcache.kv_pool import PagedKvPool
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from bench import gpu, gpu_report, suite
+from bench import common, gpu, gpu_report, lora, report, suite
 
 
 def test_help_lists_the_parts():
@@ -39,7 +39,7 @@ def test_the_table_reports_every_part_and_the_targets():
                   "vs_base": 1.25}],
         "gpu": gpu.bench_gpu(SimpleNamespace(quick=True, device="cuda")) if not torch.cuda.is_available() else [],
     }}
-    text = suite.table(results)
+    text = report.table(results)
     assert "1.50x [target >= 2x: SHORT]" in text and "BatchDecode" in text and "ARGMAX" in text
     assert "prefix hit 60.0 ms (1024 tokens reused): 15.0x" in text
     assert "batch  8 4 adapters + base      75.0 ms (1.25x base)" in text
@@ -54,8 +54,8 @@ def test_the_lora_part_builds_adapters_the_executor_accepts(tmp_path):
     build("qwen3", tmp_path)
     ex = LlmExecutor(LlmExecutorConfig(model_dir=str(tmp_path), num_blocks=8))
     try:
-        adapter = ex.loras.read("bench", suite.random_lora_source(ex, seed=1))
-        assert adapter.rank == suite.LORA_RANK and adapter.target_modules == tuple(sorted(suite.LORA_MODULES))
+        adapter = ex.loras.read("bench", lora.random_lora_source(ex, seed=1))
+        assert adapter.rank == lora.LORA_RANK and adapter.target_modules == tuple(sorted(lora.LORA_MODULES))
         assert len(adapter.weights) == 7 * ex.model_config.num_layers
     finally:
         ex.worker.close()
@@ -110,7 +110,7 @@ def test_the_peers_part_reports_each_target_or_how_to_install_it():
 def test_the_grpc_floor_is_a_bare_echo_of_the_same_sizes():
     from bench.echo import echo_round_trips
 
-    loop = suite.Loop()
+    loop = common.Loop()
     try:
         trips = echo_round_trips(loop, 45, 77, rounds=20)
     finally:

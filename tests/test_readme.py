@@ -344,7 +344,7 @@ def test_example_move_cache(embedded, other_embedded, tmp_path):
 
 # -- LoRA ------------------------------------------------------------------------------------
 def test_example_lora(smollm2_dir, tmp_path):
-    from bench.suite import random_lora_source
+    from bench.lora import random_lora_source
 
     lora_dir = tmp_path / "loras"
     lora_dir.mkdir()

@@ -36,7 +36,7 @@ class PrefixMachine(RuleBasedStateMachine):
         return ids[index % len(ids)] if ids else None
 
     def _step(self, cid: str, tokens: list[int], reuse: bool, created: bool) -> None:
-        """One prefill or append of `tokens` to cid, as KvCacheExecutor._step_now runs it."""
+        """One prefill or append of `tokens` to cid, as the executor's step (executors/kv_step.py run_step) runs it."""
         table = self.m.get(cid)
         start = table.num_tokens
         reused = self.m.match_prefix(cid, tokens, limit=len(tokens) - 1) if reuse else None

@@ -1,0 +1,105 @@
+"""The benchmark suite's shared helpers: its fixed workloads (seeded prompts, the embedded model),
+the machine's description, an executor, an event loop on a thread with a gRPC server on it, timing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from executors.llm import LlmExecutor, LlmExecutorConfig
+from executors.types import LogitsKind, LogitsPolicy
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
+RESULTS = Path(__file__).resolve().parent / "results"
+SEED = 1234
+PROMPT_LEN = 128
+ARGMAX = LogitsPolicy(kind=LogitsKind.ARGMAX)
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = SEED) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab, size=(n, length)).tolist()
+
+
+def machine() -> dict[str, Any]:
+    model = platform.processor() or ""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {
+        "host": socket.gethostname(), "cpu": model, "cores": os.cpu_count(), "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "python": platform.python_version(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "loadavg_start": list(os.getloadavg()),
+    }
+
+
+def executor(dtype: str, num_blocks: int = 2048, device: str = "cpu", model_dir: Path = MODEL_DIR,
+             prefix_caching: bool = False) -> LlmExecutor:
+    return LlmExecutor(LlmExecutorConfig(model_dir=str(model_dir), dtype=dtype, device=device,
+                                         num_blocks=num_blocks, max_batch_size=64, prefix_caching=prefix_caching))
+
+
+class Loop:
+    """An event loop on a thread: executor calls in-process, and optionally a gRPC server on it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 600):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def serve(loop: Loop, ex, **config):
+    from service.config import ServeConfig
+    from service.server import ExecutorServer
+
+    async def start():
+        server = ExecutorServer(ServeConfig(executor="llm", model=str(MODEL_DIR), warmup_on_start=False,
+                                            cache_ttl_seconds=0, **config), ex)
+        await server.start()
+        return server
+
+    return loop.run(start())
+
+
+def timed(fn, *args) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - t0, out
+
+
+def weight_bytes(ex: LlmExecutor) -> int:
+    return ex.parameter_bytes
+
+
+async def inproc_batch_decode(ex, inputs):
+    """batch_decode in-process: (outputs, executor ns as the service would report it, wall ns)."""
+    from executors.timing import CallTimer, current_call_timer
+
+    timer = CallTimer()
+    current_call_timer.set(timer)
+    t0 = time.perf_counter_ns()
+    outs = await ex.batch_decode(inputs)
+    return outs, timer.executor_ns, time.perf_counter_ns() - t0
