@@ -68,17 +68,16 @@ from bench.common import (
     timed,
     weight_bytes,
 )
-from bench.common import inproc_batch_decode as _inproc_batch_decode
-from bench.grpc_overhead import _echo_rows, bench_grpc
+from bench.grpc_overhead import bench_grpc
 from bench.lora import LORA_MODULES, LORA_RANK, bench_lora, random_lora_source
 from bench.prefix import QUESTION_LEN, SYSTEM_PROMPT_LEN, bench_prefix
 from bench.report import plots, table
 from bench.throughput import bench_decode, bench_hf, bench_prefill
 
 __all__ = ["ARGMAX", "GPU_PARTS", "LORA_MODULES", "LORA_RANK", "MODEL_DIR", "PARTS", "PROMPT_LEN", "QUESTION_LEN",
-           "RESULTS", "ROOT", "SEED", "SYSTEM_PROMPT_LEN", "Loop", "_echo_rows", "_inproc_batch_decode",
-           "bench_decode", "bench_grpc", "bench_hf", "bench_lora", "bench_prefill", "bench_prefix", "executor",
-           "machine", "main", "plots", "prompts", "random_lora_source", "serve", "table", "timed", "weight_bytes"]
+           "RESULTS", "ROOT", "SEED", "SYSTEM_PROMPT_LEN", "Loop", "bench_decode", "bench_grpc", "bench_hf",
+           "bench_lora", "bench_prefill", "bench_prefix", "executor", "machine", "main", "plots", "prompts",
+           "random_lora_source", "serve", "table", "timed", "weight_bytes"]
 
 PARTS = ("prefill", "decode", "grpc", "hf", "gpu", "offline", "prefix", "lora", "peers", "transfer", "tp")
 GPU_PARTS = ("gpu", "offline")  # bench/gpu.py and bench/offline.py: their own random model, no MODEL_DIR

@@ -35,7 +35,9 @@ from typing import Any, Self
 from .aio import AsyncExecutorClient
 from .errors import ExecutorError, ResourceExhaustedError
 from .router import AsyncExecutorRouter
-from .scheduler import Completion, RequestStream, Scheduler, SchedulerConfig, SchedulerStats, _int, _Seq
+from .scheduler import Completion, RequestStream, Scheduler, SchedulerConfig, SchedulerStats
+from .sequence import _Seq
+from .step_runner import _int
 from .transfer import move_cache
 from .types import KvCacheHandle
 

@@ -10,9 +10,10 @@ import asyncio
 import time
 from typing import Any
 
+from .batch_runner import _Progress
 from .latency import summarize_latency
 from .router import AsyncExecutorRouter, parse_targets
-from .scheduler import Completion, Scheduler, SchedulerConfig, _Progress, run_batch
+from .scheduler import Completion, Scheduler, SchedulerConfig, run_batch
 from .types import LogitsPolicy
 
 

@@ -52,14 +52,14 @@ from collections.abc import Sequence
 from typing import Any, Self
 
 from .aio import AsyncExecutorClient
-from .batch_runner import _Progress, run_batch  # noqa: F401 - _Progress: client/schedule_cli.py imports it from here
+from .batch_runner import run_batch
 from .convert import metadata_from_proto
 from .errors import ExecutorError, ResourceExhaustedError
 from .router import AsyncExecutorRouter
 from .scheduler_types import Completion, SchedulerConfig, SchedulerStats, _Replica
 from .sequence import RequestStream, _Seq
 from .step_planner import plan_step
-from .step_runner import _int, is_transient, run_step  # noqa: F401 - _int: client/disaggregated.py imports it from here
+from .step_runner import is_transient, run_step
 from .types import LogitsPolicy
 
 __all__ = ["Completion", "RequestStream", "Scheduler", "SchedulerConfig", "SchedulerStats", "run_batch"]

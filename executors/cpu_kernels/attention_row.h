@@ -53,7 +53,7 @@ static inline void attend_row(const float *q, int64_t group, int64_t d, const fl
     out += kv0 * group * d;
     /* Scores, a run of slots of one block (up to 8) at a time. A task that reads whole slots
      * reads the next run in order while this one's scores are computed, a share before each
-     * head (bench/RESULTS.md run 15: 30 layers from memory 10.9 -> 9.9 ms at 32 rows); the
+     * head (bench/RESULTS.md run 15: 30 layers from memory 11.0 -> 10.1 ms at 32 rows); the
      * first run it reads in order before it starts. */
     const float *slot = NULL;
     int64_t n = lo < hi ? run_at(kpool, table, bs, stride, lo, hi, &slot) : 0;
@@ -64,9 +64,9 @@ static inline void attend_row(const float *q, int64_t group, int64_t d, const fl
         const int64_t ahead = whole ? next_n * stride : 0;  /* floats of the next run to read now */
         const int64_t share = (ahead / heads + 15) / 16 * 16;  /* whole lines per head */
         for (int64_t h = 0; h < heads; h++) {
-            if (ahead) {
-                const int64_t from = h * share < ahead ? h * share : ahead;
-                touch(next, from, h == heads - 1 || (h + 1) * share > ahead ? ahead : (h + 1) * share);
+            if (ahead) {  /* head h's share, clipped to the run; the last head takes the rest */
+                const int64_t from = h * share < ahead ? h * share : ahead, to = (h + 1) * share;
+                touch(next, from, h == heads - 1 || to > ahead ? ahead : to);
             }
             const float *k = slot + (kv0 + h / group) * d;
             /* A constant 8 unrolls scores8's loop over the slots: its accumulators stay in registers. */
