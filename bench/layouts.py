@@ -4,7 +4,7 @@
 - `layouts`: torch's ops with the weight layouts timed at load (executors/models/cpu_layout.py),
   what a machine without the CPU kernels runs (`--no-cpu-kernels`);
 - `kernels`: executors/cpu_kernels called op by op: matmuls over the weights stored as
-  16-column panels (the weights' one copy with the kernels), norms, rotations and the gated
+  6-column panels (the weights' one copy with the kernels), norms, rotations and the gated
   activation, K/V stores and decode attention read from the pool;
 - `fused`: the default, the same kernels with a decode step of up to 64 rows as one call
   (executors/models/fused_decode.py).

@@ -1,9 +1,9 @@
 """float32 kernels for the small steps of decode on a CPU (AVX2 + FMA, built by build.py).
 
-- panel.c: the projections and the lm_head of steps of every size over weights stored in
-  16-column panels (panels.py, the weights' one copy): decode rows stream them at the
-  memory's rate, larger steps run at 150-195 GFLOP/s, above MKL's sgemm over row-major
-  weights at every size measured (bench/RESULTS.md run 11);
+- weight_panel.c: the projections and the lm_head of steps of every size over weights
+  stored in 6-column panels (panels.py, the weights' one copy): decode rows stream them at
+  the memory's rate, 16-64 rows at 150-185 GFLOP/s with the weights from memory, prefills
+  near MKL's best sgemm (bench/RESULTS.md runs 11 and 16);
 - pointwise.c: RMSNorm, the rotary embedding and the gated activation without torch's
   per-op set-up;
 - paged_attention.c: the new tokens' K and V stored into the pool, and decode attention
@@ -48,7 +48,8 @@ class CpuKernels:
     """ctypes bindings; every tensor is float32 on the CPU with rows of unit stride."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._linear = _bind(library, "me_panel_linear_f32", [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I, _C])
+        self._linear = _bind(library, "me_weight_linear_f32", [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I, _C],
+                             ctypes.c_int)
         self._rms_norm = _bind(library, "me_rms_norm_f32", [_P, _I, _I, _I, _I, _I, _P, _F, _P, _I, _I, _C])
         self._rope = _bind(library, "me_rope_f32", [_P, _I, _I, _I, _I, _P, _P, _P, _C])
         self._glu = _bind(library, "me_glu_f32", [_P, _I, _I, _I, _C, _P, _C])
@@ -81,11 +82,15 @@ class CpuKernels:
             bias = bias.contiguous()
         if residual is not None and residual.stride(1) != 1:
             residual = residual.contiguous()
+        if k == 0:  # an empty sum: what is left is the bias and the residual
+            y = torch.zeros(m, w.n, dtype=torch.float32)
+            return y.add_(bias if bias is not None else 0).add_(residual if residual is not None else 0)
         y = torch.empty(m, w.n, dtype=torch.float32)
-        self._linear(x.data_ptr(), m, x.stride(0), w.data.data_ptr(), w.n, k,
-                     None if bias is None else bias.data_ptr(),
-                     None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
-                     y.data_ptr(), w.n, torch.get_num_threads())
+        if self._linear(x.data_ptr(), m, x.stride(0), w.data.data_ptr(), w.n, k,
+                        None if bias is None else bias.data_ptr(),
+                        None if residual is None else residual.data_ptr(),
+                        0 if residual is None else residual.stride(0), y.data_ptr(), w.n, torch.get_num_threads()):
+            raise MemoryError("the matmul kernel could not allocate its packed rows of x")
         return y
 
     def residual_linear(self, x: torch.Tensor, a: torch.Tensor, w: Panels,

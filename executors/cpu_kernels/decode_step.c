@@ -9,7 +9,8 @@
  *   RMSNorm | q/k/v matmul | q/k norm, rotation, K/V store | attention from the pool |
  *   o matmul + residual | RMSNorm | gate/up matmul, activation | down matmul + residual
  *
- * The matmuls read the weights as panels (panel.h). The layers are Llama / Qwen2 / Qwen3 /
+ * The matmuls read the weights as 6-column panels (weight_panel.h), x packed once per
+ * matmul into a scratch the team shares. The layers are Llama / Qwen2 / Qwen3 /
  * Mistral shaped: optional q/k/v, o and MLP biases, optional q/k norms, a sliding window and score scale per layer.
  * Steps of up to ME_STEP_MAX_ROWS decode rows (one new token each, at its position, with a
  * cache).
@@ -18,8 +19,8 @@
 #include <string.h>
 
 #include "attention_row.h"
-#include "panel.h"
 #include "pointwise.h"
+#include "weight_panel.h"
 
 #define ME_STEP_MAX_ROWS 64
 
@@ -60,11 +61,11 @@ static inline const float *field(const me_decoder *m, int64_t layer, int f) {
     return (const float *)(intptr_t)m->weights[layer * LAYER_FIELDS + f];
 }
 
-/* y = x @ w^T (+ bias) (+ residual), w as panels, shared out over the team; a barrier ends it. */
+/* y = x @ w^T (+ bias) (+ residual), w as panels, shared out over the team (x packed into
+ * xp where the rows are many); a barrier ends it. */
 static void step_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n, const float *bias,
-                        const float *residual, float *y) {
-    panel_linear_team(x, m, k, w, n, k, bias, residual, n, y, n);
-    #pragma omp barrier
+                        const float *residual, float *y, float *xp) {
+    weight_linear_team(x, m, k, w, n, k, bias, residual, n, y, n, xp);
 }
 
 static void step_norm(const float *x, int64_t rows, int64_t hidden, const float *w, float eps, float *y) {
@@ -73,9 +74,9 @@ static void step_norm(const float *x, int64_t rows, int64_t hidden, const float 
 }
 
 /* act(gate) * up for every row: the fused gate/up matmul into gu, then the activation. */
-static void step_glu(const me_decoder *m, const me_step *s, const float *gu_w, const float *gu_b) {
+static void step_glu(const me_decoder *m, const me_step *s, const float *gu_w, const float *gu_b, float *xp) {
     const int64_t rows = s->rows, inter = m->inter;
-    step_linear(s->h, rows, m->hidden, gu_w, 2 * inter, gu_b, NULL, s->gu);
+    step_linear(s->h, rows, m->hidden, gu_w, 2 * inter, gu_b, NULL, s->gu, xp);
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++)
         glu_row(s->gu + r * 2 * inter, s->gu + r * 2 * inter + inter, inter, m->activation, s->act + r * inter);
@@ -111,6 +112,12 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
     for (int64_t r = 0; r < rows; r++) longest = s->positions[r] + 1 > longest ? s->positions[r] + 1 : longest;
     const int64_t group = heads / kvh;
     const int64_t split = rows >= 2 * threads ? 1 : kvh;  /* attention tasks: rows, or (row, KV head) */
+    /* the packed x of the widest matmul input (none where the rows are few: read in place) */
+    int64_t packed = wpanel_x_floats(rows, hidden);
+    packed = wpanel_x_floats(rows, hq) > packed ? wpanel_x_floats(rows, hq) : packed;
+    packed = wpanel_x_floats(rows, inter) > packed ? wpanel_x_floats(rows, inter) : packed;
+    float *xp = packed ? malloc(sizeof(float) * (size_t)packed) : NULL;
+    if (packed && !xp) return -1;
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
@@ -121,7 +128,7 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
                 float *kpool = s->kpool + l * s->layer_stride, *vpool = s->vpool + l * s->layer_stride;
                 /* q, k, v */
                 step_norm(s->x, rows, hidden, field(m, l, W_INPUT_NORM), m->eps, s->h);
-                step_linear(s->h, rows, hidden, field(m, l, W_QKV), width, field(m, l, W_QKV_BIAS), NULL, s->qkv);
+                step_linear(s->h, rows, hidden, field(m, l, W_QKV), width, field(m, l, W_QKV_BIAS), NULL, s->qkv, xp);
                 /* q/k norms and rotation, the new K and V into the pool, stale slots cleared */
                 const float *qn = field(m, l, W_Q_NORM), *kn = field(m, l, W_K_NORM);
                 #pragma omp for schedule(static)
@@ -153,14 +160,15 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
                                s->attn + r * hq);
                 }
                 /* x += attn @ o^T; the MLP */
-                step_linear(s->attn, rows, hq, field(m, l, W_O), hidden, field(m, l, W_O_BIAS), s->x, s->x);
+                step_linear(s->attn, rows, hq, field(m, l, W_O), hidden, field(m, l, W_O_BIAS), s->x, s->x, xp);
                 step_norm(s->x, rows, hidden, field(m, l, W_POST_NORM), m->eps, s->h);
-                step_glu(m, s, field(m, l, W_GATE_UP), field(m, l, W_GATE_UP_BIAS));
-                step_linear(s->act, rows, inter, field(m, l, W_DOWN), hidden, field(m, l, W_DOWN_BIAS), s->x, s->x);
+                step_glu(m, s, field(m, l, W_GATE_UP), field(m, l, W_GATE_UP_BIAS), xp);
+                step_linear(s->act, rows, inter, field(m, l, W_DOWN), hidden, field(m, l, W_DOWN_BIAS), s->x, s->x, xp);
             }
             step_norm(s->x, rows, hidden, m->final_norm, m->eps, s->x);
         }
         free(scores);
     }
+    free(xp);
     return failed ? -1 : 0;
 }

@@ -1,13 +1,11 @@
-/* float32 matmuls over weights stored in panels (panel.c, decode_step.c).
+/* A float32 tile of up to 6 rows of x against a 16-column panel [k, 16] (prefill_attention.c:
+ * a prompt's keys and values laid out as panels once, then read from the L1/L2 by every tile
+ * of its queries).
  *
- * A weight [n, k] (y = x @ w^T) is stored as ceil(n / 16) panels of [k, 16]: panel j holds
- * output columns 16 j .. 16 j + 15, k-major, zero-padded past n. A tile of MR rows of x
- * against one panel keeps its 6 x 16 outputs in 12 AVX accumulators and walks k once: per
- * k, two aligned 32-byte loads of the panel, six broadcasts of x and twelve FMAs, with no
- * horizontal sums. The panel streams sequentially from memory (one row of x: at the rate
- * the weights stream, 8 % faster than dot products over the row-major weight here), and
- * from the L2 for every further tile of rows (32 rows: 150-180 GFLOP/s, 128 rows and more:
- * 180-195, against 191 for MKL's best square sgemm; bench/RESULTS.md run 11).
+ * The tile keeps its 6 x 16 outputs in 12 AVX accumulators and walks k once: per k, two
+ * 32-byte loads of the panel, six broadcasts of x and twelve FMAs, with no horizontal sums
+ * (180-195 GFLOP/s from the L2 on the 2-core EPYC of bench/RESULTS.md, run 11). The
+ * weights' matmuls use weight_panel.h instead, whose streamed operand is the broadcast one.
  */
 #ifndef MODELEXEC_PANEL_H
 #define MODELEXEC_PANEL_H
@@ -16,7 +14,6 @@
 
 #define PANEL 16   /* output columns of a panel */
 #define TILE_ROWS 6  /* rows of x a tile takes */
-#define CHUNK_ROWS 256  /* rows of x the threads share out panel by panel before the next rows */
 
 /* The epilogue's masks: valid columns of a panel's two halves. */
 static inline void panel_masks(int cols, __m256i *lo, __m256i *hi) {
@@ -83,35 +80,6 @@ static inline void panel_tile_rows(const float *x, int64_t ldx, int64_t mr, cons
     case 3: panel_tile(x, ldx, 3, panel, k, cols, bias, residual, ldr, y, ldy); break;
     case 2: panel_tile(x, ldx, 2, panel, k, cols, bias, residual, ldr, y, ldy); break;
     default: panel_tile(x, ldx, 1, panel, k, cols, bias, residual, ldr, y, ldy); break;
-    }
-}
-
-/* Rows [m0, m1) of x against panel j of y[:, :n] = x @ w^T (+ bias) (+ residual). */
-static inline void panel_rows(const float *x, int64_t m0, int64_t m1, int64_t ldx, const float *panels, int64_t n,
-                              int64_t k, const float *bias, const float *residual, int64_t ldr, float *y, int64_t ldy,
-                              int64_t j) {
-    const float *panel = panels + j * k * PANEL;
-    const int64_t col = j * PANEL;
-    const int cols = (int)(n - col < PANEL ? n - col : PANEL);
-    const float *b = bias ? bias + col : NULL;
-    for (int64_t i = m0; i < m1; i += TILE_ROWS) {
-        const float *xi = x + i * ldx, *ri = residual ? residual + i * ldr + col : NULL;
-        panel_tile_rows(xi, ldx, m1 - i < TILE_ROWS ? m1 - i : TILE_ROWS, panel, k, cols, b, ri, ldr,
-                        y + i * ldy + col, ldy);
-    }
-}
-
-/* y[:m, :n] = x @ w^T (+ bias) (+ residual), shared out over the calling team (orphaned
- * `omp for`s: inside a parallel region they split its work; each chunk of rows ends
- * without a barrier, the caller's next barrier waits for all of them). */
-static inline void panel_linear_team(const float *x, int64_t m, int64_t ldx, const float *panels, int64_t n,
-                                     int64_t k, const float *bias, const float *residual, int64_t ldr, float *y,
-                                     int64_t ldy) {
-    const int64_t count = (n + PANEL - 1) / PANEL;
-    for (int64_t m0 = 0; m0 < m; m0 += CHUNK_ROWS) {
-        const int64_t m1 = m0 + CHUNK_ROWS < m ? m0 + CHUNK_ROWS : m;
-        #pragma omp for schedule(static) nowait
-        for (int64_t j = 0; j < count; j++) panel_rows(x, m0, m1, ldx, panels, n, k, bias, residual, ldr, y, ldy, j);
     }
 }
 

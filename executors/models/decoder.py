@@ -14,7 +14,7 @@ op, the rotary tables looked up once per step, and the planned attention of atte
 The fused weights are the storage: the modules' q_proj/k_proj/... parameters become views
 into them, so fusing costs no memory and parameter counts do not change. In float32 on a
 CPU with the kernels of executors/cpu_kernels built, every matmul weight is then stored as
-the kernels' 16-column panels instead, the modules becoming PanelLinear over them
+the kernels' 6-column panels instead, the modules becoming PanelLinear over them
 (panel_modules.py); without the kernels, each kind of weight in the layout its one-row
 matmuls read fastest (cpu_layout.py). One copy either way.
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executors.cpu_kernels.panels import Panels, pack, panels_numel
+from executors.cpu_kernels.panels import PANEL, Panels, pack, panels_numel
 from kvcache import host_memory
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ def pack_model(model: DecoderLM) -> None:
     """Store model.fused's dense matmul weights and the lm_head as panels, one layer at a
     time (the peak is one layer's weights above the model), the modules as PanelLinear."""
     c = model.config
-    tied_view = c.tie_word_embeddings and (model.head_rows is None or model.head_rows[0] % 16 == 0)
+    tied_view = c.tie_word_embeddings and (model.head_rows is None or model.head_rows[0] % PANEL == 0)
     head = (model.model.embed_tokens.weight if tied_view else
             model.lm_head.weight if not c.tie_word_embeddings else model.head_weight())
     arena = _Arena([tuple(t.shape) for w in model.fused for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]

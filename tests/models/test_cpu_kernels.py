@@ -1,7 +1,8 @@
 """The float32 CPU kernels (executors/cpu_kernels) against torch's ops, shape by shape.
 
-Odd sizes on purpose: outputs not a multiple of the 16-column panel, row counts not a
-multiple of the 6-row tile, inputs not a multiple of 8 floats (the masked tails), strided
+Odd sizes on purpose: outputs not a multiple of the 6-column weight panel (nor of the dot
+products' groups of two or three panels), row counts not a multiple of the 8-row x panel or
+16-row tile, inputs not a multiple of 8 floats (the masked tails), strided
 views (a fused projection's slices, the lm_head as panels of a row slice of the
 embedding), windows and fragmented block tables. The kernels must build on this machine
 whenever it has a C compiler and AVX2 + FMA: a silent fallback to torch would let every
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from executors.cpu_kernels import build as kernel_build
 from executors.cpu_kernels import cpu_kernels
-from executors.cpu_kernels.panels import pack
+from executors.cpu_kernels.panels import PANEL, pack
 from executors.models.layers import apply_rope
 
 try:
@@ -57,9 +58,11 @@ def test_no_compiler_is_a_reason_not_a_crash(monkeypatch):
         kernel_build.compiler()
 
 
-# Rows: one tile of 1..6 and its tails, several tiles, past a chunk of 256 rows (panel.h).
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 13, 32, 64, 300])
-@pytest.mark.parametrize("n,k", [(8, 8), (13, 20), (960, 576), (100, 1537)])  # a part-filled last panel
+# Rows: the dot products of 1..6 rows (three panels at a time to 4, two past it), one x
+# panel against two weight panels (7, 8), 16-row tiles and an 8-row one to end (13, 32, 40),
+# past a chunk of packed rows (300 x 1537: chunks of 48; weight_panel.h).
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 13, 32, 40, 64, 300])
+@pytest.mark.parametrize("n,k", [(8, 8), (13, 20), (960, 576), (100, 1537), (5, 3)])  # a part-filled last panel
 def test_linear_matches_torch(kernels, m, n, k):
     g = torch.Generator().manual_seed(n * 31 + k + m)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k ** 0.5
@@ -71,31 +74,56 @@ def test_linear_matches_torch(kernels, m, n, k):
                                atol=1e-5, rtol=1e-5)
 
 
+def test_a_row_does_not_depend_on_its_batch_mates(kernels):
+    """Every path (dot products, 8 x 12 and 16 x 6 tiles, chunks) sums each output as one
+    FMA chain over k in order: a row's result is the same bit for bit whatever the step's
+    size, so greedy tokens cannot change with the batch."""
+    g = torch.Generator().manual_seed(6)
+    n, k = 100, 1537
+    w, bias = torch.randn(n, k, generator=g) / k ** 0.5, torch.randn(n, generator=g)
+    p, x = pack(w), torch.randn(300, k, generator=g)
+    alone = kernels.linear(x[:1], p, bias)
+    for m in (2, 4, 5, 6, 7, 8, 9, 16, 17, 40, 64, 300):
+        assert torch.equal(kernels.linear(x[:m], p, bias)[:1], alone), m
+    every = kernels.linear(x, p, bias)
+    for m in (3, 6, 8, 13, 64):
+        assert torch.equal(kernels.linear(x[:m], p, bias), every[:m]), m
+
+
+def test_linear_of_no_rows_or_an_empty_inner_dimension(kernels):
+    g = torch.Generator().manual_seed(7)
+    w, bias = torch.randn(13, 20, generator=g), torch.randn(13, generator=g)
+    assert kernels.linear(torch.randn(0, 20), pack(w), bias).shape == (0, 13)
+    residual = torch.randn(3, 13, generator=g)
+    torch.testing.assert_close(kernels.residual_linear(residual, torch.randn(3, 0), pack(torch.randn(13, 0)), bias),
+                               residual + bias)
+
+
 def test_panels_round_trip_and_views():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(37, 20, generator=g)
     p = pack(w)
-    assert p.data.shape == (3, 20, 16) and p.data.is_contiguous()
-    assert torch.equal(p.data[2, :, 5:], torch.zeros(20, 11)), "the last panel is zero past n"
+    assert PANEL == 6 and p.data.shape == (7, 20, 6) and p.data.is_contiguous()
+    assert torch.equal(p.data[6, :, 1:], torch.zeros(20, 5)), "the last panel is zero past n"
     assert torch.equal(p.unpack(), w) and torch.equal(p.unpack(5, 33), w[5:33])
-    view = p.rows(16, 30)
-    assert view.data.data_ptr() == p.data[1].data_ptr() and torch.equal(view.unpack(), w[16:30])
+    view = p.rows(12, 30)
+    assert view.data.data_ptr() == p.data[2].data_ptr() and torch.equal(view.unpack(), w[12:30])
     ids = torch.tensor([0, 36, 17, 5])
     assert torch.equal(p.embedding(ids), w[ids])
-    with pytest.raises(ValueError, match="multiple of 16"):
+    with pytest.raises(ValueError, match="multiple of 6"):
         p.rows(10, 20)
 
 
 def test_linear_reads_strided_inputs_and_panel_views(kernels):
     g = torch.Generator().manual_seed(1)
     embed = torch.randn(50, 24, generator=g)
-    head = pack(embed).rows(16, 43)  # a tensor-parallel rank's rows of a tied embedding, no copy
+    head = pack(embed).rows(18, 43)  # a tensor-parallel rank's rows of a tied embedding, no copy
     fused = torch.randn(3, 40, generator=g)
     x = fused[:, 8:32]  # a slice of a fused output: rows 40 floats apart
     assert kernels.accepts(embed.t())  # any float32 matrix packs
-    torch.testing.assert_close(kernels.linear(x, head), F.linear(x, embed[16:43]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernels.linear(x, head), F.linear(x, embed[18:43]), atol=1e-5, rtol=1e-5)
     many = torch.randn(9, 40, generator=g)[:, 8:32]
-    torch.testing.assert_close(kernels.linear(many, head), F.linear(many, embed[16:43]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernels.linear(many, head), F.linear(many, embed[18:43]), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="columns"):
         kernels.linear(torch.randn(2, 23), head)
 
