@@ -1,0 +1,127 @@
+"""The decoder's nn.Modules in the Hugging Face checkpoints' layout, and the reference forward they run.
+
+DecoderModel (embed_tokens, layers, norm) and each DecoderLayer (input_layernorm, self_attn
+with q_proj/k_proj/v_proj/o_proj, post_attention_layernorm, then the mlp or a sparse layer's
+experts) carry the parameter names of the checkpoints (model.layers.N.self_attn.q_proj...),
+so a safetensors state dict loads into them as it is. Their forward is the reference one:
+the modules as written, three projections, attention through attend_reference, LoRA deltas
+added to each adapted projection's output. DecoderLM (decoder.py) holds a DecoderModel and
+runs this forward when a step asks for the reference; its fast forward (fast_forward.py)
+reads the same parameters through the fused tensors of fused_weights.py.
+
+Family flags reach the layers here: a sparse layer's MLP is a SparseMoe (moe.py), and Gemma 3's
+sandwich norms are two more RMSNorms around the MLP, its attention output normed before the add.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from executors.lora import LoraBatch
+from executors.models.attention import StepContext, attend_reference
+from executors.models.config import DecoderConfig
+from executors.models.layers import MLP, RMSNorm, RotaryEmbedding
+from executors.models.moe import SparseMoe
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the tensor-parallel ranks, in place
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        c = config
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_offset)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_offset)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: StepContext) -> torch.Tensor:
+        m, lora = x.shape[0], ctx.lora
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if lora is not None:
+            lora.apply(self.layer, "q_proj", x, q)
+            lora.apply(self.layer, "k_proj", x, k)
+            lora.apply(self.layer, "v_proj", x, v)
+        q = q.view(m, self.num_heads, self.head_dim)
+        k = k.view(m, self.num_kv_heads, self.head_dim)
+        v = v.view(m, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, k, positions)
+        a = attend_reference(self.layer, q, k, v, ctx)
+        out = self.o_proj(a)
+        if lora is not None:
+            lora.apply(self.layer, "o_proj", a, out)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        h, eps, off = config.hidden_size, config.rms_norm_eps, config.norm_offset
+        self.input_layernorm = RMSNorm(h, eps, off)
+        self.self_attn = Attention(config, layer)
+        # Gemma: the norm of attention's output; elsewhere the norm before the MLP.
+        self.post_attention_layernorm = RMSNorm(h, eps, off)
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, off)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, off)
+        self.sparse = config.moe is not None and config.moe.sparse_layers[layer]
+        self.ffn_name = config.moe.module_name if self.sparse else "mlp"
+        setattr(self, self.ffn_name, SparseMoe(config) if self.sparse else MLP(config))
+
+    @property
+    def ffn(self) -> MLP | SparseMoe:
+        return getattr(self, self.ffn_name)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: StepContext,
+                load: torch.Tensor | None = None, reduce: Reduce | None = None) -> torch.Tensor:
+        """`reduce`: under tensor parallelism, the all-reduce that sums the ranks' partial
+        outputs of o_proj and of the MLP's down projection (row-parallel layers)."""
+        a = self.self_attn(self.input_layernorm(x), positions, rope, ctx)
+        if reduce is not None:
+            a = reduce(a)
+        if hasattr(self, "pre_feedforward_layernorm"):
+            x = x + self.post_attention_layernorm(a)
+            h = self.pre_feedforward_layernorm(x)
+        else:
+            x = x + a
+            h = self.post_attention_layernorm(x)
+        if self.sparse:
+            y = self.ffn(h, load)
+        elif ctx.lora is None:
+            y = self.ffn(h)
+        else:
+            y = _mlp_with_lora(self.ffn, h, ctx.lora, self.self_attn.layer)
+        if reduce is not None:
+            y = reduce(y)
+        if hasattr(self, "post_feedforward_layernorm"):
+            y = self.post_feedforward_layernorm(y)
+        return x + y
+
+
+def _mlp_with_lora(mlp: MLP, x: torch.Tensor, lora: LoraBatch, layer: int) -> torch.Tensor:
+    """MLP.forward with each projection's adapter deltas added to its output."""
+    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    lora.apply(layer, "gate_proj", x, gate)
+    lora.apply(layer, "up_proj", x, up)
+    act = mlp.act(gate) * up
+    out = mlp.down_proj(act)
+    lora.apply(layer, "down_proj", act, out)
+    return out
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)

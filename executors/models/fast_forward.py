@@ -1,0 +1,114 @@
+"""The fast forward: DecoderLM's hidden states through the fused per-layer tensors of fused_weights.py.
+
+The default forward once `DecoderLM.fuse()` ran. It walks plain FusedLayer tuples instead
+of the modules: q/k/v in one matmul, gate and up in one, the residual adds folded into the
+o and down matmuls (addmm), one fused RMSNorm op, the rotary tables looked up once per step,
+and the planned attention of attention.py. step_ops.for_step picks those ops for the step
+(the CPU kernels, oneDNN's packed copies or plain torch); a float32 CPU decode step the
+kernels accept runs whole in FusedDecode instead (fused_decode.py). It computes what the
+reference forward of decoder_modules.py computes.
+
+LoRA deltas go into the column slices of the fused qkv and gate_up outputs (before q/k
+norm, rope and the SiLU), and o/down deltas straight into the residual stream after its
+fused add; without adapters each fused projection pays one `is not None` test. Gemma's
+sandwich norms and tensor parallelism's all-reduce leave no add to fold into the matmul,
+so those layers run the matmul, then the add.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from executors.models import step_ops
+from executors.models.attention import StepContext, attend
+from executors.models.fused_weights import FusedLayer
+from executors.models.moe import moe_forward
+
+if TYPE_CHECKING:
+    from executors.models.decoder import DecoderLM
+
+
+def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """Final (normed) hidden states of a flat batch's embeddings through the fused weights: [M, hidden] -> same."""
+    c = model.config
+    heads, kv_heads, d, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+    hq, hk, inter = heads * d, kv_heads * d, c.intermediate_size
+    m = x.shape[0]
+    lora, reduce = ctx.lora, model.all_reduce
+    if model.fused_decode is not None and reduce is None:
+        out = model.fused_decode.hidden_states(x, positions, ctx)
+        if out is not None:
+            return out
+    layers, linear, residual_linear, norm, rotate, glu = step_ops.for_step(
+        positions, model.fused, model.fused_fp32_packed, model.cpu_kernels, model.rope, model.rope_local, x.dtype,
+        c.hidden_act)
+    if model.cpu_kernels is not None and model.cpu_kernels.attention_accepts(heads, kv_heads, d):
+        ctx.cpu = model.cpu_kernels
+    for i, w in enumerate(layers):
+        sliding = c.window(i) is not None
+        h = norm(x, w.input_norm, eps)
+        qkv = linear(h, w.qkv, w.qkv_bias)
+        if lora is not None:  # deltas into the fused output's column slices, before q/k norm and rope
+            lora.apply(i, "q_proj", h, qkv[:, :hq])
+            lora.apply(i, "k_proj", h, qkv[:, hq:hq + hk])
+            lora.apply(i, "v_proj", h, qkv[:, hq + hk:])
+        if w.q_norm is None:
+            qk = rotate(qkv[:, :hq + hk].view(m, heads + kv_heads, d), sliding)
+            q, k = qk[:, :heads], qk[:, heads:]
+        else:
+            q = rotate(norm(qkv[:, :hq].view(m, heads, d), w.q_norm, eps), sliding)
+            k = rotate(norm(qkv[:, hq:hq + hk].view(m, kv_heads, d), w.k_norm, eps), sliding)
+        v = qkv[:, hq + hk:].view(m, kv_heads, d)
+        a = attend(i, q, k, v, ctx)
+        if w.pre_ff_norm is not None:
+            x, h = _sandwich_attention_out(model, i, x, a, w, ctx, linear, norm)
+        elif reduce is not None:  # the ranks' partial sums of o_proj, then the residual add
+            o = linear(a, w.o, w.o_bias)
+            if lora is not None:
+                lora.apply(i, "o_proj", a, o)
+            x = x + reduce(o)
+            h = norm(x, w.post_norm, eps)
+        else:
+            x = residual_linear(x, a, w.o, w.o_bias)
+            if lora is not None:  # o_proj's delta straight into the residual stream
+                lora.apply(i, "o_proj", a, x)
+            h = norm(x, w.post_norm, eps)
+        if w.moe is not None:
+            y = moe_forward(h, w.moe, model.act, model.expert_load[i])
+            if reduce is not None:
+                y = reduce(y)
+            x = x + (norm(y, w.post_ff_norm, eps) if w.post_ff_norm is not None else y)
+            continue
+        gu = linear(h, w.gate_up, w.gate_up_bias)
+        if lora is not None:  # before the SiLU
+            lora.apply(i, "gate_proj", h, gu[:, :inter])
+            lora.apply(i, "up_proj", h, gu[:, inter:])
+        act = glu(gu)
+        if w.post_ff_norm is not None or reduce is not None:
+            y = linear(act, w.down, w.down_bias)
+            if lora is not None:
+                lora.apply(i, "down_proj", act, y)
+            if reduce is not None:
+                y = reduce(y)
+            x = x + (norm(y, w.post_ff_norm, eps) if w.post_ff_norm is not None else y)
+            continue
+        x = residual_linear(x, act, w.down, w.down_bias)
+        if lora is not None:
+            lora.apply(i, "down_proj", act, x)
+    return norm(x, model.model.norm.fused_weight(), eps)
+
+
+def _sandwich_attention_out(model: DecoderLM, i: int, x: torch.Tensor, a: torch.Tensor, w: FusedLayer,
+                            ctx: StepContext, linear: step_ops.Linear,
+                            norm: step_ops.Norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma: x + norm(o_proj(a)), and the pre-MLP norm of that (no add to fuse into the matmul)."""
+    eps = model.config.rms_norm_eps
+    o = linear(a, w.o, w.o_bias)
+    if ctx.lora is not None:
+        ctx.lora.apply(i, "o_proj", a, o)
+    if model.all_reduce is not None:
+        o = model.all_reduce(o)
+    x = x + norm(o, w.post_norm, eps)
+    return x, norm(x, w.pre_ff_norm, eps)

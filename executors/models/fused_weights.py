@@ -1,0 +1,83 @@
+"""The fast forward's weights: each decoder layer's tensors fused, with no copy.
+
+`fuse_layers` concatenates each layer's q/k/v weights into one [(H + 2 KVH) D, hidden]
+matrix and its gate/up weights into one [2 I, hidden] matrix (one matmul each instead of
+three and two), and makes the modules' q_proj/k_proj/... parameters views into them: the
+fused tensors are the storage, so fusing costs no memory and parameter counts do not change.
+The other tensors (o, down, the norms' weights, a sparse layer's stacked experts) are taken
+as they are. The result, one FusedLayer per layer, is what DecoderLM.fuse() then relays out
+for the CPU (cpu_layout.py, panel_modules.py, step_ops.py) and what fast_forward.py walks.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from executors.models.config import DecoderConfig
+from executors.models.decoder_modules import DecoderModel
+from executors.models.moe import MoeWeights, stack
+
+
+class FusedLayer(NamedTuple):
+    """One decoder layer's tensors for the fast forward (views of, or the same as, its parameters)."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2 KVH) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor  # Gemma: of attention's output; else before the MLP
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a sparse layer
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    pre_ff_norm: torch.Tensor | None = None  # Gemma's norms before and after the MLP
+    post_ff_norm: torch.Tensor | None = None
+    moe: MoeWeights | None = None  # a sparse layer's router and stacked experts
+
+
+def _fuse(modules: list[nn.Linear], bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the modules' weights (and biases) and make each module's parameters views of the result."""
+    weight = torch.cat([m.weight.detach() for m in modules], dim=0)
+    fused_bias = torch.cat([m.bias.detach() for m in modules], dim=0) if bias else None
+    row = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[row:row + n], requires_grad=False)
+        if bias:
+            m.bias = nn.Parameter(fused_bias[row:row + n], requires_grad=False)
+        row += n
+    return weight, fused_bias
+
+
+def fuse_layers(model: DecoderModel, config: DecoderConfig) -> list[FusedLayer]:
+    """Each layer's FusedLayer, its modules' q/k/v and gate/up parameters made views of the fused tensors."""
+    c = config
+    fused = []
+    for layer in model.layers:
+        a, ffn = layer.self_attn, layer.ffn
+        qkv, qkv_bias = _fuse([a.q_proj, a.k_proj, a.v_proj], c.qkv_bias)
+        dense = {"gate_up": None, "gate_up_bias": None, "down": None, "down_bias": None}
+        if not layer.sparse:
+            gate_up, gate_up_bias = _fuse([ffn.gate_proj, ffn.up_proj], c.mlp_bias)
+            dense = {"gate_up": gate_up, "gate_up_bias": gate_up_bias, "down": ffn.down_proj.weight.detach(),
+                     "down_bias": ffn.down_proj.bias.detach() if c.mlp_bias else None}
+        sandwich = hasattr(layer, "pre_feedforward_layernorm")
+        fused.append(FusedLayer(
+            input_norm=layer.input_layernorm.fused_weight(),
+            qkv=qkv, qkv_bias=qkv_bias,
+            o=a.o_proj.weight.detach(), o_bias=a.o_proj.bias.detach() if c.o_bias else None,
+            q_norm=a.q_norm.fused_weight() if c.qk_norm else None,
+            k_norm=a.k_norm.fused_weight() if c.qk_norm else None,
+            post_norm=layer.post_attention_layernorm.fused_weight(),
+            **dense,
+            pre_ff_norm=layer.pre_feedforward_layernorm.fused_weight() if sandwich else None,
+            post_ff_norm=layer.post_feedforward_layernorm.fused_weight() if sandwich else None,
+            moe=stack(ffn) if layer.sparse else None,
+        ))
+    return fused

@@ -1,0 +1,59 @@
+"""Ahead-of-time compilation of the paged-attention kernels for a GPU that is not here.
+
+`compile_for` builds the kernels of triton_attention_kernels.py for a CUDA compute capability
+with Triton's own compiler and ptxas, as the first launch on such a GPU would, and reports
+each variant's shared memory. The interpreter checks what the kernels compute; this checks
+that they build for real hardware, on a machine without a GPU (README, the tests).
+
+A file of its own because it is a build-time tool, not part of a step: nothing on the
+serving path calls it, and it needs triton imported without TRITON_INTERPRET (the tests run
+it in a subprocess). Importing this module needs the `triton` package.
+"""
+
+from __future__ import annotations
+
+import triton
+
+from executors.models.triton_attention_kernels import _decode_kernel, _prefill_kernel
+from executors.models.triton_attention_launch import interpreted
+
+
+def compile_for(capability: int, dtype: str = "bf16", head_dim: int = 128, group: int = 2,
+                block_size: int = 16) -> dict[str, int]:
+    """Compile both kernels (decode with and without partitions, prefill) for a CUDA compute
+    capability (90: H100) without a GPU, as Triton would at the first launch on one; returns
+    each variant's shared memory in bytes. A kernel that cannot be built for that GPU raises.
+
+    The interpreter checks what the kernels compute; this checks that they build for real
+    hardware (tl.dot shapes, types, shared memory). Needs triton imported without
+    TRITON_INTERPRET (the tests run it in a subprocess)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if interpreted():
+        raise RuntimeError("compile_for needs triton imported without TRITON_INTERPRET=1")
+    target = GPUTarget("cuda", capability, 32)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+
+    def signature(kernel, pointers: dict[str, str], constants: dict) -> dict[str, str]:
+        return {name: "constexpr" if name in constants else pointers.get(name, "fp32" if name == "scale_log2" else "i32")
+                for name in kernel.arg_names}
+
+    io = {name: f"*{dtype}" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+    shared = {}
+    for split in (False, True):
+        constants = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+                         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=64, SPLIT=split, IEEE=dtype == "fp32")
+        pointers = {**io, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "tables_ptr": "*i32", "rows_ptr": "*i32",
+                    "lengths_ptr": "*i64"}
+        compiled = triton.compile(ASTSource(_decode_kernel, signature(_decode_kernel, pointers, constants), constants),
+                                  target=target)
+        shared[f"decode{'_split' if split else ''}"] = compiled.metadata.shared
+    constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_M=64, BLOCK_N=64,
+                     IEEE=dtype == "fp32")
+    pointers = {**io, **{name: "*i32" for name in ("tables_ptr", "tile_seg_ptr", "tile_qoff_ptr", "seg_qstart_ptr",
+                                                   "seg_qlen_ptr", "seg_start_ptr")}}
+    compiled = triton.compile(ASTSource(_prefill_kernel, signature(_prefill_kernel, pointers, constants), constants),
+                              target=target)
+    shared["prefill"] = compiled.metadata.shared
+    return shared
