@@ -230,6 +230,16 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
         self.stats.state = ExecutorState.SHUTDOWN
         return released
 
+    def close(self) -> None:
+        """Stop what runs in the background once serving stopped (the server calls it from a
+        thread while its loop runs): warm-up's weights digest, whose pending task kept the
+        executor, its weights and its pool alive for good in a process that went on after
+        the server stopped (tests, an application embedding one). The worker stays, for the
+        clean-up of calls cut off by the stop and for whoever still holds the executor."""
+        task = self._fingerprint_task
+        if task is not None and not task.done():
+            task.get_loop().call_soon_threadsafe(task.cancel)
+
     def status(self) -> ExecutorStatus:
         return kv_status.executor_status(self)
 

@@ -185,7 +185,7 @@ class ExecutorServer:
         await self._server.stop(self.config.grace_seconds if grace is None else grace)
         if self._metrics_http is not None:
             await self._metrics_http.stop()
-        if hasattr(self.executor, "close"):  # tensor parallelism: stop the other ranks
+        if hasattr(self.executor, "close"):  # its background work (and, tensor-parallel, the other ranks)
             await asyncio.to_thread(self.executor.close)
         self.stopped.set()
 

@@ -7,8 +7,10 @@ or DEADLINE_EXCEEDED; never UNKNOWN, never a hang. A second SIGTERM ends the gra
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import grpc
@@ -17,6 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import AsyncExecutorClient, ExecutorError, PrefillInput
 from executors.paged import PagedAttentionExecutor, PagedExecutorConfig
+from service.config import ServeConfig
+from tests.conftest import start_server
 from tests.server_process import ServerProcess, serve_paged
 
 C = grpc.StatusCode
@@ -225,3 +229,19 @@ def test_in_process_stop_drains_or_cancels_without_leaking(make_server, grace, a
     while (ids := running.call(executor.worker.run(live))) != {o.kv_cache.cache_id for o in served}:
         assert time.monotonic() < deadline, (ids, [o.kv_cache.cache_id for o in served])
         time.sleep(0.1)
+
+
+def test_a_stopped_server_lets_go_of_its_executor(smollm2_dir):
+    """A process that goes on after stopping a server (tests, an application embedding one)
+    gets the model's memory back: the weights' digest that warm-up starts in the background,
+    still pending at the stop, used to keep the executor, its weights and its KV pool alive
+    for good (~2 GB a server for the embedded model)."""
+    running = start_server(ServeConfig(port=0, executor="llm", model=str(smollm2_dir), num_blocks=64))
+    gone = weakref.ref(running.executor)
+    running.stop()
+    del running
+    deadline = time.monotonic() + 60  # the digest already running finishes first (seconds)
+    while gone() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.2)
+    assert gone() is None, "the stopped server's executor is still referenced"

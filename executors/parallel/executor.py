@@ -175,6 +175,7 @@ class TensorParallelExecutor(LlmExecutor):
                 log.info("stopping the other ranks: %s", e)
         self._stop_children(grace_s=10.0)
         self.group.close()
+        super().close()
 
     def _stop_now(self) -> None:
         if not self._stopped:
