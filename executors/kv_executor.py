@@ -238,7 +238,8 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
         clean-up of calls cut off by the stop and for whoever still holds the executor."""
         task = self._fingerprint_task
         if task is not None and not task.done():
-            task.get_loop().call_soon_threadsafe(task.cancel)
+            with contextlib.suppress(RuntimeError):  # its loop closed: that cancelled it already
+                task.get_loop().call_soon_threadsafe(task.cancel)
 
     def status(self) -> ExecutorStatus:
         return kv_status.executor_status(self)
