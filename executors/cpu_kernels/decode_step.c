@@ -113,9 +113,12 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
     const int64_t group = heads / kvh;
     const int64_t split = rows >= 2 * threads ? 1 : kvh;  /* attention tasks: rows, or (row, KV head) */
     /* the packed x of the widest matmul input (none where the rows are few: read in place) */
-    int64_t packed = wpanel_x_floats(rows, hidden);
-    packed = wpanel_x_floats(rows, hq) > packed ? wpanel_x_floats(rows, hq) : packed;
-    packed = wpanel_x_floats(rows, inter) > packed ? wpanel_x_floats(rows, inter) : packed;
+    const int64_t inputs[] = {hidden, hq, inter};
+    int64_t packed = 0;
+    for (int i = 0; i < 3; i++) {
+        const int64_t floats = wpanel_x_floats(rows, inputs[i]);
+        packed = floats > packed ? floats : packed;
+    }
     float *xp = packed ? malloc(sizeof(float) * (size_t)packed) : NULL;
     if (packed && !xp) return -1;
     int failed = 0;

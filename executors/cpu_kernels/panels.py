@@ -2,7 +2,7 @@
 
 A weight w [n, k] of y = x @ w.T is stored as ceil(n / 6) panels of [k, 6], panel j
 holding w[6 j : 6 j + 6].T, zero-padded past n. The kernels read it for steps of every
-size: decode rows at the memory's rate, 8-64 rows 10-30 % faster than 16-column panels
+size: decode rows at the memory's rate, 8-32 rows 10-26 % faster than 16-column panels
 did, prefills near MKL's best sgemm (bench/RESULTS.md runs 11 and 16), so it is the
 weight's one copy; `unpack` gives the [n, k] matrix back where something needs that (the
 reference forward, the weights' digest).

@@ -33,7 +33,6 @@
 
 /* Rows of x packed per chunk for inner dimension k: a multiple of 2 x panels, at least one tile. */
 static inline int64_t wpanel_chunk_rows(int64_t m, int64_t k) {
-    if (m <= DOT_ROWS) return m;
     int64_t rows = (X_CHUNK_FLOATS / k) & ~(int64_t)(2 * XPANEL - 1);
     rows = rows < 2 * XPANEL ? 2 * XPANEL : rows;
     return m < rows ? m : rows;
