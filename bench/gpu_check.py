@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    stamp = dt.datetime.now(dt.timezone.utc)
+    stamp = dt.datetime.now(dt.UTC)
     results: dict = {"command": "python -m bench.gpu_check " + " ".join(argv if argv is not None else sys.argv[1:]),
                      "started": stamp.isoformat(timespec="seconds"), "stages": [], "tests": []}
 

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{MODEL_DIR} is missing: run `make model` first")
     results: dict[str, Any] = {
         "command": " ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])]),
-        "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "model": MODEL_DIR.name if set(parts) - set(GPU_PARTS) else args.shape, "machine": machine(), "quick": args.quick, "results": {},
     }
     started = time.perf_counter()

@@ -75,7 +75,7 @@ def bench_decode(args, dtypes) -> list[dict]:
             next_tok = [7] * len(handles)
             for b in batches:
                 for rpc in ("BatchDecode", "UnifiedDecode"):
-                    times, exec_times = [], []
+                    times = []
                     for s in range(steps + 1):
                         hs = handles[:b]
                         t0 = time.perf_counter()

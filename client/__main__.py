@@ -99,7 +99,6 @@ def cmd_generate(ex: ExecutorClient, args: argparse.Namespace) -> None:
     for piece in generate_text(ex, tok, tok.encode(text), max_tokens=args.max_tokens, policy=policy, stop_ids=stop):
         print(piece, end="", flush=True)
     print()
-    return None
 
 
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -124,7 +123,6 @@ def cmd_schedule(ex: ExecutorClient, args: argparse.Namespace) -> None:
     from .schedule_cli import run_schedule_command
 
     run_schedule_command(args)
-    return None
 
 
 def _schedule_arguments(p: argparse.ArgumentParser) -> None:
@@ -144,7 +142,6 @@ def cmd_drain(ex: ExecutorClient, args: argparse.Namespace) -> None:
     ex.close()  # the drain runs on asyncio clients of its own
     if not run_drain_command(args):
         raise ValueError("some caches could not be moved; the source was left running")
-    return None
 
 
 def _drain_arguments(p: argparse.ArgumentParser) -> None:

@@ -28,8 +28,8 @@ def proto_files() -> list[Path]:
 
 def generate(out_root: Path) -> list[Path]:
     """Run protoc into out_root (which receives a `generated/` tree); return written files."""
-    from grpc_tools import protoc  # build-time dependency only
     import grpc_tools
+    from grpc_tools import protoc  # build-time dependency only
 
     well_known = Path(grpc_tools.__file__).parent / "_proto"
     virtual = [f"generated/{p.relative_to(PROTO_ROOT).as_posix()}" for p in proto_files()]
@@ -48,7 +48,7 @@ def generate(out_root: Path) -> list[Path]:
         (out_root / "generated" / init).touch()
     for stub in (out_root / "generated").rglob("*_pb2_grpc.py"):
         text = stub.read_text()
-        relative = re.sub(r"^from generated\.[\w.]+ import (\w+_pb2) as", r"from . import \1 as", text, flags=re.M)
+        relative = re.sub(r"^from generated\.[\w.]+ import (\w+_pb2) as", r"from . import \1 as", text, flags=re.MULTILINE)
         if relative == text:
             raise SystemExit(f"{stub.name}: no generated.* import to make relative; protoc's output changed")
         stub.write_text(relative)

@@ -99,7 +99,7 @@ class _ExecutorCollector(Collector):
     def collect(self) -> Iterable[Any]:
         try:
             status = self.executor.status()
-        except Exception:  # noqa: BLE001 - a scrape must not fail because the executor did
+        except Exception:  # a scrape must not fail because the executor did
             log.exception("executor.status() failed during a metrics scrape")
             return
         kv = status.kv_pool

@@ -135,7 +135,7 @@ class ExecutorServer:
             await asyncio.sleep(interval)
             try:
                 expired = await self.executor.reap_idle(ttl)
-            except Exception:  # noqa: BLE001 - a failing pass must not end the reaper
+            except Exception:  # a failing pass must not end the reaper
                 log.exception("lease reaper")
                 continue
             if expired:

@@ -10,7 +10,6 @@ import sys
 import textwrap
 import time
 
-import grpc
 import numpy as np
 import pytest
 import torch

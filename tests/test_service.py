@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-import grpc
 import numpy as np
 import pytest
 
@@ -35,7 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_every_rpc_over_a_unix_socket_with_the_async_client(make_server, tmp_path):
-    running = make_server(unix_socket=str(tmp_path / "executor.sock"))
+    make_server(unix_socket=str(tmp_path / "executor.sock"))
 
     async def drive() -> None:
         async with AsyncExecutorClient(f"unix://{tmp_path / 'executor.sock'}") as c:

@@ -34,9 +34,9 @@ from client import (
     PrefillInput,
     ResourceExhaustedError,
     UnimplementedError,
+    convert,
     from_rpc_error,
 )
-from client import convert
 from client.__main__ import main as cli_main
 from client.limits import HEALTH_SERVICE_NAME
 from generated.modelexec.v1 import executor_pb2 as pb

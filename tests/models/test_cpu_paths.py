@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-import executors.models.attention_plan as attention_plan
-import executors.models.fused_decode as fused_decode
 from executors.llm import LlmExecutor, LlmExecutorConfig
+from executors.models import attention_plan, fused_decode
 from executors.models.config import DecoderConfig
 from executors.models.decoder import DecoderLM
 from executors.types import DecodeInput, DType, ForwardKind, LogitsPolicy, PrefillInput, UnifiedBatchItem

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from executors import gguf_import
-from executors.gguf_import import convert, default_gguf_path, permute_rope, unpermute_rope
+from executors.gguf_import import convert, permute_rope, unpermute_rope
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -26,9 +26,8 @@ from executors.types import (
     PrefillInput,
     UnifiedBatchItem,
 )
-from tests.models.test_cpu_paths import BLOCK, TOL, VOCAB, tiny_model
-
 from tests.conftest import triton_kernels_unrunnable
+from tests.models.test_cpu_paths import BLOCK, TOL, VOCAB, tiny_model
 
 pytestmark = pytest.mark.skipif(triton_kernels_unrunnable() is not None, reason=str(triton_kernels_unrunnable()))
 pytest.importorskip("triton")
