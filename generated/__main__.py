@@ -48,7 +48,8 @@ def generate(out_root: Path) -> list[Path]:
         (out_root / "generated" / init).touch()
     for stub in (out_root / "generated").rglob("*_pb2_grpc.py"):
         text = stub.read_text()
-        relative = re.sub(r"^from generated\.[\w.]+ import (\w+_pb2) as", r"from . import \1 as", text, flags=re.MULTILINE)
+        relative = re.sub(r"^from generated\.[\w.]+ import (\w+_pb2) as", r"from . import \1 as", text,
+                          flags=re.MULTILINE)
         if relative == text:
             raise SystemExit(f"{stub.name}: no generated.* import to make relative; protoc's output changed")
         stub.write_text(relative)
