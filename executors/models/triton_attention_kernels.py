@@ -55,6 +55,28 @@ def _online_softmax(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _paged_slots(table, offs_n, n_mask, BLOCK_SIZE: tl.constexpr):
+    """Where keys offs_n of a sequence sit in the pool: each one's block, from the sequence's
+    block table (masked keys read block 0, never used), and its slot within that block."""
+    block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    return block, offs_n % BLOCK_SIZE
+
+
+@triton.jit
+def _paged_load(ptr, block, within, kv_head, offs_d, n_mask, d_mask, stride_b, stride_s, stride_h,
+                TRANSPOSED: tl.constexpr):
+    """One KV head's keys or values at those slots, masked keys and dims 0: [BLOCK_D, BLOCK_N]
+    transposed (keys, the right operand of q @ k), else [BLOCK_N, BLOCK_D] (values)."""
+    if TRANSPOSED:
+        out = tl.load(ptr + block[None, :] * stride_b + within[None, :] * stride_s + kv_head * stride_h
+                      + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+    else:
+        out = tl.load(ptr + block[:, None] * stride_b + within[:, None] * stride_s + kv_head * stride_h
+                      + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    return out
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr,
     tile_seg_ptr, tile_qoff_ptr, seg_qstart_ptr, seg_qlen_ptr, seg_start_ptr,
@@ -91,15 +113,12 @@ def _prefill_kernel(
     for n0 in range(kv_lo, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
-        block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        within = offs_n % BLOCK_SIZE
-        k = tl.load(k_ptr + block[None, :] * stride_kb + within[None, :] * stride_ks + kv_head * stride_kh
-                    + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        block, within = _paged_slots(table, offs_n, n_mask, BLOCK_SIZE)
+        k = _paged_load(k_ptr, block, within, kv_head, offs_d, n_mask, d_mask, stride_kb, stride_ks, stride_kh, True)
         visible = n_mask[None, :] & (offs_n[None, :] <= (start + offs_m)[:, None]) \
             & (offs_n[None, :] > (start + offs_m)[:, None] - window)
         s = tl.where(visible, _dot(q, k, IEEE) * scale_log2, float("-inf"))
-        v = tl.load(v_ptr + block[:, None] * stride_vb + within[:, None] * stride_vs + kv_head * stride_vh
-                    + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = _paged_load(v_ptr, block, within, kv_head, offs_d, n_mask, d_mask, stride_vb, stride_vs, stride_vh, False)
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_om + head * stride_oh + offs_d[None, :],
@@ -139,13 +158,10 @@ def _decode_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        within = offs_n % BLOCK_SIZE
-        k = tl.load(k_ptr + block[None, :] * stride_kb + within[None, :] * stride_ks + kv_head * stride_kh
-                    + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+        block, within = _paged_slots(table, offs_n, n_mask, BLOCK_SIZE)
+        k = _paged_load(k_ptr, block, within, kv_head, offs_d, n_mask, d_mask, stride_kb, stride_ks, stride_kh, True)
         s = tl.where(n_mask[None, :], _dot(q, k, IEEE) * scale_log2, float("-inf"))
-        v = tl.load(v_ptr + block[:, None] * stride_vb + within[:, None] * stride_vs + kv_head * stride_vh
-                    + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        v = _paged_load(v_ptr, block, within, kv_head, offs_d, n_mask, d_mask, stride_vb, stride_vs, stride_vh, False)
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
