@@ -106,7 +106,15 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                         f"{path.name}: tensor {name} has shape {shape}, the config implies {expected_full[name]}")
                 if plan is not None:
                     tensor = plan.read(name, piece, shape)
-                state[name] = tensor.to(dtype=dtype, device=device)
+                converted = tensor.to(dtype=dtype, device=device)
+                if converted.dim() == 1 and converted.data_ptr() == tensor.data_ptr():
+                    # Already in the serving dtype and device, a tensor is a view of the file's memory
+                    # map, and one such view kept alive keeps the whole map resident, every page the
+                    # load touched, beside the model's own copy of the weights. Matrices are repacked
+                    # by fuse() (or served from the map where they are not); vectors (norms, biases)
+                    # are kept as loaded, so they get memory of their own here.
+                    converted = converted.clone()
+                state[name] = converted
                 progress.add(sizes[path].get(name, 0))
     missing = sorted(set(expected) - set(state))
     if missing:
