@@ -2,9 +2,10 @@
 
 One base model serves many fine-tunes: a step's flat batch mixes sequences of several
 adapters and of none, and every adapted projection adds, for the rows of each adapter,
-the low-rank delta (x @ A.T) @ B_scaled.T to the base output. That is what PEFT's
-lora.Linear adds in eval mode (dropout is the identity then), with its scaling (alpha / r,
-or alpha / sqrt(r) with use_rslora) folded into B once at load instead of once per call.
+the low-rank delta (x @ A.T) @ B_scaled.T to the base output (executors/lora_batch.py
+applies it per step). That is what PEFT's lora.Linear adds in eval mode (dropout is the
+identity then), with its scaling (alpha / r, or alpha / sqrt(r) with use_rslora) folded
+into B once at load instead of once per call.
 
 Adapters are read from a `save_pretrained` directory or from uploaded bytes and checked
 once, at load, against the model: anything PEFT would compute differently from that plain
@@ -18,9 +19,8 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -305,56 +305,3 @@ def _unexpected_tensor(tensor_name: str, targets: LoraTargets) -> str:
         return f"tensor {tensor_name} is a LoRA bias (lora_bias), which is not supported"
     return (f"tensor {tensor_name} targets module {module!r}, which this executor cannot adapt; "
             f"supported: {_supported(targets)}")
-
-
-@dataclass(slots=True)
-class _Group:
-    """One adapter's rows of the flat batch: a slice when contiguous (views, no gather), else indices."""
-
-    adapter: LoraAdapter
-    rows: slice | torch.Tensor
-
-
-class LoraBatch:
-    """Which rows of a flat batch use which adapter, built once per step and used by every layer."""
-
-    __slots__ = ("applications", "groups")
-
-    def __init__(self, groups: list[_Group]) -> None:
-        self.groups = groups
-        self.applications = 0  # (adapter, layer, module) deltas applied by this batch so far
-
-    @staticmethod
-    def build(row_ranges: Sequence[tuple[int, int, LoraAdapter | None]], num_rows: int, device) -> LoraBatch | None:
-        """row_ranges: (first_row, row_count, adapter or None) per sequence of the flat batch. None when no row has an adapter."""
-        by_key: dict[str, tuple[LoraAdapter, list[tuple[int, int]]]] = {}
-        for first, count, adapter in row_ranges:
-            if adapter is not None and count > 0:
-                by_key.setdefault(adapter.key, (adapter, []))[1].append((first, count))
-        if not by_key:
-            return None
-        groups = []
-        for adapter, ranges in by_key.values():
-            ranges.sort()
-            if all(a + n == b for (a, n), (b, _) in pairwise(ranges)):
-                rows = slice(ranges[0][0], ranges[-1][0] + ranges[-1][1])  # the whole batch, or one run of it
-            else:
-                rows = torch.tensor([r for a, n in ranges for r in range(a, a + n)], device=device)
-            groups.append(_Group(adapter, rows))
-        return LoraBatch(groups)
-
-    def apply(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out += (x[rows] @ A.T) @ B_scaled.T for the rows of each adapter that targets (layer, module).
-
-        x is [M, in]; out is [M, out], possibly a column slice (a view) of a fused output: added in place."""
-        for group in self.groups:
-            pair = group.adapter.weights.get((layer, module))
-            if pair is None:
-                continue
-            a, b_scaled = pair
-            rows = group.rows
-            if isinstance(rows, slice):
-                out[rows].addmm_(x[rows] @ a.t(), b_scaled.t())
-            else:
-                out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b_scaled.t())
-            self.applications += 1

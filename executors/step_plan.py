@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from executors.lora import LoraAdapter, LoraBatch
+from executors.lora import LoraAdapter
+from executors.lora_batch import LoraBatch
 from executors.models.attention import Segment, StepContext
 from executors.models.decoder import DecoderLM
 from executors.step_items import Rows

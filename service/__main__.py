@@ -13,7 +13,7 @@ def main() -> None:
     print(f"modelexec: starting: importing torch and grpc, then loading {what}", flush=True)
     from executors.models.config import UnsupportedModel
     from service.auth import CredentialsError
-    from service.observability import configure_logging
+    from service.logs import configure_logging
     from service.server import serve
 
     configure_logging(config.log_format)

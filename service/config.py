@@ -79,7 +79,7 @@ class ServeConfig:
     tls_client_ca: str | None = None
     auth_token_file: str | None = None
     auth_token_env: str | None = None
-    # Observability (service/observability.py): Prometheus on this port (0: off), log format.
+    # Observability (service/metrics.py, service/logs.py): Prometheus on this port (0: off), log format.
     metrics_port: int = 0
     log_format: str = "text"
 

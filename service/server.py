@@ -17,7 +17,8 @@ from generated.modelexec.v1 import executor_pb2_grpc as pb_grpc
 from service.auth import Authenticator, server_credentials
 from service.config import ServeConfig
 from service.handlers import CallWrapper, Registrar
-from service.observability import MetricsHttpServer, RpcObservability, ServiceMetrics
+from service.metrics import MetricsHttpServer, ServiceMetrics
+from service.observability import RpcObservability
 from service.servicer import ModelExecutorServicer
 
 log = logging.getLogger(__name__)

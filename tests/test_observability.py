@@ -27,7 +27,8 @@ from client import (
 from generated.modelexec.v1 import executor_pb2 as pb
 from generated.modelexec.v1 import executor_pb2_grpc as pb_grpc
 from service.config import parse_args
-from service.observability import JsonFormatter, configure_logging, request_id
+from service.logs import JsonFormatter, configure_logging
+from service.observability import request_id
 
 SERVICE = "modelexec.v1.ModelExecutorService"
 

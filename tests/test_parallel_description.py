@@ -12,7 +12,7 @@ from client import ExecutorClient
 from executors import types as t
 from generated.modelexec.v1 import executor_pb2 as pb
 from service import convert_describe
-from service.observability import RANK_MEMORY_KINDS, ServiceMetrics
+from service.metrics import RANK_MEMORY_KINDS, ServiceMetrics
 
 LAYOUT = t.ParallelLayout(
     tensor_parallel_size=2,

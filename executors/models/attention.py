@@ -64,7 +64,7 @@ from kvcache.kv_pool import PagedKvPool
 
 if TYPE_CHECKING:
     from executors.cpu_kernels import CpuKernels
-    from executors.lora import LoraBatch
+    from executors.lora_batch import LoraBatch
     from executors.models.triton_attention import KernelPlan
 
 

@@ -20,7 +20,7 @@ the layout its one-row matmuls read fastest (cpu_layout.py). One copy either way
 holds what ties those together: the model's buffers and per-layer options, `fuse()` choosing
 the weights' layout for the device and dtype, the embedding, the choice of forward, the lm_head.
 
-LoRA: when the step's context carries a LoraBatch (executors/lora.py), both forwards add
+LoRA: when the step's context carries a LoraBatch (executors/lora_batch.py), both forwards add
 each row's adapter delta to every adapted projection's output, in place. The fast one adds
 q/k/v deltas into the column slices of the fused qkv output and gate/up deltas into those
 of gate_up (before q/k norm, rope and the SiLU), and o/down deltas straight into the

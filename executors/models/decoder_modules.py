@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from executors.lora import LoraBatch
+from executors.lora_batch import LoraBatch
 from executors.models.attention import StepContext, attend_reference
 from executors.models.config import DecoderConfig
 from executors.models.layers import MLP, RMSNorm, RotaryEmbedding

@@ -22,12 +22,12 @@ from safetensors.torch import save as save_safetensors
 from executors.lora import (
     LoraAdapter,
     LoraAdapterError,
-    LoraBatch,
     LoraTargets,
     build_adapter,
     read_peft_bytes,
     read_peft_dir,
 )
+from executors.lora_batch import LoraBatch
 from executors.models.attention import Segment, StepContext
 from executors.models.config import DecoderConfig
 from executors.models.loader import load_model
