@@ -72,6 +72,11 @@ class LoraRegistry:
                            field=where, reason="LORA_ADAPTER_NOT_FOUND", adapter=name)
         return loaded.adapter
 
+    def holds(self, adapter: LoraAdapter) -> bool:
+        """This very load of the adapter is still registered (not unloaded, nor replaced under its name)."""
+        loaded = self._adapters.get(adapter.name)
+        return loaded is not None and loaded.adapter.key == adapter.key
+
     # -- loading (caller's thread) ----------------------------------------------------------
     def read(self, name: str, source: LoraSource) -> LoraAdapter:
         """Read and validate an adapter; nothing is registered yet."""

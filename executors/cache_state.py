@@ -62,6 +62,11 @@ class CacheRegistry:
         if state is not None:
             state.claims += 1
 
+    def mark(self, cache_id: str) -> tuple[int, int]:
+        """(creation serial, claims): equal later only if no other call completed on the cache since."""
+        state = self._states.get(cache_id)
+        return (state.serial, state.claims) if state is not None else (0, -1)
+
     def unclaimed(self, cache_id: str, serial: int) -> bool:
         """The cache is still the creation `serial` and no later call has completed on it."""
         state = self._states.get(cache_id)

@@ -141,6 +141,7 @@ class KvImport:
             if table.num_tokens == end and last is not None and last.request == _replay_key(d):
                 self.replayed = dataclasses.replace(last.result, replayed=True, imported_tokens=0,
                                                     kv_cache=ex._handle(self.cache_id))
+                ex.caches.claim(self.cache_id)  # the first attempt, if its caller went away, must not undo it now
                 return
             if not self._extends:
                 raise CacheAlreadyExists(self.cache_id)
@@ -170,39 +171,45 @@ class KvImport:
         slots = _slots(self._hold, pool.block_size, start, k.shape[1], pool.device)
         pool.write_layers(layer_start, slots, k.to(pool.device), v.to(pool.device))
 
-    def _adopt_now(self) -> tuple[ImportResult, int]:
+    def _adopt_now(self) -> tuple[ImportResult, tuple[int, int]]:
         ex, d, kv = self._ex, self.description, self._ex.kv
         start, end = d.start_position, d.end_position
+        if self._adapter is not None and not ex.loras.holds(self._adapter):
+            # Unloaded (and perhaps loaded again with other weights) while the stream ran:
+            # the K and V were computed with weights this executor no longer serves.
+            raise FailedPrecondition(f"start.description.lora_adapter: LoRA adapter {self._adapter.name!r} was "
+                                     "unloaded while the import was streaming", field="start.description.lora_adapter",
+                                     reason="LORA_ADAPTER_NOT_FOUND", adapter=self._adapter.name)
         if self._extends:
             table = kv.get(self.cache_id) if self.cache_id in kv else None
             if table is None or table.num_tokens != start or tuple(table.tokens) != d.token_ids[:start]:
                 raise FailedPrecondition(f"cache {self.cache_id!r} changed while the import was streaming",
                                          field="start.cache_id", reason="STALE_CACHE_HANDLE", cache_id=self.cache_id)
             cache_id = kv.adopt(self._hold, None, end, extend=self.cache_id)
-            serial = 0
+            ex.caches.claim(cache_id)  # completed on a cache another call made
         else:
             namespace = self._adapter.key if self._adapter is not None else ""
             cache_id = kv.adopt(self._hold, self.cache_id, end, namespace=namespace)
-            serial = ex.caches.add(cache_id, self._identity, self._adapter)
+            ex.caches.add(cache_id, self._identity, self._adapter)
         self._hold = None
         kv.commit(cache_id, start, d.token_ids[start:end])  # its full blocks join the prefix cache
         result = ImportResult(ex._handle(cache_id), end - start)
         ex.caches.record(cache_id, start, d.token_ids[start:end], _replay_key(d), result)
-        return result, serial
+        return result, ex.caches.mark(cache_id)
 
-    def _undo_now(self, adopted: tuple[ImportResult, int]) -> None:
+    def _undo_now(self, adopted: tuple[ImportResult, tuple[int, int]]) -> None:
         """The caller went away before it learned the import completed: undo it, unless a
-        later call has completed on the cache since."""
-        result, serial = adopted
-        cid, kv = result.kv_cache.cache_id, self._ex.kv
-        if cid not in kv:
+        later call (a replaying retry included) has completed on the cache since."""
+        result, mark = adopted
+        cid, kv, caches = result.kv_cache.cache_id, self._ex.kv, self._ex.caches
+        if cid not in kv or caches.mark(cid) != mark:
             return
-        if not self._extends and self._ex.caches.unclaimed(cid, serial):
+        if not self._extends:
             kv.release(cid)
-            self._ex.caches.remove(cid)
-        elif self._extends and kv.get(cid).num_tokens == self.description.end_position:
+            caches.remove(cid)
+        elif kv.get(cid).num_tokens == self.description.end_position:
             kv.truncate(cid, self.description.start_position)
-            self._ex.caches.forget_step(cid)
+            caches.forget_step(cid)
 
     # -- on the event loop ----------------------------------------------------------------
     async def write(self, chunk: KvChunk) -> None:

@@ -153,6 +153,12 @@ def build_adapter(name: str, key: str, config: dict, tensors: dict[str, torch.Te
         raise refuse(f"r={rank} exceeds this executor's max_rank {max_rank}")
     if not isinstance(alpha, int | float) or isinstance(alpha, bool):
         raise refuse(f"lora_alpha={alpha!r} is not a number")
+    try:
+        alpha = float(alpha)  # JSON allows integers of any length, and Python's reader NaN and Infinity
+    except OverflowError:
+        raise refuse(f"lora_alpha, an integer of {len(str(alpha))} digits, is too large for a float") from None
+    if not math.isfinite(alpha):
+        raise refuse(f"lora_alpha={alpha} is not a finite number")
 
     expected = _targeted(config, targets, refuse)
     pairs = _pairs(tensors, targets, refuse)
@@ -185,7 +191,7 @@ def build_adapter(name: str, key: str, config: dict, tensors: dict[str, torch.Te
         weights[(layer, module)] = (ab["A"].to(device=device, dtype=dtype), b_scaled.to(dtype))
     flat = [t for pair in weights.values() for t in pair]
     return LoraAdapter(
-        name=name, key=key, rank=rank, alpha=float(alpha),
+        name=name, key=key, rank=rank, alpha=alpha,
         target_modules=tuple(sorted({m for _, m in weights})),
         weights=weights, scaling=scaling,
         num_parameters=sum(t.numel() for t in flat),
@@ -244,9 +250,14 @@ def _targeted(config: dict, targets: LoraTargets, refuse: Refuse) -> set[tuple[i
     excluded = config.get("exclude_modules")
     if excluded:
         if isinstance(excluded, str):
-            chosen = {p for p in chosen if not re.fullmatch(excluded, p)}
-        else:
+            try:
+                chosen = {p for p in chosen if not re.fullmatch(excluded, p)}
+            except re.error as e:
+                raise refuse(f"exclude_modules {excluded!r} is not a valid regular expression: {e}") from None
+        elif isinstance(excluded, list | tuple) and all(isinstance(e, str) for e in excluded):
             chosen = {p for p in chosen if p not in excluded and not any(p.endswith(f".{e}") for e in excluded)}
+        else:
+            raise refuse(f"exclude_modules must be a list of module names or a regex string, not {excluded!r}")
     if not chosen:
         raise refuse("targets none of the model's projections once layers_to_transform/exclude_modules apply")
     return {paths[p] for p in chosen}
@@ -258,13 +269,19 @@ def _restrict_layers(chosen: set[str], config: dict, paths: dict[str, tuple[int,
     if layers is None or layers == []:
         return chosen
     pattern = config.get("layers_pattern")
-    patterns = [pattern] if isinstance(pattern, str) else list(pattern or [])
+    if isinstance(pattern, str):
+        patterns = [pattern]
+    elif pattern is None or isinstance(pattern, list | tuple) and all(isinstance(x, str) for x in pattern):
+        patterns = list(pattern or [])
+    else:
+        raise refuse(f"layers_pattern must be a name or a list of names, not {pattern!r}")
     if patterns and "layers" not in patterns:
         # PEFT would find no layer index under these names and adapt nothing.
         raise refuse(f"layers_pattern {pattern!r} does not name this model's layer list ('layers')")
-    wanted = {layers} if isinstance(layers, int) else set(layers)
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in wanted):
+    items = [layers] if not isinstance(layers, list | tuple) else list(layers)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
         raise refuse(f"layers_to_transform {layers!r} must be a layer index or a list of them")
+    wanted = set(items)
     return {p for p in chosen if paths[p][0] in wanted}
 
 

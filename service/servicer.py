@@ -8,6 +8,7 @@ in nanoseconds.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 
@@ -22,6 +23,7 @@ from generated.modelexec.v1 import executor_pb2_grpc as pb_grpc
 from service import convert, convert_describe, convert_transfer
 from service.config import ServeConfig
 from service.errors import _malformed, _Undecodable, to_status_error
+from service.response_size import ResponseBudget
 
 SERVER_VERSION = "0.1.0"
 
@@ -70,6 +72,13 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
             cache_ttl_seconds=config.cache_ttl_seconds,
         )
 
+    @functools.cached_property
+    def responses(self) -> ResponseBudget:
+        """Built at the first call that needs it: the model is described by then."""
+        info, caps = self.executor.info(), self.executor.capabilities()
+        return ResponseBudget(self.config.max_message_bytes, info.vocab_size, info.hidden_size, caps.kv_block_size,
+                              info.max_sequence_length, self.executor.status().kv_pool.total_blocks)
+
     def _check_size(self, items: int, tokens: int, where: str) -> None:
         if items > self.limits.max_batch_size:
             raise InvalidParameter(
@@ -115,18 +124,23 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         call = _Call()
         self._check_size(1, len(request.input.input_ids), "input.input_ids")
-        out = await self.executor.prefill(convert.prefill_input(request.input, "input"))
+        prefill = convert.prefill_input(request.input, "input")
+        self.responses.check_prefills((prefill,), "input")
+        out = await self.executor.prefill(prefill)
         return call.stamp(convert.with_output(pb.PrefillResponse(), out))
 
     async def Decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
         call = _Call()
-        out = await self.executor.decode(convert.decode_input(request.input, "input"))
+        decode = convert.decode_input(request.input, "input")
+        self.responses.check_decodes((decode,), "input")
+        out = await self.executor.decode(decode)
         return call.stamp(convert.with_output(pb.DecodeResponse(), out))
 
     async def BatchPrefill(self, request: pb.BatchPrefillRequest, context) -> pb.BatchPrefillResponse:
         call = _Call()
         self._check_size(len(request.inputs), sum(len(i.input_ids) for i in request.inputs), "inputs")
         inputs = [convert.prefill_input(m, f"inputs[{i}]") for i, m in enumerate(request.inputs)]
+        self.responses.check_prefills(inputs, "inputs")
         outs = await self.executor.batch_prefill(inputs)
         return call.stamp(convert.with_outputs(pb.BatchPrefillResponse(), outs))
 
@@ -134,6 +148,7 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         call = _Call()
         self._check_size(len(request.inputs), len(request.inputs), "inputs")
         inputs = [convert.decode_input(m, f"inputs[{i}]") for i, m in enumerate(request.inputs)]
+        self.responses.check_decodes(inputs, "inputs")
         outs = await self.executor.batch_decode(inputs)
         return call.stamp(convert.with_outputs(pb.BatchDecodeResponse(), outs))
 
@@ -141,8 +156,9 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         call = _Call()
         items = request.batch.items
         self._check_size(len(items), sum(len(i.q_tokens) for i in items), "batch.items")
-        results = await self.executor.unified_decode(
-            [convert.unified_item(m, f"batch.items[{i}]") for i, m in enumerate(items)])
+        unified = [convert.unified_item(m, f"batch.items[{i}]") for i, m in enumerate(items)]
+        self.responses.check_unified(unified, "batch.items")
+        results = await self.executor.unified_decode(unified)
         return call.stamp(convert.with_results(pb.UnifiedDecodeResponse(), results))
 
     async def StepSession(self, requests, context):
@@ -155,8 +171,9 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
                     raise _malformed(request)
                 items = request.batch.items
                 self._check_size(len(items), sum(len(i.q_tokens) for i in items), "batch.items")
-                results = await self.executor.unified_decode(
-                    [convert.unified_item(m, f"batch.items[{i}]") for i, m in enumerate(items)])
+                unified = [convert.unified_item(m, f"batch.items[{i}]") for i, m in enumerate(items)]
+                self.responses.check_unified(unified, "batch.items")
+                results = await self.executor.unified_decode(unified)
             except Exception as exc:  # noqa: BLE001 - mapped exactly as the call wrapper maps unary calls
                 err = to_status_error(exc)
                 yield pb.StepSessionResponse(
@@ -170,16 +187,17 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
     async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:
         call = _Call()
         self._check_size(1, len(request.input_ids), "input_ids")
-        kind = convert.forward_kind(request.output)
-        out = await self.executor.forward(request.input_ids, kind, convert.forward_dtype(request.dtype))
+        kind, dtype = convert.forward_kind(request.output), convert.forward_dtype(request.dtype)
+        self.responses.check_forward(len(request.input_ids), kind, dtype, "input_ids")
+        out = await self.executor.forward(request.input_ids, kind, dtype)
         return pb.ForwardResponse(output=convert.tensor(out), kind=convert.FORWARD_TO_PB[kind], timing=call.timing())
 
     async def ForwardVerify(self, request: pb.ForwardVerifyRequest, context) -> pb.ForwardVerifyResponse:
         call = _Call()
         self._check_size(1, len(request.tokens), "tokens")
-        out = await self.executor.forward_verify(
-            convert.verify_handle(request), request.tokens,
-            convert.logits_policy(request.logits_policy, "logits_policy"))
+        handle, policy = convert.verify_handle(request), convert.logits_policy(request.logits_policy, "logits_policy")
+        self.responses.check_verify(handle, len(request.tokens), policy, "tokens")
+        out = await self.executor.forward_verify(handle, request.tokens, policy)
         return pb.ForwardVerifyResponse(outputs=[convert.logits_output(r) for r in out.outputs],
                                         kv_cache=convert.handle(out.kv_cache), timing=call.timing())
 

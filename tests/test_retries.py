@@ -158,3 +158,47 @@ def test_a_creation_is_unclaimed_until_another_call_completes_on_it():
     reg.remove("c")
     again = reg.add("c", owner=None)  # the id released and created anew: another creation
     assert again != serial and not reg.unclaimed("c", serial) and reg.unclaimed("c", again)
+
+
+class SlowImport(Switchable):
+    """Also slows the last part of an import (adopting its blocks) while `slow` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        commit = self.kv.commit
+
+        def slow_commit(*args, **kwargs):
+            if self.slow.is_set():
+                time.sleep(FORWARD_S)
+            return commit(*args, **kwargs)
+
+        self.kv.commit = slow_commit
+
+
+@pytest.mark.parametrize("into", ["a new cache", "the cache it extends"])
+def test_a_retried_import_keeps_what_it_got(make_server, into):
+    """The first ImportKv is cut off while its blocks are adopted; the identical retry is
+    answered `replayed`, and the first attempt's clean-up, running after it, leaves it alone."""
+    executor = SlowImport()
+    running = make_server(instance=executor, max_batch_size=64)
+    with ExecutorClient(running.address, timeout=30) as c:
+        tokens = prompts(1, seed=3)[0] + [5, 6, 7, 8]
+        c.prefill(PrefillInput(tokens, kv_cache=KvCacheHandle("src", 0)))
+        if into == "a new cache":
+            stream, target, start = list(c.export_kv("src")), "moved", 0
+        else:
+            start = 4
+            c.prefill(PrefillInput(tokens[:start], kv_cache=KvCacheHandle("dst", 0)))
+            stream, target = list(c.export_kv("src", start)), "dst"
+        executor.slow.set()
+        with pytest.raises(DeadlineExceededError):
+            c.import_kv(iter(stream), target, timeout=CUT_AFTER_S)
+        executor.slow.clear()
+        retry = c.import_kv(iter(stream), target)
+        assert retry.replayed and retry.kv_cache.sequence_length == len(tokens)
+        time.sleep(FORWARD_S + 0.5)  # the cut-off attempt's clean-up has run by now
+        step = c.decode(DecodeInput(7, retry.kv_cache))
+        assert step.kv_cache.sequence_length == len(tokens) + 1
+        for cache in c.list_caches():
+            c.release_cache(cache.cache_id)
+        assert c.status().kv_pool.free_blocks == c.status().kv_pool.total_blocks

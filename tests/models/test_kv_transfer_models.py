@@ -14,6 +14,7 @@ adapter; a server of other weights refuses the stream.
 from __future__ import annotations
 
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -121,6 +122,24 @@ def test_a_cache_moves_with_its_lora_adapter(tmp_path):
         np.testing.assert_allclose(step.logits.logits, want, atol=1e-4, rtol=0)
         np.testing.assert_array_equal(step.logits.logits,
                                       a.decode(DecodeInput(7, h, logits_policy=FULL)).logits.logits)
+
+        # The adapter unloaded while an import bound to it streams: the import fails at its
+        # end, and no cache is left bound to weights the server no longer holds.
+        b.release_cache(moved)
+        free = b.status().kv_pool.free_blocks
+
+        def unloaded_midway():
+            export = iter(a.export_kv(h, max_chunk_bytes=1024))
+            yield next(export)  # the description: the import begins, reserving its blocks
+            while b.status().kv_pool.free_blocks == free:
+                time.sleep(0.01)
+            b.unload_lora_adapter("tuned")
+            yield from export
+
+        with pytest.raises(FailedPreconditionError) as refused:
+            b.import_kv(unloaded_midway(), "y")
+        assert "unloaded while the import was streaming" in str(refused.value)
+        assert b.list_caches() == [] and b.status().kv_pool.free_blocks == free
     finally:
         for c, s in zip((a, b, bare), servers):
             c.close()

@@ -323,6 +323,16 @@ REFUSALS = {
     "layers_pattern": (set_config(layers_to_transform=[0], layers_pattern="blocks"), ["layers_pattern", "'blocks'"]),
     "regex matching nothing": (set_config(target_modules=r".*\.fc\d"), ["regex", "matches none", "supported"]),
     "invalid regex": (set_config(target_modules="(q_proj"), ["not a valid regular expression"]),
+    # Values JSON (and Python's reader) allows that PEFT's config would never hold.
+    "alpha past a float": (set_config(lora_alpha=10**400), ["lora_alpha", "401 digits", "too large"]),
+    "alpha past a float, rslora": (set_config(lora_alpha=10**400, use_rslora=True), ["too large"]),
+    "alpha NaN": (set_config(lora_alpha=float("nan")), ["lora_alpha=nan", "not a finite number"]),
+    "alpha infinite": (set_config(lora_alpha=float("inf")), ["lora_alpha=inf", "not a finite number"]),
+    "exclude_modules a number": (set_config(exclude_modules=5), ["exclude_modules", "not 5"]),
+    "exclude_modules invalid regex": (set_config(exclude_modules="("), ["exclude_modules", "not a valid regular"]),
+    "layers_to_transform a float": (set_config(layers_to_transform=1.5), ["layers_to_transform 1.5", "layer index"]),
+    "layers_to_transform a dict": (set_config(layers_to_transform={"a": 1}), ["layers_to_transform", "layer index"]),
+    "layers_pattern a number": (set_config(layers_to_transform=[0], layers_pattern=5), ["layers_pattern", "not 5"]),
 }
 
 
