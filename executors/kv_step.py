@@ -28,6 +28,13 @@ if TYPE_CHECKING:
     from executors.kv_executor import KvCacheExecutor
 
 
+def replay_key(s: ItemSpec) -> tuple:
+    """What else a retry must repeat to be replayed: the rows it wants and, when it wants
+    any, their policy (an item that returns no logits ignores its policy, even a NaN one,
+    which would never equal itself)."""
+    return (s.rows, None if s.rows is Rows.NONE else s.policy)
+
+
 def run_step(ex: KvCacheExecutor, specs: list[ItemSpec], identity: str | None) -> list[StepResult]:
     """Run the specs as one forward; a spec that repeats its cache's last step is replayed."""
     started = time.perf_counter_ns()
@@ -62,7 +69,7 @@ def run_step(ex: KvCacheExecutor, specs: list[ItemSpec], identity: str | None) -
             res = fresh[i] = dataclasses.replace(res, kv_cache=ex._handle(it.cache_id))
         if it.reused is not None:
             ex.kv.record_lookup(it.reused)
-        ex.caches.record(it.cache_id, s.expected_length, s.tokens, (s.rows, s.policy), res)
+        ex.caches.record(it.cache_id, s.expected_length, s.tokens, replay_key(s), res)
     computed = iter(fresh)
     results = [r if isinstance(r, StepResult) else next(computed) for r in resolved]
     for r in results:
@@ -87,7 +94,7 @@ def resolve(ex: KvCacheExecutor, s: ItemSpec, created: dict[str, int], identity:
         adapter = ex.caches.touch(s.cache_id, identity, s.where).adapter
         if table.num_tokens != s.expected_length:
             replayed = ex.caches.replay(s.cache_id, table.num_tokens, s.expected_length, s.tokens,
-                                        (s.rows, s.policy))
+                                        replay_key(s))
             if replayed is not None:
                 return dataclasses.replace(replayed, created=False)  # a retry of a step that succeeded
             raise FailedPrecondition(

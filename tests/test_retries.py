@@ -202,3 +202,24 @@ def test_a_retried_import_keeps_what_it_got(make_server, into):
         for cache in c.list_caches():
             c.release_cache(cache.cache_id)
         assert c.status().kv_pool.free_blocks == c.status().kv_pool.total_blocks
+
+
+def test_a_retried_chunk_without_logits_is_replayed_whatever_policy_it_carries(paged_server):
+    """A non-final chunk returns no logits, so its policy is not checked; even a NaN one
+    (never equal to itself) must not stop its identical retry from being replayed."""
+    import math
+
+    import grpc
+
+    from generated.modelexec.v1 import executor_pb2 as pb
+    from generated.modelexec.v1 import executor_pb2_grpc as pb_grpc
+
+    item = pb.UnifiedBatchItem(seq_id="chunked", q_tokens=[1, 2, 3, 4, 5], pos_offset=0, is_final_chunk=False,
+                               logits_policy=pb.LogitsPolicy(sample=pb.SampleToken(temperature=math.nan)))
+    request = pb.UnifiedDecodeRequest(batch=pb.UnifiedBatch(items=[item]))
+    with grpc.insecure_channel(paged_server.address) as channel:
+        stub = pb_grpc.ModelExecutorServiceStub(channel)
+        first, retry = stub.UnifiedDecode(request), stub.UnifiedDecode(request)
+        assert retry.results[0].kv_cache == first.results[0].kv_cache
+        assert retry.results[0].kv_cache.block_table.sequence_length == 5
+        stub.ReleaseCache(pb.ReleaseCacheRequest(cache_id="chunked"))
