@@ -112,7 +112,10 @@ class DecodeCoalescer:
                 expired = now >= self._pending[0].arrived + self.window_s
                 ready = idle or expired or n >= self._expected
             if not ready:
-                self._arm(loop)
+                # While a batch runs, only its end (which flushes again) can make these ready:
+                # a timer then would fire at once, past its deadline, and spin the event loop.
+                if self._in_flight == 0:
+                    self._arm(loop)
                 return
             batch = self._take()
             if arriving is not None and batch == [arriving]:

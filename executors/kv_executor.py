@@ -226,9 +226,13 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
 
     # -- lifecycle and reports ------------------------------------------------------------
     async def shutdown(self) -> int:
-        released = await self._run(release_all_now, self)
+        return await self._run(self._shut_down_now)
+
+    def _shut_down_now(self) -> int:
+        # On the worker, so every call queued behind this one finds the executor shut down
+        # when it starts (_unless_shut_down) instead of running after the release of all.
         self.stats.state = ExecutorState.SHUTDOWN
-        return released
+        return release_all_now(self)
 
     def close(self) -> None:
         """Stop what runs in the background once serving stopped (the server calls it from a
@@ -251,7 +255,12 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
     async def _run(self, fn, *args, on_abandon=None):
         if self.stats.state is ExecutorState.SHUTDOWN:
             raise Unavailable(f"{self.name} executor is shut down")
-        return await self.worker.run(fn, *args, on_abandon=on_abandon)
+        return await self.worker.run(self._unless_shut_down, fn, *args, on_abandon=on_abandon)
+
+    def _unless_shut_down(self, fn, *args):
+        if self.stats.state is ExecutorState.SHUTDOWN:  # shut down while this call was queued
+            raise Unavailable(f"{self.name} executor is shut down")
+        return fn(*args)
 
     async def _step(self, specs: list[ItemSpec], where: str = "input") -> list[StepResult]:
         check_batch(specs, where, self.max_batch_size)

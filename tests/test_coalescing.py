@@ -233,6 +233,35 @@ def test_a_cancelled_caller_leaves_the_queue():
     assert asyncio.run(go()) == [(None, ["x"])]
 
 
+def test_a_call_waiting_behind_a_running_batch_does_not_spin_the_event_loop():
+    """Past its window, a queued call can only go when the running batch ends; until then
+    the coalescer must sleep, not re-arm a timer that fires at once on every loop turn."""
+    async def go():
+        ex = FakeExecutor()
+        co = DecodeCoalescer(ex, window_s=0.005, max_batch=8)
+        flushes = 0
+        flush = co._flush
+
+        def counted(*args, **kwargs):
+            nonlocal flushes
+            flushes += 1
+            return flush(*args, **kwargs)
+
+        co._flush = counted
+        first = asyncio.create_task(co.decode(DomainDecode(token_id=1, kv_cache=handle("x"))))
+        await asyncio.sleep(0.01)
+        queued = asyncio.create_task(co.decode(DomainDecode(token_id=2, kv_cache=handle("y"))))
+        await asyncio.sleep(0.3)  # far past the 5 ms window, the first batch still held by the gate
+        waiting = flushes
+        ex.gate.set()
+        await asyncio.gather(first, queued)
+        return waiting, ex.batches
+
+    waiting, batches = asyncio.run(go())
+    assert waiting <= 3, f"the coalescer flushed {waiting} times while one call waited 0.3 s"
+    assert batches == [(None, ["x"]), (None, ["y"])]
+
+
 def test_threads_through_blocking_clients_coalesce_too(served):
     counted, running = served
     with ExecutorClient(running.address, timeout=60) as c:

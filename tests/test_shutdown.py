@@ -245,3 +245,47 @@ def test_a_stopped_server_lets_go_of_its_executor(smollm2_dir):
         gc.collect()
         time.sleep(0.2)
     assert gone() is None, "the stopped server's executor is still referenced"
+
+
+class SlowForward(PagedAttentionExecutor):
+    def __init__(self) -> None:
+        super().__init__(PagedExecutorConfig(block_size=4, num_blocks=64))
+
+    def _forward_step(self, items):
+        time.sleep(0.6)  # long enough for Shutdown, then another Prefill, to queue behind it
+        return super()._forward_step(items)
+
+
+def test_a_call_queued_behind_shutdown_is_refused_and_leaves_the_executor_shut_down(make_server):
+    """Shutdown releases every cache on the executor's worker; a call already queued behind it
+    must find the executor shut down when its turn comes, not create a cache afterwards."""
+    import threading
+
+    from client import ExecutorClient, KvCacheHandle
+    from executors.types import ExecutorState
+
+    executor = SlowForward()
+    running = make_server(instance=executor, allow_shutdown=True, grace_seconds=5.0)
+    outcomes: dict[str, object] = {}
+
+    def call(name, fn, *args):
+        with ExecutorClient(running.address, timeout=30) as c:
+            try:
+                outcomes[name] = getattr(c, fn)(*args)
+            except ExecutorError as e:
+                outcomes[name] = e
+
+    first = threading.Thread(target=call, args=("first", "prefill", PrefillInput([1, 2, 3], KvCacheHandle("a", 0))))
+    first.start()
+    time.sleep(0.2)  # its forward runs
+    stop = threading.Thread(target=call, args=("shutdown", "shutdown"))
+    stop.start()
+    time.sleep(0.2)  # queued behind the forward
+    call("late", "prefill", PrefillInput([4, 5, 6], KvCacheHandle("b", 0)))
+    first.join()
+    stop.join()
+    assert outcomes["first"].kv_cache.sequence_length == 3
+    assert outcomes["shutdown"].released_caches == 1
+    late = outcomes["late"]
+    assert isinstance(late, ExecutorError) and late.code == C.UNAVAILABLE, late
+    assert executor.stats.state is ExecutorState.SHUTDOWN and executor.kv.cache_ids() == []
