@@ -127,6 +127,9 @@ async def step_failed(sched: Scheduler, r: int, items: list[tuple[_Seq, int]], e
         return
     m = _ITEM_FIELD.match(e.metadata.get("field", ""))
     culprit = items[int(m.group(1))][0] if m and int(m.group(1)) < len(items) else None
+    if culprit is None and e.metadata.get("cache_id"):
+        # A cache found gone (CACHE_RELEASED: its lease ran out) is named, not located by field.
+        culprit = next((s for s, _ in items if s.cache_id == e.metadata["cache_id"]), None)
     if culprit is not None and isinstance(e, NotFoundError) and culprit.computed > 0:
         # Its cache is gone (lease ran out, replica restarted): recompute it.
         sched.router.forget(culprit.cache_id)

@@ -308,3 +308,37 @@ def test_a_sequence_preempted_on_one_replica_frees_its_cache_there_when_it_moves
     for s in (small, big):
         with ExecutorClient(s.address) as c:
             pool_is_clean(c)
+
+
+def test_a_cache_whose_lease_ran_out_is_recomputed_and_its_batch_mates_go_on(make_server):
+    """The server reaps one running request's cache between two steps: the next step is
+    refused NOT_FOUND (CACHE_RELEASED, naming the cache), and only that request is
+    prefilled again, with the same tokens; the other one carries on."""
+    server = make_server()
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    with ExecutorClient(server.address) as c:
+        expected = [plain(c, p, 8) for p in prompts]
+    executor = server.server.executor
+
+    class ReapsOnce(Recording):
+        async def unified_decode(self, batch, **kwargs):
+            items = list(batch)
+            if len(self.batches) == 3:  # both requests are decoding by now
+                victim = next(i.seq_id for i in items if i.pos_offset > 0)
+                executor.caches._states[victim].last_used -= 10_000  # its lease ran out long ago
+                assert await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                    executor.reap_idle(600), server.loop)) == [victim]
+            return await super().unified_decode(items, **kwargs)
+
+    async def run():
+        async with Scheduler(ReapsOnce(server.address), max_num_batched_tokens=64, max_num_seqs=8,
+                             retry_attempts=0) as sched:
+            streams = [sched.submit(p, max_tokens=8) for p in prompts]
+            return [await s.result() for s in streams]
+
+    completions = asyncio.run(run())
+    assert [c.finish_reason for c in completions] == ["length", "length"]
+    assert [c.token_ids for c in completions] == expected
+    assert sorted(c.preemptions for c in completions) == [0, 1]
+    with ExecutorClient(server.address) as c:
+        pool_is_clean(c)
