@@ -114,6 +114,14 @@ def apply_result(sched: Scheduler, s: _Seq, n: int, res: UnifiedItemResult) -> N
 async def step_failed(sched: Scheduler, r: int, items: list[tuple[_Seq, int]], e: ExecutorError) -> None:
     """The step changed no cache (a unified batch is all or nothing): decide per request."""
     new = [s for s, _ in items if s.computed == 0]
+    if e.reason == "RESPONSE_TOO_LARGE":
+        # The step's answer would pass the server's message limit: the rows that are large
+        # (full logits, top-k) cannot be had there; the others go on in the next step.
+        large = [s for s, _ in items if s.policy.kind in ("full", "top_k")] or [s for s, _ in items]
+        unadmit(sched, [s for s in new if s not in large])
+        for s in large:
+            sched._finish(s, "error", e)
+        return
     if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         sched.stats.refused_steps += 1
         rep = sched.replicas[r]

@@ -342,3 +342,25 @@ def test_a_cache_whose_lease_ran_out_is_recomputed_and_its_batch_mates_go_on(mak
     assert sorted(c.preemptions for c in completions) == [0, 1]
     with ExecutorClient(server.address) as c:
         pool_is_clean(c)
+
+
+def test_a_request_whose_logits_cannot_pass_the_message_limit_fails_alone(make_server):
+    """A full row of logits (~1.1 KB here) cannot pass a 1500-byte message limit: the server
+    refuses the step before it runs (RESPONSE_TOO_LARGE); that request fails with the error,
+    and the argmax request stepped with it goes on with the tokens it would have had."""
+    server = make_server(max_message_bytes=1500)
+    with ExecutorClient(server.address) as c:
+        expected = plain(c, PROMPTS[1], 6)
+
+    async def run():
+        async with Scheduler(AsyncExecutorClient(server.address), max_num_batched_tokens=64, max_num_seqs=8,
+                             retry_attempts=0) as sched:
+            small = sched.submit(PROMPTS[1], max_tokens=6)
+            full = sched.submit(PROMPTS[0], max_tokens=6, policy=LogitsPolicy.full())
+            return await small.result(), await full.result()
+
+    small, full = asyncio.run(asyncio.wait_for(run(), 60))  # once, refused steps were planned again forever
+    assert (small.finish_reason, small.token_ids) == ("length", expected)
+    assert full.finish_reason == "error" and full.error.reason == "RESPONSE_TOO_LARGE"
+    with ExecutorClient(server.address) as c:
+        pool_is_clean(c)
