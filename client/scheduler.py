@@ -20,7 +20,9 @@ and free blocks for the whole prompt. When running sequences outgrow the pool th
 is preempted: its cache is released and it is requeued at the front, to be recomputed
 (prompt plus the tokens it already produced) when blocks are free again. A step refused
 with RESOURCE_EXHAUSTED (KV_CACHE_EXHAUSTED: another client took blocks) changes no cache;
-the scheduler takes `blocks_free` from the error and plans again.
+the scheduler takes `blocks_free` from the error and plans again. One refused because its
+answer would pass the server's message limit (RESPONSE_TOO_LARGE) fails the requests
+asking for full logits or top-k rows; the others go on.
 
 A request ends on an end-of-sequence id (GetInfo metadata "eos_token_ids", or given),
 at max_tokens or at the model's max_sequence_length; its cache is released then, and
