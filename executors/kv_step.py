@@ -4,9 +4,9 @@ Each spec is resolved to its cache (continued, created, or a retry of the cache'
 step, which is replayed from its record instead of run twice); then every cache grows at
 once, the model runs all of them as one forward, and one pass of the logits policies
 covers every row. It is all or nothing: whatever fails, every cache goes back to its
-length before the call and the caches it created go. Only then is the step committed:
-filled blocks named for prefix reuse, sliding windows moved on, the step recorded for a
-replay, the stats counted.
+length and blocks before the call and the caches it created go. Only then is the step
+committed: filled blocks named for prefix reuse, sliding windows moved on, the step
+recorded for a replay, the stats counted.
 
 This is the per-step hot path: plain functions over the executor's state, no layers.
 """
@@ -26,6 +26,7 @@ from executors.types import ExecutorState, LogitsKind, LogitsPolicy, LogitsResul
 
 if TYPE_CHECKING:
     from executors.kv_executor import KvCacheExecutor
+    from kvcache.copy_on_write import Swap
 
 
 def replay_key(s: ItemSpec) -> tuple:
@@ -43,17 +44,20 @@ def run_step(ex: KvCacheExecutor, specs: list[ItemSpec], identity: str | None) -
     # Server-chosen ids never equal an id a caller names anywhere in this call.
     named = frozenset(s.cache_id for s in specs if s.cache_id is not None)
     resolved: list[StepItem | StepResult] = []
+    swapped: list[Swap] = []  # copy-on-write swaps, undone if the step fails
     try:
         for s in specs:
             resolved.append(resolve(ex, s, created, identity, named))
         work = [(s, it) for s, it in zip(specs, resolved) if isinstance(it, StepItem)]
-        copies = ex.kv.extend_many([(it.cache_id, it.start + len(it.tokens)) for _, it in work])
+        copies = ex.kv.extend_many([(it.cache_id, it.start + len(it.tokens)) for _, it in work], swapped)
         ex.pool.copy_blocks(copies)  # copy-on-write: before anything writes into them
         outputs = step_outputs(work, ex._forward_step([it for _, it in work]), ex.policy_kernels) if work else []
         fresh = [finish(ex, it, out, created.get(it.cache_id)) for (_, it), out in zip(work, outputs)]
     except BaseException:
         # Undo everything: caches this call created go, the others return to their
-        # length before it (dropping any prefix blocks they were given).
+        # length before it (dropping any prefix blocks they were given) and to the shared
+        # blocks a copy-on-write replaced (the copy may never have been made).
+        ex.kv.unswap(swapped)
         for s, it in zip(specs, resolved):
             if isinstance(it, StepItem) and it.cache_id not in created and it.table.num_tokens > s.expected_length:
                 ex.kv.truncate(it.cache_id, s.expected_length)

@@ -160,7 +160,12 @@ class KvImport:
                                          f"{bound!r}, the stream to {d.lora_adapter!r}", field="start.cache_id",
                                          reason="LORA_ADAPTER_MISMATCH", cache_id=self.cache_id)
             self._hold = kv.reserve(start, end, extend=self.cache_id)
-            ex.pool.copy_blocks(list(self._hold.copies))
+            try:
+                ex.pool.copy_blocks(list(self._hold.copies))
+            except BaseException:  # the caller never gets this session to abort: give the blocks back
+                kv.drop_hold(self._hold)
+                self._hold = None
+                raise
             return
         if self._extends:
             kv.get(self.cache_id)  # raises CacheNotFound

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from kvcache.block_allocator import BlockAllocator, CachedBlock
 from kvcache.block_table import FREED, BlockTable
+from kvcache.copy_on_write import Swap, plan_writes
 from kvcache.errors import (
     CacheAlreadyExists,
     CacheNotFound,
@@ -121,13 +122,15 @@ class KvCacheManager(HoldsMixin):
         self._released.pop(cache_id, None)
         return cache_id, table
 
-    def extend_many(self, targets: Sequence[tuple[str, int]]) -> list[tuple[int, int]]:
+    def extend_many(self, targets: Sequence[tuple[str, int]],
+                    swapped: list[Swap] | None = None) -> list[tuple[int, int]]:
         """Grow each named cache to hold its target length and set its length to it.
 
         All or nothing: if the blocks needed by all targets together are not free, raise
         KvCacheExhausted and change nothing. Each cache may appear once. Returns the
         (source, destination) blocks to copy before writing: a cache whose partly filled
-        last block is shared gets a private copy of it (copy-on-write).
+        last block is shared gets a private copy of it (copy-on-write, copy_on_write.py).
+        `swapped`, when given, receives each such swap, for `unswap` should the step fail.
         """
         seen: set[str] = set()
         for cid, _ in targets:
@@ -138,28 +141,36 @@ class KvCacheManager(HoldsMixin):
         for (cid, length), (table, _) in zip(targets, tables):
             if length < table.num_tokens:
                 raise InvalidLength(cid, length, table.num_tokens, action="extend")
-        writes_into_last = [length > t.num_tokens and t.num_tokens % self.block_size != 0 for t, length in tables]
-        copies_needed = sum(w and self.allocator.ref_count(t.block_ids[-1]) > 1
-                            for w, (t, _) in zip(writes_into_last, tables))
-        needed = sum(t.blocks_missing(length) for t, length in tables) + copies_needed
+        plan = plan_writes(self.allocator, self.block_size, tables)
+        needed = sum(t.blocks_missing(length) for t, length in tables) + plan.count(True)
         if needed > self.allocator.num_free:
             self.allocator.allocation_failures += 1
             raise KvCacheExhausted(needed, self.allocator.num_free, self.allocator.num_total)
         copies: list[tuple[int, int]] = []
-        for writes, (table, length) in zip(writes_into_last, tables):
-            if writes:
+        for copy, (table, length) in zip(plan, tables):
+            if copy:
                 last = table.block_ids[-1]
-                if self.allocator.ref_count(last) > 1:
-                    (private,) = self.allocator.allocate(1)
-                    copies.append((last, private))
-                    table.block_ids[-1] = private
-                    self.allocator.decref(last)
-                else:
-                    # Ours alone, but its hash describes tokens about to be overwritten.
-                    self.allocator.drop_hash(last)
+                (private,) = self.allocator.allocate(1)
+                copies.append((last, private))
+                table.block_ids[-1] = private
+                self.allocator.decref(last)
+                if swapped is not None:
+                    swapped.append((table, len(table.block_ids) - 1, last, private))
+            elif copy is not None:
+                # Written in place: its hash describes tokens about to be overwritten.
+                self.allocator.drop_hash(table.block_ids[-1])
             table.block_ids.extend(self.allocator.allocate(table.blocks_missing(length)))
             table.num_tokens = length
         return copies
+
+    def unswap(self, swapped: Sequence[Swap]) -> None:
+        """Undo extend_many's copy-on-write swaps, for a step that failed (before or after
+        its copies and forward ran): each table gets its shared block back, each private
+        copy goes back to the pool. Call it before any truncate or release."""
+        for table, index, shared, private in reversed(swapped):
+            self.allocator.incref(shared)
+            table.block_ids[index] = shared
+            self.allocator.decref(private)
 
     def extend(self, cache_id: str, length: int) -> list[tuple[int, int]]:
         return self.extend_many([(cache_id, length)])
@@ -348,7 +359,8 @@ class KvCacheManager(HoldsMixin):
         while True:
             self._next_id += 1
             cid = f"kv-{self._next_id}"
-            if cid not in self._tables and cid not in avoid:
+            # Nor a released id: a late call naming it (a retried release) must not reach a new cache.
+            if cid not in self._tables and cid not in self._released and cid not in avoid:
                 return cid
 
     def _remember_released(self, cache_id: str) -> None:

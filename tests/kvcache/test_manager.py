@@ -90,6 +90,19 @@ def test_fresh_id_is_not_an_id_in_use_after_release() -> None:
     assert c not in (a, b)
 
 
+def test_fresh_ids_skip_ids_a_caller_released_recently() -> None:
+    """A caller's retried (idempotent) release of its own id must not reach a cache the
+    server created since under that id."""
+    m = make()
+    m.create("kv-2")
+    m.release("kv-2")
+    fresh = [m.create()[0] for _ in range(3)]
+    assert "kv-2" not in fresh
+    assert m.release("kv-2") is None  # still the caller's released id
+    assert set(m.cache_ids()) == set(fresh)
+    assert m.create("kv-2")[0] == "kv-2"  # the caller may take it again
+
+
 @pytest.mark.parametrize(
     "cid", ["a", "kv-3", "A.b_c:d-e", "0", "x" * 128, "seq:42.step-7", "UPPER_lower"]
 )

@@ -1,11 +1,12 @@
 """Prefix reuse under random prefills, appends, truncations and releases, against a simulated pool.
 
 The machine drives KvCacheManager the way the executor does (match_prefix, extend with
-copy-on-write, write the K/V of the computed tokens, commit; truncate back on failure) and
-keeps what every pool slot holds. After each step every cache must read back exactly its
-own tokens through its block table, and every named block must hold the tokens its name
-says: a reused block with the wrong K/V, a write that leaks into a sharer, or a name that
-outlives its contents all fail here. A three-token alphabet makes shared prefixes common.
+copy-on-write, write the K/V of the computed tokens, commit; on failure unswap and truncate
+back) and keeps what every pool slot holds. After each step every cache must read back
+exactly its own tokens through its block table, and every named block must hold the
+tokens its name says: a reused block with the wrong K/V, a write that leaks into a sharer,
+a rolled-back cache reading a copy never made, or a name that outlives its contents all
+fail here. A three-token alphabet makes shared prefixes common.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ NUM_BLOCKS = 16
 BLOCK_SIZE = 4
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=18)
 INDEX = st.integers(0, 63)
+FAIL = st.sampled_from([None, "copy", "forward"])  # where a batched step fails, if it does
 
 
 class PrefixMachine(RuleBasedStateMachine):
@@ -50,10 +52,7 @@ class PrefixMachine(RuleBasedStateMachine):
             elif table.num_tokens > start:
                 self.m.truncate(cid, start)  # drop the prefix blocks it was given
             return
-        for src, dst in copies:  # the pool copies before the forward writes
-            for off in range(BLOCK_SIZE):
-                if src * BLOCK_SIZE + off in self.slots:
-                    self.slots[dst * BLOCK_SIZE + off] = self.slots[src * BLOCK_SIZE + off]
+        self._copy(copies)  # the pool copies before the forward writes
         ns = self.namespace[cid]
         for slot, tok in zip(table.slots(start + skip, start + len(tokens)), tokens[skip:], strict=True):
             self.slots[slot] = (ns, tok)
@@ -103,6 +102,75 @@ class PrefixMachine(RuleBasedStateMachine):
         if cid is not None:
             # A prefill chunk looks the prefix cache up again; a decode step does not.
             self._step(cid, tokens if chunk else tokens[:1], reuse=chunk, created=False)
+
+    @rule(picks=st.lists(st.tuples(INDEX, st.integers(0, 3 * BLOCK_SIZE), st.integers(0, 2)), min_size=1,
+                         max_size=3), fail=FAIL)
+    def batch(self, picks: list[tuple[int, int, int]], fail: str | None) -> None:
+        """Caches cut back to absolute lengths, then written one token each as one step."""
+        work: dict[str, tuple[int, int]] = {}
+        for index, at, token in picks:
+            cid = self.pick(index)
+            if cid is not None and cid not in work:
+                work[cid] = (at, token)
+        self._batch(work, fail)
+
+    @rule(index=INDEX, block=st.integers(0, 3), src_first=st.booleans(), fail=FAIL,
+          cuts=st.lists(st.tuples(st.integers(1, BLOCK_SIZE - 1), st.integers(0, 2)), min_size=2, max_size=2))
+    def fork_batch(self, index: int, block: int, src_first: bool, fail: str | None,
+                   cuts: list[tuple[int, int]]) -> None:
+        """A copy of a live cache (sharing its full blocks), then both cut back into the same
+        shared block and written as one step: a block that only the step's writers hold is
+        copied for all but one of them."""
+        long = [c for c in sorted(self.model) if len(self.model[c]) > BLOCK_SIZE]
+        if not long:
+            return
+        src = long[index % len(long)]
+        cid, _ = self.m.create(namespace=self.namespace[src])
+        self.namespace[cid] = self.namespace[src]
+        self._step(cid, list(self.model[src]), reuse=True, created=True)
+        if cid not in self.model:
+            return
+        i = min(block, (len(self.model[src]) - 1) // BLOCK_SIZE - 1)  # a block the copy took from the cache
+        shared = self.m.get(cid).block_ids[i]
+        # src, or whichever cache held the block the copy took (an equal block cached first)
+        other = next((c for c in sorted(self.model, key=lambda c: c != src)
+                      if c != cid and self.m.get(c).block_ids[i:i + 1] == [shared]), None)
+        if other is not None:
+            order = [other, cid] if src_first else [cid, other]
+            self._batch({c: (i * BLOCK_SIZE + offset, token) for c, (offset, token) in zip(order, cuts)}, fail)
+
+    def _batch(self, work: dict[str, tuple[int, int]], fail: str | None) -> None:
+        """Each cache cut to a length (at most its own) and written one token, as one step,
+        which may fail in its copy or after its forward wrote: then rolled back as run_step
+        does (unswap, then each cache cut back to its length before the step)."""
+        for cid, (at, _) in work.items():
+            length = min(at, len(self.model[cid]))
+            self.m.truncate(cid, length)
+            del self.model[cid][length:]
+        swapped: list = []
+        try:
+            copies = self.m.extend_many([(cid, len(self.model[cid]) + 1) for cid in work], swapped)
+        except KvCacheExhausted:
+            return
+        if fail != "copy":
+            self._copy(copies)
+            for cid, (_, token) in work.items():
+                (slot,) = self.m.get(cid).slots(len(self.model[cid]), len(self.model[cid]) + 1)
+                self.slots[slot] = (self.namespace[cid], token)
+        if fail is not None:
+            self.m.unswap(swapped)
+            for cid in work:
+                self.m.truncate(cid, len(self.model[cid]))
+            return
+        for cid, (_, token) in work.items():
+            self.m.commit(cid, len(self.model[cid]), [token])
+            self.model[cid].append(token)
+
+    def _copy(self, copies: list[tuple[int, int]]) -> None:
+        for src, dst in copies:
+            for off in range(BLOCK_SIZE):
+                if src * BLOCK_SIZE + off in self.slots:
+                    self.slots[dst * BLOCK_SIZE + off] = self.slots[src * BLOCK_SIZE + off]
 
     @rule(index=INDEX, cut=st.integers(0, 20))
     def truncate(self, index: int, cut: int) -> None:
