@@ -27,7 +27,8 @@ import logging
 import torch
 
 from executors.cpu_kernels.build import KernelsUnavailable, build_library, load_library
-from executors.cpu_kernels.panels import Panels
+from executors.cpu_kernels.panels import PANEL, Panels
+from executors.cpu_kernels.step import DecoderSpec, StepSpec
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ MAX_ROPE_DIM = 512  # head dimension the rotation takes (pointwise.c's row buffe
 GLU_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 _P, _I, _C, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_F32, _I64, _I32 = torch.float32, torch.int64, torch.int32
 
 
 def _bind(library: ctypes.CDLL, name: str, argtypes: list, restype=None):
@@ -44,8 +46,26 @@ def _bind(library: ctypes.CDLL, name: str, argtypes: list, restype=None):
     return fn
 
 
+def _refused(fn: str, name: str, t: object, want: str, dtype: torch.dtype | None = None) -> TypeError | ValueError:
+    """The error for argument `name` of CpuKernels.`fn`, which is not `want`: a TypeError where
+    it is not a tensor or not of `dtype`, a ValueError for the rest (shape, strides, device)."""
+    if not isinstance(t, torch.Tensor):
+        return TypeError(f"CpuKernels.{fn}: {name} must be {want}, not {type(t).__name__}")
+    kind = TypeError if dtype is not None and t.dtype != dtype else ValueError
+    return kind(f"CpuKernels.{fn}: {name} must be {want}; got {t.dtype} on {t.device.type} of shape "
+                f"{tuple(t.shape)}, strides {t.stride()}")
+
+
 class CpuKernels:
-    """ctypes bindings; every tensor is float32 on the CPU with rows of unit stride."""
+    """ctypes bindings; every tensor is float32 on the CPU with rows of unit stride.
+
+    Each wrapper checks what its C function assumes of its arguments (dtype, device, rank,
+    shape, the strides it does not take) and raises TypeError (a dtype, a non-tensor) or
+    ValueError (the rest) naming the argument: the C functions index with them unchecked. The
+    checks are attribute comparisons only, cheap beside the calls they guard (linear() of one
+    row of 576 over a 576 x 576 weight: 21 us before and after them on the 2-core EPYC; the
+    strides are read once where they were read twice). The values inside index tensors
+    (slots, positions, block tables, key bounds) stay the callers' to check, as each says."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._linear = _bind(library, "me_weight_linear_f32", [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I, _C],
@@ -73,23 +93,44 @@ class CpuKernels:
     def linear(self, x: torch.Tensor, w: Panels, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
         """x @ w.T (+ bias) (+ residual): x [m, k], w [n, k] as panels, bias [n], residual [m, n]."""
+        if x.dtype is not _F32 or x.ndim != 2 or not x.is_cpu:
+            raise _refused("linear", "x", x, "a float32 CPU matrix [m, k]", _F32)
+        if type(w) is not Panels:
+            raise TypeError(f"CpuKernels.linear: w must be Panels (panels.pack), not {type(w).__name__}")
+        data, n = w
+        if data.dtype is not _F32 or data.ndim != 3 or not data.is_cpu or not data.is_contiguous():
+            raise _refused("linear", "w.data", data, "a contiguous float32 CPU tensor [ceil(n / 6), k, 6]", _F32)
         m, k = x.shape
-        if k != w.k:
-            raise ValueError(f"x has {k} columns, the weight {w.k}")
-        if x.stride(1) != 1:
+        count, kw, width = data.shape
+        if k != kw:
+            raise ValueError(f"CpuKernels.linear: x has {k} columns, the weight {kw}")
+        if width != PANEL or count * PANEL < n:
+            raise _refused("linear", "w.data", data, f"panels of {PANEL} columns for w.n = {n} rows")
+        sx = x.stride()
+        if sx[1] != 1:
             x = x.contiguous()
-        if bias is not None and bias.stride(0) != 1:
-            bias = bias.contiguous()
-        if residual is not None and residual.stride(1) != 1:
-            residual = residual.contiguous()
+            sx = x.stride()
+        if bias is not None:
+            if bias.dtype is not _F32 or bias.shape != (n,) or not bias.is_cpu:
+                raise _refused("linear", "bias", bias, f"a float32 CPU vector [n] = [{n}]", _F32)
+            if not bias.is_contiguous():
+                bias = bias.contiguous()
+        ldr = 0
+        if residual is not None:
+            if residual.dtype is not _F32 or residual.shape != (m, n) or not residual.is_cpu:
+                raise _refused("linear", "residual", residual, f"a float32 CPU matrix [m, n] = [{m}, {n}]", _F32)
+            ldr, unit = residual.stride()
+            if unit != 1:
+                residual = residual.contiguous()
+                ldr = residual.stride(0)
         if k == 0:  # an empty sum: what is left is the bias and the residual
-            y = torch.zeros(m, w.n, dtype=torch.float32)
+            y = torch.zeros(m, n, dtype=torch.float32)
             return y.add_(bias if bias is not None else 0).add_(residual if residual is not None else 0)
-        y = torch.empty(m, w.n, dtype=torch.float32)
-        if self._linear(x.data_ptr(), m, x.stride(0), w.data.data_ptr(), w.n, k,
+        y = torch.empty(m, n, dtype=torch.float32)
+        if self._linear(x.data_ptr(), m, sx[0], data.data_ptr(), n, k,
                         None if bias is None else bias.data_ptr(),
                         None if residual is None else residual.data_ptr(),
-                        0 if residual is None else residual.stride(0), y.data_ptr(), w.n, torch.get_num_threads()):
+                        ldr, y.data_ptr(), n, torch.get_num_threads()):
             raise MemoryError("the matmul kernel could not allocate its packed rows of x")
         return y
 
@@ -100,39 +141,81 @@ class CpuKernels:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """F.rms_norm over the last dimension of x ([m, n], or [m, heads, n] with heads n apart)."""
+        if x.dtype is not _F32 or not 2 <= x.ndim <= 3 or not x.is_cpu:
+            raise _refused("rms_norm", "x", x, "a float32 CPU tensor [m, n] or [m, heads, n]", _F32)
         if x.stride(-1) != 1:
             x = x.contiguous()
         n = x.shape[-1]
+        if weight.dtype is not _F32 or weight.shape != (n,) or not weight.is_cpu:
+            raise _refused("rms_norm", "weight", weight, f"a float32 CPU vector [n] = [{n}]", _F32)
+        if weight.stride(0) != 1:
+            weight = weight.contiguous()
         outer = x.shape[0]
-        inner = x.shape[1] if x.dim() == 3 else 1
-        inner_stride = x.stride(1) if x.dim() == 3 else n
+        inner = x.shape[1] if x.ndim == 3 else 1
+        inner_stride = x.stride(1) if x.ndim == 3 else n
         y = torch.empty(x.shape, dtype=torch.float32)
         self._rms_norm(x.data_ptr(), outer, inner, x.stride(0), inner_stride, n, weight.data_ptr(), eps,
                        y.data_ptr(), inner * n, n, torch.get_num_threads())
         return y
 
     def rope_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x ([m, heads, d], heads d floats apart, d <= MAX_ROPE_DIM) in place; tables
-        [max_positions, d], every position below max_positions (step_ops checks both)."""
+        """Rotate x ([m, heads, d], heads d floats apart, d even and <= MAX_ROPE_DIM) in place;
+        positions int64 [m]; tables [max_positions, d], every position below max_positions
+        (step_ops checks the positions' values)."""
+        if x.dtype is not _F32 or x.ndim != 3 or not x.is_cpu:
+            raise _refused("rope_", "x", x, "a float32 CPU tensor [m, heads, d]", _F32)
         m, heads, d = x.shape
-        self._rope(x.data_ptr(), m, heads, x.stride(0), d, positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
+        sx = x.stride()
+        if sx[2] != 1 or (sx[1] != d and heads > 1) or d % 2 or d > MAX_ROPE_DIM:
+            raise _refused("rope_", "x", x, f"heads of d contiguous floats, d even and at most {MAX_ROPE_DIM}")
+        if positions.dtype is not _I64 or positions.shape != (m,) or not positions.is_cpu:
+            raise _refused("rope_", "positions", positions, f"an int64 CPU vector [m] = [{m}]", _I64)
+        if positions.stride(0) != 1:
+            positions = positions.contiguous()
+        for name, table in (("cos", cos), ("signed_sin", signed_sin)):
+            if (table.dtype is not _F32 or table.ndim != 2 or table.shape[1] != d or not table.is_cpu
+                    or not table.is_contiguous()):
+                raise _refused("rope_", name, table, f"a contiguous float32 CPU table [max_positions, d = {d}]", _F32)
+        if signed_sin.shape != cos.shape:
+            raise _refused("rope_", "signed_sin", signed_sin, f"of cos's shape {tuple(cos.shape)}")
+        self._rope(x.data_ptr(), m, heads, sx[0], d, positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
                    torch.get_num_threads())
         return x
 
     def glu(self, gu: torch.Tensor, activation: str) -> torch.Tensor:
         """act(gu[:, :I]) * gu[:, I:] for gu [m, 2 I] (rows of unit stride); act "silu" or "gelu_tanh"."""
+        if gu.dtype is not _F32 or gu.ndim != 2 or gu.shape[1] % 2 or not gu.is_cpu:
+            raise _refused("glu", "gu", gu, "a float32 CPU matrix [m, 2 I]", _F32)
+        act = GLU_ACTIVATIONS.get(activation)
+        if act is None:
+            raise ValueError(f"CpuKernels.glu: activation must be one of {sorted(GLU_ACTIVATIONS)}, not {activation!r}")
         m, inter = gu.shape[0], gu.shape[1] // 2
         if gu.stride(1) != 1:
             gu = gu.contiguous()
         y = torch.empty(m, inter, dtype=torch.float32)
-        self._glu(gu.data_ptr(), m, gu.stride(0), inter, GLU_ACTIVATIONS[activation], y.data_ptr(), torch.get_num_threads())
+        self._glu(gu.data_ptr(), m, gu.stride(0), inter, act, y.data_ptr(), torch.get_num_threads())
         return y
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kpool: torch.Tensor,
                  vpool: torch.Tensor) -> None:
-        """kpool/vpool (one layer, [blocks, block_size, KVH, D]) at flat slots = k, v ([n, KVH, D],
-        heads contiguous); slots int64, each already checked against the pool's size."""
+        """kpool/vpool (one layer, [blocks, block_size, KVH, D], contiguous) at flat slots = k, v
+        ([n, KVH, D]); slots int64 [n], each already checked against the pool's size."""
+        if k.dtype is not _F32 or k.ndim != 3 or not k.is_cpu:
+            raise _refused("store_kv", "k", k, "a float32 CPU tensor [n, kv_heads, d]", _F32)
         n, kv_heads, d = k.shape
+        if v.dtype is not _F32 or v.shape != k.shape or not v.is_cpu:
+            raise _refused("store_kv", "v", v, f"a float32 CPU tensor of k's shape {tuple(k.shape)}", _F32)
+        if slots.dtype is not _I64 or slots.shape != (n,) or not slots.is_cpu:
+            raise _refused("store_kv", "slots", slots, f"an int64 CPU vector [n] = [{n}]", _I64)
+        if slots.stride(0) != 1:
+            slots = slots.contiguous()
+        if (kpool.dtype is not _F32 or kpool.ndim != 4 or kpool.shape[2:] != (kv_heads, d) or not kpool.is_cpu
+                or not kpool.is_contiguous()):
+            raise _refused("store_kv", "kpool", kpool,
+                           f"a contiguous float32 CPU pool [blocks, block_size, {kv_heads}, {d}]", _F32)
+        if vpool.dtype is not _F32 or vpool.shape != kpool.shape or not vpool.is_cpu or not vpool.is_contiguous():
+            raise _refused("store_kv", "vpool", vpool, f"a contiguous float32 CPU pool of kpool's shape "
+                           f"{tuple(kpool.shape)}", _F32)
         if k.stride(2) != 1 or k.stride(1) != d:
             k = k.contiguous()
         if v.stride(2) != 1 or v.stride(1) != d:
@@ -143,6 +226,8 @@ class CpuKernels:
     def argmax_logprob(self, x: torch.Tensor) -> tuple[list[int], list[float]] | None:
         """Each row's first largest logit and its log-probability (x [n, vocab] float32); None
         when a row holds a NaN or an infinite maximum (torch's rules then apply)."""
+        if x.dtype is not _F32 or x.ndim != 2 or not x.is_cpu:
+            raise _refused("argmax_logprob", "x", x, "a float32 CPU matrix [rows, vocab]", _F32)
         rows, n = x.shape
         if x.stride(1) != 1:
             x = x.contiguous()
@@ -155,11 +240,39 @@ class CpuKernels:
 
     def decode_attention(self, q: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, tables: torch.Tensor,
                          lo: torch.Tensor, hi: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-        """out [R, H * D] = attention of q [R, H, D] over keys lo[r]..hi[r]-1 of row r, read from
-        one layer's pool ([blocks, block_size, KVH, D]) through tables ([R, width] int32)."""
+        """out [R, H * D] = attention of q [R, H, D] (heads D floats apart) over keys lo[r]..hi[r]-1
+        of row r, read from one layer's pool ([blocks, block_size, KVH, D], contiguous) through
+        tables ([R, width] int32, rows of unit stride); lo and hi int32 [R]. The blocks those keys
+        fall in, and the bounds, are the caller's to check against the pool and the tables."""
+        if q.dtype is not _F32 or q.ndim != 3 or not q.is_cpu:
+            raise _refused("decode_attention", "q", q, "a float32 CPU tensor [rows, heads, d]", _F32)
         rows, heads, d = q.shape
+        sq = q.stride()
+        if sq[2] != 1 or (sq[1] != d and heads > 1):
+            raise _refused("decode_attention", "q", q, "heads of d contiguous floats")
+        if (kpool.dtype is not _F32 or kpool.ndim != 4 or kpool.shape[3] != d or not kpool.is_cpu
+                or not kpool.is_contiguous()):
+            raise _refused("decode_attention", "kpool", kpool,
+                           f"a contiguous float32 CPU pool [blocks, block_size, kv_heads, {d}]", _F32)
+        if vpool.dtype is not _F32 or vpool.shape != kpool.shape or not vpool.is_cpu or not vpool.is_contiguous():
+            raise _refused("decode_attention", "vpool", vpool,
+                           f"a contiguous float32 CPU pool of kpool's shape {tuple(kpool.shape)}", _F32)
         bs, kv_heads = kpool.shape[1], kpool.shape[2]
-        status = self._attention(q.data_ptr(), rows, q.stride(0), heads, kv_heads, d, kpool.data_ptr(),
+        if kv_heads < 1 or heads > MAX_HEADS or heads % kv_heads or d % 8:
+            raise ValueError(f"CpuKernels.decode_attention: q's {heads} heads of {d} over kpool's {kv_heads} KV heads: "
+                             f"at most {MAX_HEADS} heads, a multiple of the KV heads, d a multiple of 8")
+        if tables.dtype is not _I32 or tables.ndim != 2 or tables.shape[0] != rows or not tables.is_cpu:
+            raise _refused("decode_attention", "tables", tables, f"an int32 CPU matrix [rows = {rows}, width]", _I32)
+        if tables.stride(1) != 1:
+            tables = tables.contiguous()
+        for name, bound in (("lo", lo), ("hi", hi)):
+            if bound.dtype is not _I32 or bound.shape != (rows,) or not bound.is_cpu or not bound.is_contiguous():
+                raise _refused("decode_attention", name, bound, f"a contiguous int32 CPU vector [rows] = [{rows}]",
+                               _I32)
+        if out.dtype is not _F32 or out.shape != (rows, heads * d) or not out.is_cpu or out.stride(1) != 1:
+            raise _refused("decode_attention", "out", out,
+                           f"a float32 CPU matrix [rows, heads * d] = [{rows}, {heads * d}], rows of unit stride", _F32)
+        status = self._attention(q.data_ptr(), rows, sq[0], heads, kv_heads, d, kpool.data_ptr(),
                                  vpool.data_ptr(), bs, tables.data_ptr(), tables.stride(0), lo.data_ptr(),
                                  hi.data_ptr(), scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
         if status != 0:
@@ -169,21 +282,38 @@ class CpuKernels:
                           out: torch.Tensor) -> None:
         """out = causal attention of `count` equal prompts (consecutive rows) over themselves:
         q [rows, heads, d], k and v [rows, kv_heads, d] (heads d floats apart, rows of any
-        stride), out [rows, heads, d] likewise; heads a multiple of kv_heads."""
+        stride), out [rows, heads, d] likewise; heads a multiple of kv_heads, rows of count."""
+        for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+            if t.dtype is not _F32 or t.ndim != 3 or not t.is_cpu:
+                raise _refused("prefill_attention", name, t, "a float32 CPU tensor [rows, heads, d]", _F32)
         rows, heads, d = q.shape
         kv_heads = k.shape[1]
-        for t in (q, k, v, out):
+        if k.shape[0] != rows or k.shape[2] != d or kv_heads < 1 or heads % kv_heads:
+            raise _refused("prefill_attention", "k", k, f"[rows = {rows}, kv_heads, d = {d}], kv_heads dividing "
+                           f"the {heads} heads")
+        if v.shape != k.shape:
+            raise _refused("prefill_attention", "v", v, f"of k's shape {tuple(k.shape)}")
+        if out.shape != q.shape:
+            raise _refused("prefill_attention", "out", out, f"of q's shape {tuple(q.shape)}")
+        if not isinstance(count, int) or count < 1 or rows % count:
+            raise ValueError(f"CpuKernels.prefill_attention: count must be a positive int dividing the {rows} rows, "
+                             f"not {count!r}")
+        for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
             if t.stride(2) != 1 or t.stride(1) != d:
-                raise ValueError("q, k, v and out need heads of d contiguous floats")
+                raise ValueError(f"CpuKernels.prefill_attention: q, k, v and out need heads of d contiguous floats; "
+                                 f"{name} has strides {t.stride()}")
         status = self._prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), count, rows // count, q.stride(0),
                                          k.stride(0), v.stride(0), heads, kv_heads, d, scale, out.data_ptr(),
                                          out.stride(0), torch.get_num_threads())
         if status:
             raise MemoryError("the prefill attention kernel could not allocate its scratch")
 
-    def decode_step(self, model: ctypes.Structure, step: ctypes.Structure) -> int:
+    def decode_step(self, model: DecoderSpec, step: StepSpec) -> int:
         """me_decode_step_f32 (step.py's DecoderSpec and StepSpec): 0, or step.OUT_OF_RANGE
         when an index was out of range (nothing written); raises on the other failures."""
+        if type(model) is not DecoderSpec or type(step) is not StepSpec:
+            raise TypeError(f"CpuKernels.decode_step: model and step must be a DecoderSpec and a StepSpec, not "
+                            f"{type(model).__name__} and {type(step).__name__}")
         status = self._decode_step(ctypes.addressof(model), ctypes.addressof(step), torch.get_num_threads())
         if status == -1:
             raise MemoryError("the decode step kernel could not allocate its scratch buffers")

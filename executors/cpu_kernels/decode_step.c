@@ -82,15 +82,29 @@ static void step_glu(const me_decoder *m, const me_step *s, const float *gu_w, c
         glu_row(s->gu + r * 2 * inter, s->gu + r * 2 * inter + inter, inter, m->activation, s->act + r * inter);
 }
 
+/* Keys a query sees in every layer: the widest window, 0 where some layer sees them all. */
+static int64_t widest_window(const me_decoder *m) {
+    int64_t widest = 0;
+    for (int64_t l = 0; l < m->layers; l++) {
+        if (m->windows[l] <= 0) return 0;
+        widest = m->windows[l] > widest ? m->windows[l] : widest;
+    }
+    return widest;
+}
+
 /* Every position inside the rotary tables, every slot and every block a row reads inside
- * the pool: the loops below index with them unchecked. */
+ * the pool: the loops below index with them unchecked. A row reads the blocks of its keys
+ * [lo, hi) in some layer, lo the least of the layers' window starts; the entries before
+ * lo's block are never read, and may be FREED (-1) once a window that every layer slides
+ * has left them (kvcache's KvCacheManager.slide). */
 static int in_range(const me_decoder *m, const me_step *s) {
-    const int64_t slots = s->pool_blocks * s->block_size;
+    const int64_t slots = s->pool_blocks * s->block_size, widest = widest_window(m);
     for (int64_t r = 0; r < s->rows; r++) {
         const int64_t p = s->positions[r];
         if (p < 0 || p >= m->max_positions || p / s->block_size >= s->ldt || s->slots[r] < 0 || s->slots[r] >= slots)
             return 0;
-        for (int64_t b = 0; b <= p / s->block_size; b++) {
+        const int64_t hi = p + 1, lo = widest > 0 && hi > widest ? hi - widest : 0;
+        for (int64_t b = lo / s->block_size; b <= p / s->block_size; b++) {
             const int32_t block = s->tables[r * s->ldt + b];
             if (block < 0 || block >= s->pool_blocks) return 0;
         }

@@ -23,6 +23,8 @@
 #ifndef MODELEXEC_WEIGHT_PANEL_H
 #define MODELEXEC_WEIGHT_PANEL_H
 
+#include <string.h>
+
 #include "simd.h"
 
 #define WPANEL 6           /* output columns of a weight panel */
@@ -93,6 +95,21 @@ static inline void pack_x_team(const float *x, int64_t m, int64_t ldx, int64_t k
     }
 }
 
+/* Two floats at p (a float's alignment) as the low lanes of a vector, the others zero, and
+ * back: a memcpy through a double, one 64-bit move (vmovq / vmovlps) once compiled, as the
+ * _mm_load_sd / _mm_store_sd through a cast pointer were. Such a cast (double *) of a row
+ * with an odd stride or offset is misaligned: undefined, and UBSan reports it. */
+static inline __m128 load_pair(const float *p) {
+    double two;
+    memcpy(&two, p, sizeof two);
+    return _mm_castpd_ps(_mm_set_sd(two));
+}
+
+static inline void store_pair(float *p, __m128 v) {
+    const double two = _mm_cvtsd_f64(_mm_castps_pd(v));
+    memcpy(p, &two, sizeof two);
+}
+
 /* One output row of six columns (lanes 0..cols-1 of v) into out (+ bias) (+ residual). */
 static inline void store_row6(__m256 v, int cols, __m256 bias, const float *residual, float *out) {
     v = _mm256_add_ps(v, bias);
@@ -100,10 +117,10 @@ static inline void store_row6(__m256 v, int cols, __m256 bias, const float *resi
         __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
         if (residual) {
             lo = _mm_add_ps(lo, _mm_loadu_ps(residual));
-            hi = _mm_add_ps(hi, _mm_castpd_ps(_mm_load_sd((const double *)(residual + 4))));
+            hi = _mm_add_ps(hi, load_pair(residual + 4));
         }
         _mm_storeu_ps(out, lo);
-        _mm_store_sd((double *)(out + 4), _mm_castps_pd(hi));
+        store_pair(out + 4, hi);
     } else {
         float lanes[8];
         _mm256_storeu_ps(lanes, v);

@@ -7,11 +7,16 @@ meeting at barriers instead of returning to Python between ~300 op calls (bench/
 run 10). Dense Llama / Qwen2 / Qwen3 / Mistral-shaped models qualify; what does not
 (experts, Gemma's sandwich norms and second rotary table, odd head sizes) keeps the
 op-by-op path of decoder.py, as does any step the kernel refuses (a position, slot or block
-out of range: nothing is written then, and the op-by-op path raises its usual error).
+out of range: nothing is written then, and the op-by-op path raises its usual error). A
+refusal is counted (FusedDecode.refused) and the first one of a model logged with the step's
+positions, so that a step the op-by-op path serves without an error does not lose the one
+call silently. The kernel checks only the block-table entries a row reads: under a window
+every layer slides, the entries behind it may be FREED (-1) (kvcache's KvCacheManager.slide).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +29,8 @@ from executors.models.attention import StepContext
 if TYPE_CHECKING:
     from executors.models.decoder import DecoderLM
 
+log = logging.getLogger(__name__)
+
 FUSED_MAX_ROWS = MAX_STEP_ROWS
 MATMUL_FIELDS = ("qkv", "o", "gate_up", "down")  # the layer fields stored as panels
 FUSED_DECODE = True  # False: every step op by op (tests compare the two)
@@ -35,6 +42,7 @@ class FusedDecode:
     def __init__(self, model: DecoderLM, kernels: CpuKernels) -> None:
         c = model.config
         self.kernels = kernels
+        self.refused = 0  # steps the kernel refused (OUT_OF_RANGE), served op by op instead
         fused = model.fused
         self.hidden, self.inter, self.width = c.hidden_size, c.intermediate_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         self.hq = c.num_heads * c.head_dim
@@ -73,7 +81,7 @@ class FusedDecode:
         for row, seg in enumerate(segments):
             if seg.q_len != 1 or seg.start == 0 or seg.q_start != row or seg.block_ids is None:
                 return None
-            tables.append(seg.block_ids[:seg.start // bs + 1])
+            tables.append(seg.block_ids[:seg.start // bs + 1])  # entries behind a window may be FREED: never read
         width = max(map(len, tables))
         tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         positions = positions.to(torch.int64).contiguous()
@@ -93,8 +101,16 @@ class FusedDecode:
             attn=attn.data_ptr(), gu=gu.data_ptr(), act=act.data_ptr())
         status = self.kernels.decode_step(self.spec, step)
         if status == OUT_OF_RANGE:
+            self._refused(positions, tables)
             return None
         return x
+
+    def _refused(self, positions: torch.Tensor, tables: torch.Tensor) -> None:
+        self.refused += 1
+        if self.refused == 1:
+            log.warning("the one-call decode step refused a step (a position, slot or block out of range; positions "
+                        "%s, block tables %s): it runs op by op; further refusals are counted in "
+                        "FusedDecode.refused", positions.tolist()[:8], tables[:8, :16].tolist())
 
 
 def unsupported(model: DecoderLM) -> str | None:

@@ -313,3 +313,124 @@ def test_rms_norm_of_a_view_whose_rows_are_not_contiguous(kernels):
     x = torch.randn(2, 16, 4, generator=g).transpose(1, 2)  # [2, 4, 16], last dimension 4 floats apart
     w = torch.randn(16, generator=g)
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), F.rms_norm(x, (16,), w, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+def good_arguments() -> dict[str, dict]:
+    """Arguments each wrapper takes, by name: the baseline the refusals below change one of."""
+    g = torch.Generator().manual_seed(10)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    return {
+        "linear": {"x": randn(3, 20), "w": pack(randn(13, 20)), "bias": randn(13), "residual": randn(3, 13)},
+        "rms_norm": {"x": randn(3, 16), "weight": randn(16), "eps": 1e-6},
+        "rope_": {"x": randn(3, 2, 8), "positions": torch.tensor([0, 1, 3]), "cos": randn(4, 8),
+                  "signed_sin": randn(4, 8)},
+        "glu": {"gu": randn(3, 10), "activation": "silu"},
+        "store_kv": {"k": randn(3, 2, 8), "v": randn(3, 2, 8), "slots": torch.tensor([0, 5, 9]),
+                     "kpool": torch.zeros(4, 4, 2, 8), "vpool": torch.zeros(4, 4, 2, 8)},
+        "argmax_logprob": {"x": randn(2, 50)},
+        "decode_attention": {"q": randn(2, 4, 8), "kpool": randn(4, 4, 2, 8), "vpool": randn(4, 4, 2, 8),
+                             "tables": torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                             "lo": torch.tensor([0, 1], dtype=torch.int32),
+                             "hi": torch.tensor([5, 6], dtype=torch.int32), "scale": 0.3, "out": torch.empty(2, 32)},
+        "prefill_attention": {"q": randn(6, 4, 8), "k": randn(6, 2, 8), "v": randn(6, 2, 8), "count": 2,
+                              "scale": 0.3, "out": torch.empty(6, 4, 8)},
+    }
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a view whose last dimension is not of unit stride."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+# (wrapper, argument, what it becomes, the error): each wrong in a way its C function would
+# have read past a buffer or misread (ASan found several), refused with the argument named.
+BAD_ARGUMENTS = [
+    ("linear", "x", lambda a: a["x"].double(), TypeError),
+    ("linear", "x", lambda a: a["x"][0], ValueError),  # a 1-D row
+    ("linear", "x", lambda a: a["x"][:, :19], ValueError),  # columns other than the weight's
+    ("linear", "w", lambda a: a["w"].unpack(), TypeError),  # a matrix, not panels
+    ("linear", "w", lambda a: a["w"]._replace(data=a["w"].data.double()), TypeError),
+    ("linear", "w", lambda a: a["w"]._replace(n=19), ValueError),  # more rows than the panels hold
+    ("linear", "w", lambda a: a["w"]._replace(data=_strided(a["w"].data)), ValueError),
+    ("linear", "bias", lambda a: a["bias"].half(), TypeError),
+    ("linear", "bias", lambda a: a["bias"][:12], ValueError),
+    ("linear", "bias", lambda a: a["bias"][None], ValueError),
+    ("linear", "residual", lambda a: a["residual"].double(), TypeError),
+    ("linear", "residual", lambda a: a["residual"][:2], ValueError),
+    ("rms_norm", "x", lambda a: a["x"][0], ValueError),  # 1-D: read as n rows of n floats
+    ("rms_norm", "x", lambda a: a["x"].half(), TypeError),
+    ("rms_norm", "weight", lambda a: a["weight"][:15], ValueError),
+    ("rms_norm", "weight", lambda a: a["weight"].double(), TypeError),
+    ("rope_", "x", lambda a: a["x"].double(), TypeError),
+    ("rope_", "x", lambda a: a["x"].transpose(0, 1).contiguous().transpose(0, 1), ValueError),  # heads 24 floats apart
+    ("rope_", "x", lambda a: a["x"][:, :, :7].contiguous(), ValueError),  # an odd head size
+    ("rope_", "x", lambda a: torch.zeros(3, 1, 520), ValueError),  # past the row buffer
+    ("rope_", "positions", lambda a: a["positions"].int(), TypeError),
+    ("rope_", "positions", lambda a: a["positions"][:2], ValueError),
+    ("rope_", "cos", lambda a: a["cos"].double(), TypeError),
+    ("rope_", "cos", lambda a: a["cos"][:, :6].contiguous(), ValueError),
+    ("rope_", "signed_sin", lambda a: _strided(a["signed_sin"]), ValueError),
+    ("rope_", "signed_sin", lambda a: a["signed_sin"][:2], ValueError),
+    ("glu", "gu", lambda a: a["gu"].double(), TypeError),
+    ("glu", "gu", lambda a: a["gu"][:, :9], ValueError),
+    ("glu", "activation", lambda a: "relu", ValueError),
+    ("store_kv", "k", lambda a: a["k"].half(), TypeError),
+    ("store_kv", "v", lambda a: a["v"][:, :1], ValueError),
+    ("store_kv", "slots", lambda a: a["slots"].int(), TypeError),  # C reads int64
+    ("store_kv", "slots", lambda a: a["slots"][:2], ValueError),
+    ("store_kv", "kpool", lambda a: torch.zeros(4, 4, 1, 8), ValueError),  # slots of another width
+    ("store_kv", "kpool", lambda a: a["kpool"].transpose(0, 1), ValueError),
+    ("store_kv", "vpool", lambda a: a["vpool"].double(), TypeError),
+    ("store_kv", "vpool", lambda a: a["vpool"][:3], ValueError),
+    ("argmax_logprob", "x", lambda a: a["x"].double(), TypeError),
+    ("argmax_logprob", "x", lambda a: a["x"][0], ValueError),
+    ("decode_attention", "q", lambda a: a["q"].double(), TypeError),
+    ("decode_attention", "q", lambda a: a["q"].transpose(0, 1).contiguous().transpose(0, 1), ValueError),
+    ("decode_attention", "q", lambda a: torch.randn(2, 3, 8), ValueError),  # heads not a multiple of the KV heads
+    ("decode_attention", "kpool", lambda a: a["kpool"][..., :4].contiguous(), ValueError),
+    ("decode_attention", "kpool", lambda a: a["kpool"].transpose(0, 1), ValueError),
+    ("decode_attention", "vpool", lambda a: a["vpool"][:, :2].contiguous(), ValueError),
+    ("decode_attention", "tables", lambda a: a["tables"].long(), TypeError),
+    ("decode_attention", "tables", lambda a: a["tables"][:1], ValueError),
+    ("decode_attention", "lo", lambda a: a["lo"].long(), TypeError),  # C reads int32 pairs
+    ("decode_attention", "hi", lambda a: a["hi"][:1], ValueError),
+    ("decode_attention", "out", lambda a: torch.empty(2, 31), ValueError),
+    ("decode_attention", "out", lambda a: a["out"].double(), TypeError),
+    ("prefill_attention", "q", lambda a: a["q"].half(), TypeError),
+    ("prefill_attention", "k", lambda a: torch.randn(6, 3, 8), ValueError),  # 4 heads over 3 KV heads
+    ("prefill_attention", "k", lambda a: a["k"][:5], ValueError),
+    ("prefill_attention", "v", lambda a: a["v"][:, :1], ValueError),
+    ("prefill_attention", "out", lambda a: a["out"][:, :3], ValueError),
+    ("prefill_attention", "count", lambda a: 4, ValueError),  # 6 rows: the last prompt's rows never written
+    ("prefill_attention", "count", lambda a: 0, ValueError),
+]
+
+
+def test_the_wrappers_take_the_good_arguments(kernels):
+    for name, args in good_arguments().items():
+        getattr(kernels, name)(**args)
+
+
+@pytest.mark.parametrize("name,argument,make,error", BAD_ARGUMENTS,
+                         ids=[f"{n}-{a}-{i}" for i, (n, a, _, _) in enumerate(BAD_ARGUMENTS)])
+def test_a_bad_argument_is_refused_with_its_name(kernels, name, argument, make, error):
+    args = good_arguments()[name]
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    args[argument] = make(args)
+    with pytest.raises(error, match=rf"CpuKernels\.{name}: .*\b{argument}\b"):
+        getattr(kernels, name)(**args)
+    for k, v in before.items():  # refused before the C function ran: nothing written
+        if k != argument:
+            assert torch.equal(args[k].nan_to_num(), v.nan_to_num()), k
+
+
+def test_decode_step_takes_only_its_structures(kernels):
+    from executors.cpu_kernels.step import DecoderSpec, StepSpec
+
+    with pytest.raises(TypeError, match=r"CpuKernels\.decode_step: model and step must be a DecoderSpec"):
+        kernels.decode_step(StepSpec(), StepSpec())
+    with pytest.raises(TypeError, match=r"CpuKernels\.decode_step: .*StepSpec"):
+        kernels.decode_step(DecoderSpec(), DecoderSpec())

@@ -4,8 +4,9 @@ The kernel runs every layer of a step of up to 64 decode rows (its matmuls over 
 panels in 6-row tiles); test_cpu_paths.py and test_sliding_window.py cover it under their
 "default" policy. Here: it is the path those steps take, at batch sizes from 1 to 8 (one
 tile, a tile and its tail), followed by a step through torch's block gather on the same
-caches (which must find the blocks the kernel entered cleared); what it leaves to the
-op-by-op path; what it refuses, and that a refusal writes nothing.
+caches (which must find the blocks the kernel entered cleared); decodes past a window every
+layer slides (whose blocks behind it are freed); what it leaves to the op-by-op path; what it
+refuses, and that a refusal writes nothing.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import torch
 
 import executors.cpu_kernels as cpu_kernels_module
 from executors.cpu_kernels.step import OUT_OF_RANGE
+from executors.llm import WINDOW_ROLLBACK_TOKENS
 from executors.models import attention_plan, fused_decode
 from executors.models.attention import Segment, StepContext
 from executors.types import DecodeInput, LogitsPolicy, PrefillInput, UnifiedBatchItem
+from kvcache.block_table import FREED
 from tests.models import test_sliding_window as windows
 from tests.models.test_cpu_paths import Pair, same, tiny_model, tokens
 
@@ -73,6 +76,45 @@ def test_batches_of_every_size_then_gathers_on_the_same_caches(family, calls, mo
         pair.close()
 
 
+def test_decodes_past_a_window_every_layer_slides_stay_one_call(calls, caplog):
+    """Mistral: every layer slides, so the blocks wholly behind the window (and the rollback
+    reserve, WINDOW_ROLLBACK_TOKENS) go back to the pool and their block-table entries become
+    FREED (-1). The kernel reads (and checks) only the blocks of the keys in the window: each
+    step stays one call, none is refused, and the logits match the reference. Rows with and
+    without freed entries share batched steps; one row's first entry is freed on the way."""
+    pair = windows.Pair("mistral")
+    try:
+        assert pair.fast.model.config.num_layers == 3 and all(
+            pair.fast.model.config.window(i) == windows.WINDOW for i in range(3))
+        reserve = WINDOW_ROLLBACK_TOKENS + windows.WINDOW - 1  # tokens kept before any block is freed
+        prompts = (reserve + 3, reserve + 50, 3)  # a block freed after a few steps; 12 at once; none
+        outs, refs = pair.both("batch_prefill", [PrefillInput(input_ids=windows.tokens(n)) for n in prompts])
+        for x, y in zip(outs, refs, strict=True):
+            same(x, y)
+        handles = [o.kv_cache for o in outs]
+        steps = 0
+        for _ in range(3):  # each alone: one row, its table's early entries FREED
+            x, y = pair.both("decode", DecodeInput(token_id=windows.tokens(1)[0], kv_cache=handles[1]))
+            same(x, y)
+            handles[1] = x.kv_cache
+            steps += 1
+        for _ in range(10):  # together, across block boundaries, the short one's window filling then sliding
+            a, b = pair.both("batch_decode", [DecodeInput(token_id=t, kv_cache=h)
+                                              for t, h in zip(windows.tokens(len(handles)), handles)])
+            for x, y in zip(a, b, strict=True):
+                assert np.isfinite(x.logits.logits.array).all()
+                same(x, y)
+            handles = [x.kv_cache for x in a]
+            steps += 1
+        tables = [pair.fast.kv.get(h.cache_id).block_ids for h in handles]
+        assert FREED in tables[0] and tables[1][:12] == [FREED] * 12 and FREED not in tables[2], tables
+        assert calls == [0] * steps  # every step one call, none refused
+        assert pair.fast.model.fused_decode.refused == 0
+        assert "refused" not in caplog.text
+    finally:
+        pair.close()
+
+
 def test_models_it_does_not_take():
     assert fused_decode.unsupported(tiny_model("qwen3").fuse()) is None
     gemma = windows.tiny_model("gemma3").fuse()
@@ -98,6 +140,7 @@ def test_an_index_out_of_range_is_refused_before_anything_is_written(calls):
                               torch.tensor([slot], dtype=torch.int64))
             assert model.fused_decode.hidden_states(x.clone(), torch.tensor([position]), ctx) is None
         assert calls == [OUT_OF_RANGE] * 4
+        assert model.fused_decode.refused == 4  # counted, the first logged
         assert torch.equal(pool._storage.nan_to_num(7.0), before.nan_to_num(7.0))
     finally:
         pair.close()
