@@ -248,30 +248,37 @@ def test_fusing_keeps_parameters_and_their_count(kernels):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_bfloat16_fast_path_is_as_close_to_float32_as_the_bfloat16_reference(family):
     """bfloat16 rounds differently on each path (oneDNN prepacked matmuls, bf16 SDPA on bf16
-    KV): the fast path's distance to float32 must stay that of the plain bf16 computation."""
-    seq = tokens(37)
+    KV): the fast path's distance to float32 must stay that of the plain bf16 computation.
+    One sequence's worst row is noise (the two paths' ratio ranges 0.6-1.9 over sequences),
+    so the mean of eight sequences' worst rows is compared, on sequences of the test's own."""
+    local = np.random.default_rng(17)
+    seqs = [local.integers(0, VOCAB, size=37).tolist() for _ in range(8)]
 
-    def run(dtype: str, reference: bool) -> np.ndarray:
+    def run(dtype: str, reference: bool) -> list[np.ndarray]:
         model = tiny_model(family, torch.float32 if dtype == "float32" else torch.bfloat16)
         ex = LlmExecutor(LlmExecutorConfig(model_dir=f"/nonexistent/{family}", dtype=dtype, block_size=BLOCK,
-                                           num_blocks=64), model, reference=reference)
+                                           num_blocks=128), model, reference=reference)
         loop = asyncio.new_event_loop()
         try:
-            out = loop.run_until_complete(ex.prefill(PrefillInput(input_ids=seq[:30])))
-            rows, handle = [out.logits.logits.array], out.kv_cache
-            for t in seq[30:]:
-                out = loop.run_until_complete(ex.decode(DecodeInput(token_id=t, kv_cache=handle)))
-                rows.append(out.logits.logits.array)
-                handle = out.kv_cache
-            return np.stack(rows)
+            outs = []
+            for seq in seqs:
+                out = loop.run_until_complete(ex.prefill(PrefillInput(input_ids=seq[:30])))
+                rows, handle = [out.logits.logits.array], out.kv_cache
+                for t in seq[30:]:
+                    out = loop.run_until_complete(ex.decode(DecodeInput(token_id=t, kv_cache=handle)))
+                    rows.append(out.logits.logits.array)
+                    handle = out.kv_cache
+                loop.run_until_complete(ex.release_cache(handle.cache_id))
+                outs.append(np.stack(rows))
+            return outs
         finally:
             ex.worker.close()
             loop.close()
 
     exact = run("float32", True)
-    fast_err = np.abs(run("bfloat16", False) - exact).max()
-    ref_err = np.abs(run("bfloat16", True) - exact).max()
-    assert fast_err <= 1.5 * ref_err + 0.05, (fast_err, ref_err)
+    fast_err = np.mean([np.abs(f - e).max() for f, e in zip(run("bfloat16", False), exact)])
+    ref_err = np.mean([np.abs(r - e).max() for r, e in zip(run("bfloat16", True), exact)])
+    assert fast_err <= 1.25 * ref_err + 0.02, (fast_err, ref_err)
 
 
 def test_moving_a_fused_model_fuses_it_again():
