@@ -89,6 +89,7 @@ class KvMoves:
         for cid, state in self.caches.items():
             if state.owner == identity and (not wanted or cid in wanted) and cid in self.kv:
                 table = self.kv.get(cid)
+                # Blocks a sliding window left went back to the pool (FREED): the held ones.
                 out.append(CacheInfo(cid, table.num_tokens, state.adapter.name if state.adapter else None,
-                                     now - state.last_used, len(table.block_ids)))
+                                     now - state.last_used, len(table.block_ids) - table.freed_blocks))
         return out

@@ -157,6 +157,8 @@ def test_freed_blocks_keep_decode_verify_truncate_and_release_right():
         same(a, b)
         table = p.fast.kv.get(a.kv_cache.cache_id)
         assert table.freed_blocks == (50 - WINDOW + 1 - 5) // BLOCK and table.block_ids[0] == FREED
+        [listed] = p.loop.run_until_complete(p.fast.list_caches([a.kv_cache.cache_id]))
+        assert listed.num_blocks == len(a.kv_cache.block_ids) == len(table.block_ids) - table.freed_blocks
         handle = a.kv_cache
         for t in seq[50:120]:  # 70 tokens on 40 blocks: only because the window's blocks go back
             a, b = p.both("decode", DecodeInput(token_id=t, kv_cache=handle))
