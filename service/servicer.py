@@ -8,7 +8,6 @@ in nanoseconds.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Awaitable, Callable
 
@@ -71,13 +70,9 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
             max_concurrent_rpcs=config.max_concurrent_rpcs or 0,
             cache_ttl_seconds=config.cache_ttl_seconds,
         )
-
-    @functools.cached_property
-    def responses(self) -> ResponseBudget:
-        """Built at the first call that needs it: the model is described by then."""
-        info, caps = self.executor.info(), self.executor.capabilities()
-        return ResponseBudget(self.config.max_message_bytes, info.vocab_size, info.hidden_size, caps.kv_block_size,
-                              info.max_sequence_length, self.executor.status().kv_pool.total_blocks)
+        info, caps = executor.info(), executor.capabilities()
+        self.responses = ResponseBudget(config.max_message_bytes, info.vocab_size, info.hidden_size, caps.kv_block_size,
+                                        info.max_sequence_length, executor.status().kv_pool.total_blocks)
 
     def _check_size(self, items: int, tokens: int, where: str) -> None:
         if items > self.limits.max_batch_size:
