@@ -210,7 +210,9 @@ class CachePlacement:
         """Undo pins of caches a failed call certainly did not create."""
         if error is None:
             return
-        if isinstance(error, ExecutorError) and error.code not in _DEFINITE:
+        # Only a status that says so proves nothing was created: a call cancelled (or
+        # failed in any other way) after its request went out may have created its caches.
+        if not isinstance(error, ExecutorError) or error.code not in _DEFINITE:
             return
         for cid in created:
             self._unpin(cid)

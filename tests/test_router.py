@@ -231,3 +231,35 @@ def test_router_scheduler_and_speculative_do_not_import_torch():
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_cancelled_call_keeps_the_pin_of_a_cache_it_may_have_created(three):
+    """Cancelled after its request went out, a prefill may have created its cache (here it
+    has): the router keeps it where it was placed, so a release or a retry reaches it."""
+    servers, clients = three
+
+    async def run():
+        async with AsyncExecutorRouter([s.address for s in servers]) as router:
+            answered: asyncio.Queue[int] = asyncio.Queue()
+
+            def held_back(r: int, real):
+                async def prefill(item, **kwargs):  # the server answered; the reply is late
+                    out = await real(item, **kwargs)
+                    answered.put_nowait(r)
+                    await asyncio.sleep(30)
+                    return out
+                return prefill
+
+            for r, replica in enumerate(router.replicas):
+                replica.prefill = held_back(r, replica.prefill)
+            call = asyncio.create_task(router.prefill(PrefillInput([1, 2, 3], KvCacheHandle("mine", 0))))
+            where = await asyncio.wait_for(answered.get(), 30)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            assert clients[where].status().kv_pool.active_caches == 1
+            assert router.replica_of("mine") == where  # was None: the pin went with the cancellation
+            await router.release_cache("mine")
+            assert sum(c.status().kv_pool.active_caches for c in clients) == 0
+
+    asyncio.run(run())
