@@ -38,7 +38,7 @@ from .router import AsyncExecutorRouter
 from .scheduler import Completion, RequestStream, Scheduler, SchedulerConfig, SchedulerStats
 from .sequence import _Seq
 from .step_runner import _int
-from .transfer import move_cache
+from .transfer import move_cache, quietly
 from .types import KvCacheHandle
 
 __all__ = ["DisaggregatedScheduler", "DisaggregatedStats"]
@@ -97,24 +97,6 @@ class _DecodeScheduler(Scheduler):
         self._ensure_task()
         assert self._wake is not None
         self._wake.set()
-
-
-async def _quietly(call: Any) -> None:
-    """A clean-up call (a release): its ExecutorError ignored, and run to its end even when
-    the task is cancelled meanwhile (close() cancels moves; a release cut short leaks a
-    cache), the cancellation re-raised after."""
-    async def run() -> None:
-        try:
-            await call
-        except ExecutorError:
-            pass
-
-    done = asyncio.ensure_future(run())
-    try:
-        await asyncio.shield(done)
-    except asyncio.CancelledError:
-        await done
-        raise
 
 
 class DisaggregatedScheduler:
@@ -207,9 +189,9 @@ class DisaggregatedScheduler:
         adopt = placed is not None and not self._closing
         try:
             if placed is None:
-                await _quietly(source.release_cache(cid))
+                await quietly(source.release_cache(cid))
             elif not adopt:  # closed while it moved
-                await _quietly(self.decode.router.replicas[placed[0]].release_cache(placed[1].cache_id))
+                await quietly(self.decode.router.replicas[placed[0]].release_cache(placed[1].cache_id))
         finally:  # even if cancelled meanwhile: the request ends or goes on, never hangs
             # The prefill side's blocks are free again (move_cache released them on success).
             self.prefill.router.forget(cid)
@@ -254,7 +236,7 @@ class DisaggregatedScheduler:
                     rep.free_blocks += need
                     refused = isinstance(e, ResourceExhaustedError)
                     if not refused:  # the import may have completed: drop its copy
-                        await _quietly(target.release_cache(cid))
+                        await quietly(target.release_cache(cid))
                     if refused and "blocks_free" in e.metadata:
                         self.stats.move_refusals += 1
                         rep.free_blocks = _int(e.metadata.get("blocks_free"), rep.free_blocks)

@@ -16,12 +16,13 @@ the identity that owns the caches.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import grpc
 
 from ._proto import executor_pb2 as pb
 from .aio import AsyncExecutorClient
@@ -62,6 +63,11 @@ class DrainReport:
     shut_down: bool = False
 
 
+# Failures after which an import may have completed on the target all the same.
+_INDEFINITE = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                         grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
+
+
 def _export(source: AsyncExecutorClient, cache_id: str, start: int, max_chunk_bytes: int) -> AsyncIterator[bytes]:
     return source.export_kv(cache_id, start=start or None, max_chunk_bytes=max_chunk_bytes, raw=True)
 
@@ -76,6 +82,24 @@ async def _counted(stream: AsyncIterator[bytes], counter: list[int]) -> AsyncIte
         yield message
 
 
+async def quietly(call: Awaitable[Any]) -> None:
+    """A clean-up call (a release): its ExecutorError ignored, and run to its end even when
+    the task is cancelled meanwhile (a scheduler's close() cancels moves; a release cut short
+    leaks a cache), the cancellation re-raised after."""
+    async def run() -> None:
+        try:
+            await call
+        except ExecutorError:
+            pass
+
+    done = asyncio.ensure_future(run())
+    try:
+        await asyncio.shield(done)
+    except asyncio.CancelledError:
+        await done
+        raise
+
+
 async def move_cache(source: AsyncExecutorClient, target: AsyncExecutorClient, cache: KvCacheHandle | str, *,
                      target_id: str | None = None, release_source: bool = True, max_chunk_bytes: int = 0,
                      max_rounds: int = MAX_MOVE_ROUNDS,
@@ -87,13 +111,19 @@ async def move_cache(source: AsyncExecutorClient, target: AsyncExecutorClient, c
     tid = target_id or cid
     moved = [0]
     started = time.perf_counter()
-    result = await target.import_kv(_counted(_export(source, cid, 0, max_chunk_bytes), moved), tid)
+    try:
+        result = await target.import_kv(_counted(_export(source, cid, 0, max_chunk_bytes), moved), tid)
+    except (ResourceExhaustedError, AlreadyExistsError):
+        raise  # nothing was created: no room, or the id is another cache's there
+    except BaseException as e:
+        if not isinstance(e, ExecutorError) or e.code in _INDEFINITE:
+            await quietly(target.release_cache(tid))  # the import may have completed, its answer lost
+        raise
     try:
         rounds = await _release_source(source, target, cid, tid, result, release_source, max_chunk_bytes, max_rounds,
                                        before_release, moved)
     except BaseException:
-        with contextlib.suppress(ExecutorError):  # the source keeps the cache: drop the copy
-            await target.release_cache(tid)
+        await quietly(target.release_cache(tid))  # the source keeps the cache: drop the copy
         raise
     return MoveResult(rounds[1].kv_cache, rounds[0], moved[0], time.perf_counter() - started)
 

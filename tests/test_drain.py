@@ -91,3 +91,32 @@ def test_a_drain_with_nowhere_to_go_leaves_the_source_running(make_server):
         pool_is_clean(a)
     with ExecutorClient(small.address) as b:
         pool_is_clean(b)
+
+
+def test_a_move_whose_import_answer_is_lost_leaves_no_copy_behind(make_server):
+    """The target imported the cache but its answer was lost (a deadline): the move fails and
+    the cache stays where it was, without an orphan copy on the target."""
+    from client import AsyncExecutorClient, DeadlineExceededError, KvCacheHandle
+    from client.transfer import move_cache
+
+    servers = [make_server(), make_server()]
+
+    async def run():
+        source, target = (AsyncExecutorClient(s.address, timeout=30) for s in servers)
+        await source.prefill(PrefillInput(PROMPTS[2], KvCacheHandle("C", 0)))
+        real = target.import_kv
+
+        async def answer_lost(*args, **kwargs):
+            await real(*args, **kwargs)
+            raise DeadlineExceededError("the import's answer did not arrive in time")
+
+        target.import_kv = answer_lost
+        with pytest.raises(DeadlineExceededError):
+            await move_cache(source, target, "C")
+        held = [[c.cache_id for c in await x.list_caches()] for x in (source, target)]
+        await source.release_cache("C")
+        await source.close()
+        await target.close()
+        return held
+
+    assert asyncio.run(run()) == [["C"], []]
