@@ -86,9 +86,11 @@ class BatchRouting(CachePlacement):
     async def unified_decode(self, batch: UnifiedBatch | Sequence[UnifiedBatchItem], *,
                              timeout: Timeout = USE_DEFAULT) -> list[UnifiedItemResult]:
         items = list(batch.items if isinstance(batch, UnifiedBatch) else batch)
-        await self._wait_moves([it.seq_id for it in items if it.seq_id])
         if any(not it.seq_id or (it.pos_offset == 0 and it.seq_id not in self._owner) for it in items):
             await self._maybe_refresh()
+        # No await from here until the calls are counted in flight: a move that found none
+        # under way must not see one reach the replica it is moving the cache from.
+        await self._wait_moves([it.seq_id for it in items if it.seq_id])
         routed, replicas, created = [], [], []
         try:
             for i, it in enumerate(items):
@@ -123,7 +125,10 @@ class BatchRouting(CachePlacement):
             sub_created = [c for c in created if c in {touched[i] for i in idx}]
             return await self._guard(call(r, [items[i] for i in idx]), sub_created, [touched[i] for i in idx])
 
-        outs = await asyncio.gather(*(part(r, idx) for r, idx in groups.items()), return_exceptions=True)
+        # The parts start on a later turn of the loop: counted in flight now, before it turns,
+        # so that a move waiting for this cache's calls waits for them too.
+        with self._calls_in_flight(touched):
+            outs = await asyncio.gather(*(part(r, idx) for r, idx in groups.items()), return_exceptions=True)
         results: list[Any] = [None] * len(items)
         errors: dict[int, ExecutorError] = {}
         for (r, idx), out in zip(groups.items(), outs):

@@ -16,6 +16,7 @@ updates it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections import OrderedDict
@@ -230,19 +231,25 @@ class CachePlacement:
                 if gone is None or gone == cid:
                     self.forget(cid)
 
-    async def _guard(self, call: Awaitable[_T], created: list[str], touched: Sequence[str]) -> _T:
-        for c in touched:  # counted before the first await: a move waits for these calls
+    @contextlib.contextmanager
+    def _calls_in_flight(self, touched: Sequence[str]) -> Iterator[None]:
+        """Count calls on these caches under way while the block runs: a move waits for them."""
+        for c in touched:
             self._in_flight[c] = self._in_flight.get(c, 0) + 1
         try:
-            result = await call
-        except BaseException as e:
-            self._settle(created, e)
-            self._lost(e, [c for c in touched if c not in created])
-            raise
+            yield
         finally:
             for c in touched:
                 if (n := self._in_flight[c] - 1) > 0:
                     self._in_flight[c] = n
                 else:
                     del self._in_flight[c]
-        return result
+
+    async def _guard(self, call: Awaitable[_T], created: list[str], touched: Sequence[str]) -> _T:
+        with self._calls_in_flight(touched):  # counted before the first await
+            try:
+                return await call
+            except BaseException as e:
+                self._settle(created, e)
+                self._lost(e, [c for c in touched if c not in created])
+                raise

@@ -263,3 +263,51 @@ def test_a_cancelled_call_keeps_the_pin_of_a_cache_it_may_have_created(three):
             assert sum(c.status().kv_pool.active_caches for c in clients) == 0
 
     asyncio.run(run())
+
+
+def test_once_a_move_holds_a_cache_no_new_call_for_it_reaches_a_replica(three):
+    """hold_calls returns once the cache's calls under way are done; after that, none may
+    reach a replica until release_calls. A batch split over replicas counts its parts in
+    flight before they start; a unified step refreshes the replicas' load before it waits
+    for moves, never between that wait and its routing."""
+    servers, _ = three
+
+    async def run():
+        # Load refreshed before every call that places a cache (a ttl of 0 would never refresh).
+        async with AsyncExecutorRouter([s.address for s in servers], status_ttl_s=1e-9) as router:
+            router.pin("B0", 0)
+            router.pin("B1", 1)
+            handles = [(await router.prefill(PrefillInput([3, 4], KvCacheHandle(c, 0), logits_policy=ARGMAX))).kv_cache
+                       for c in ("B0", "B1")]
+            batch = asyncio.create_task(router.batch_decode([DecodeInput(5, h, logits_policy=ARGMAX) for h in handles]))
+            await asyncio.sleep(0)  # the batch is routed, its parts not started yet
+            await router.hold_calls("B0")
+            assert batch.done(), "the move stopped waiting before a call admitted ahead of it ended"
+            router.release_calls("B0", None)
+            stepped = await batch
+
+            sent_while_held = []
+            for replica in router.replicas:
+                def spy(*args, _real=replica.unified_decode, **kwargs):
+                    sent_while_held.append("B1" in router._held)
+                    return _real(*args, **kwargs)
+                replica.unified_decode = spy
+            real_status = router.replicas[2].status
+
+            async def slow_status(*args, **kwargs):
+                await asyncio.sleep(0.2)
+                return await real_status(*args, **kwargs)
+
+            router.replicas[2].status = slow_status  # the unified step's refresh takes a while
+            unified = asyncio.create_task(router.unified_decode([
+                UnifiedBatchItem("B1", [6], stepped[1].kv_cache.sequence_length, True, logits_policy=ARGMAX),
+                UnifiedBatchItem("", [1, 2], 0, True, logits_policy=ARGMAX)]))
+            await asyncio.sleep(0.05)  # inside the refresh
+            await router.hold_calls("B1")
+            await asyncio.sleep(0.3)  # the refresh is over: the step must still wait for the move
+            router.release_calls("B1", None)
+            await unified
+            return sent_while_held
+
+    sent = asyncio.run(run())
+    assert sent and not any(sent), sent
