@@ -172,6 +172,21 @@ _BY_CODE: dict[grpc.StatusCode, type[ExecutorError]] = {
 }
 
 
+# Statuses after which the executor guarantees the call changed nothing: a cache it was to
+# create does not exist. After anything else (a deadline, a lost connection, a cancellation
+# on the caller's side) it may have taken effect all the same.
+NOTHING_CHANGED = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED,
+})
+
+
+def may_have_taken_effect(error: BaseException) -> bool:
+    """A call that failed with `error` after its request went out may have done its work."""
+    return not isinstance(error, ExecutorError) or error.code not in NOTHING_CHANGED
+
+
 def error_class(code: grpc.StatusCode) -> type[ExecutorError]:
     """The exception class for a status code (UnknownError for OK or anything unmapped)."""
     return _BY_CODE.get(code, UnknownError)

@@ -3,8 +3,8 @@
 The bookkeeping half of AsyncExecutorRouter (client/router.py), kept apart from the calls
 that use it. A KV cache lives in one replica's memory and stays there unless it is moved, so a
 table maps each cache id to its replica: pins made when a call may create a cache, undone
-when the call certainly did not (`_DEFINITE`), forgotten when the cache is released or
-lost. New sequences go to the least loaded replica (fewest live caches, then most free KV
+when the call certainly did not (client.errors.may_have_taken_effect), forgotten when the
+cache is released or lost. New sequences go to the least loaded replica (fewest live caches, then most free KV
 blocks from GetStatus, then in turn). client.transfer.drain_replica moves caches between
 replicas through `hold_calls`/`release_calls`, which is why every routed call is counted
 in flight (`_guard`).
@@ -23,27 +23,16 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Iterator, Sequence
 from typing import TypeVar
 
-import grpc
-
 from ._proto import executor_pb2 as pb
 from .aio import AsyncExecutorClient
 from .convert import cache_id_of
-from .errors import ExecutorError, NotFoundError
+from .errors import ExecutorError, NotFoundError, may_have_taken_effect
 from .types import KvCacheHandle, PrefillInput
 
 __all__ = ["CachePlacement"]
 
 _T = TypeVar("_T")
 
-# Failures after which the executor guarantees nothing changed: a cache this call was to
-# create does not exist, so its pin can go. Anything else (a deadline, a lost connection)
-# may have created it, so the pin stays and a retry lands on the same replica, where the
-# executor replays the step.
-_DEFINITE = frozenset({
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
-    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED,
-})
 # Released ids remembered, so a repeated release (or a late call) reaches the right replica.
 _RELEASED_REMEMBERED = 4096
 
@@ -213,7 +202,7 @@ class CachePlacement:
             return
         # Only a status that says so proves nothing was created: a call cancelled (or
         # failed in any other way) after its request went out may have created its caches.
-        if not isinstance(error, ExecutorError) or error.code not in _DEFINITE:
+        if may_have_taken_effect(error):
             return
         for cid in created:
             self._unpin(cid)

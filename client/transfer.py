@@ -22,12 +22,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from ._proto import executor_pb2 as pb
 from .aio import AsyncExecutorClient
 from .convert import cache_id_of
-from .errors import AlreadyExistsError, ExecutorError, FailedPreconditionError, NotFoundError, ResourceExhaustedError
+from .errors import (
+    AlreadyExistsError,
+    ExecutorError,
+    FailedPreconditionError,
+    NotFoundError,
+    ResourceExhaustedError,
+    may_have_taken_effect,
+)
 from .types import KvCacheHandle
 
 if TYPE_CHECKING:
@@ -61,11 +66,6 @@ class DrainReport:
     bytes_moved: int = 0
     seconds: float = 0.0
     shut_down: bool = False
-
-
-# Failures after which an import may have completed on the target all the same.
-_INDEFINITE = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
-                         grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
 
 
 def _export(source: AsyncExecutorClient, cache_id: str, start: int, max_chunk_bytes: int) -> AsyncIterator[bytes]:
@@ -113,10 +113,9 @@ async def move_cache(source: AsyncExecutorClient, target: AsyncExecutorClient, c
     started = time.perf_counter()
     try:
         result = await target.import_kv(_counted(_export(source, cid, 0, max_chunk_bytes), moved), tid)
-    except (ResourceExhaustedError, AlreadyExistsError):
-        raise  # nothing was created: no room, or the id is another cache's there
     except BaseException as e:
-        if not isinstance(e, ExecutorError) or e.code in _INDEFINITE:
+        # Not after a refusal (no room, the id another cache's there): nothing was created.
+        if may_have_taken_effect(e):
             await quietly(target.release_cache(tid))  # the import may have completed, its answer lost
         raise
     try:

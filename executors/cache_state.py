@@ -69,8 +69,7 @@ class CacheRegistry:
 
     def unclaimed(self, cache_id: str, serial: int) -> bool:
         """The cache is still the creation `serial` and no later call has completed on it."""
-        state = self._states.get(cache_id)
-        return state is not None and state.serial == serial and state.claims == 0
+        return self.mark(cache_id) == (serial, 0)
 
     def adapter_bindings(self) -> dict[str, int]:
         """Live caches per LoRA adapter name."""
