@@ -186,11 +186,11 @@ class DisaggregatedScheduler:
                     placed = await self._place(s, source, cid)
         except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 - fails this request alone (cancel: close())
             error = e
-        adopt = placed is not None and not self._closing
+        adopt = placed is not None and not self._closing and not s.cancelled
         try:
             if placed is None:
                 await quietly(source.release_cache(cid))
-            elif not adopt:  # closed while it moved
+            elif not adopt:  # closed or cancelled while it moved
                 await quietly(self.decode.router.replicas[placed[0]].release_cache(placed[1].cache_id))
         finally:  # even if cancelled meanwhile: the request ends or goes on, never hangs
             # The prefill side's blocks are free again (move_cache released them on success).
@@ -233,10 +233,10 @@ class DisaggregatedScheduler:
                 try:
                     moved = await move_cache(source, target, cid)
                 except BaseException as e:
+                    # move_cache has dropped any copy it made (not one under this id it did
+                    # not make: an ALREADY_EXISTS names another's cache).
                     rep.free_blocks += need
                     refused = isinstance(e, ResourceExhaustedError)
-                    if not refused:  # the import may have completed: drop its copy
-                        await quietly(target.release_cache(cid))
                     if refused and "blocks_free" in e.metadata:
                         self.stats.move_refusals += 1
                         rep.free_blocks = _int(e.metadata.get("blocks_free"), rep.free_blocks)

@@ -174,7 +174,9 @@ _BY_CODE: dict[grpc.StatusCode, type[ExecutorError]] = {
 
 # Statuses after which the executor guarantees the call changed nothing: a cache it was to
 # create does not exist. After anything else (a deadline, a lost connection, a cancellation
-# on the caller's side) it may have taken effect all the same.
+# on the caller's side) it may have taken effect all the same. Only the executor's own
+# answer (its ErrorInfo's domain) proves it: gRPC raises RESOURCE_EXHAUSTED on the client
+# too, when an answer the server committed to exceeds the client's receive limit.
 NOTHING_CHANGED = frozenset({
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
@@ -184,7 +186,8 @@ NOTHING_CHANGED = frozenset({
 
 def may_have_taken_effect(error: BaseException) -> bool:
     """A call that failed with `error` after its request went out may have done its work."""
-    return not isinstance(error, ExecutorError) or error.code not in NOTHING_CHANGED
+    return (not isinstance(error, ExecutorError) or error.code not in NOTHING_CHANGED
+            or error.domain != ERROR_DOMAIN)
 
 
 def error_class(code: grpc.StatusCode) -> type[ExecutorError]:

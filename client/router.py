@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -56,6 +57,9 @@ from .types import (
 
 __all__ = ["AsyncExecutorRouter", "PartialBatchError", "parse_targets"]
 
+# What a cache id allows (kvcache.manager.CACHE_ID_PATTERN), leaving room for the rest of it.
+_ID_PREFIX = re.compile(r"[A-Za-z0-9._:-]{0,64}")
+
 
 def parse_targets(targets: str | Sequence[str]) -> list[str]:
     """`"h1:1,h2:2"` or a list of addresses, as a list without blanks."""
@@ -71,7 +75,8 @@ class AsyncExecutorRouter(BatchRouting):
 
     `targets`: addresses, or ready clients (the router then does not own them and
     `close()` leaves them open). Client keyword arguments (timeout, credentials, token,
-    ...) apply to the clients it builds.
+    ...) apply to the clients it builds. `id_prefix` starts the ids of the caches it names
+    (`new_cache_id()`: the prefix, a random part, a counter; "rt-" by default).
     """
 
     def __init__(
@@ -83,6 +88,9 @@ class AsyncExecutorRouter(BatchRouting):
         id_prefix: str | None = None,
         **client_kwargs: Any,
     ) -> None:
+        if id_prefix is not None and not _ID_PREFIX.fullmatch(id_prefix):
+            raise ValueError(f"id_prefix {id_prefix!r}: use at most 64 characters from [A-Za-z0-9._:-] "
+                             "(cache ids allow those, up to 128)")
         items = parse_targets(targets) if isinstance(targets, str) else list(targets)
         if not items:
             raise ValueError("at least one target (HOST:PORT or unix:///path) is needed")
@@ -96,7 +104,9 @@ class AsyncExecutorRouter(BatchRouting):
                 self.replicas.append(AsyncExecutorClient(t, timeout=timeout, **client_kwargs))
                 self._owned.append(True)
         self.status_ttl_s = status_ttl_s
-        self._prefix = id_prefix if id_prefix is not None else f"rt-{uuid.uuid4().hex[:8]}-"
+        # A random part even after a caller's prefix: two routers naming caches on one
+        # executor alike would share them, and release them from under each other.
+        self._prefix = f"{'rt-' if id_prefix is None else id_prefix}{uuid.uuid4().hex[:12]}-"
         self._ids = itertools.count(1)
         self._owner: dict[str, int] = {}
         self._released: OrderedDict[str, int] = OrderedDict()
@@ -146,11 +156,13 @@ class AsyncExecutorRouter(BatchRouting):
         cid = cache_id_of(cache)
         await self._wait_moves([cid])
         replica = self._route(cid, "cache_id")
-        try:
-            result = await self.replicas[replica].release_cache(cache, timeout=timeout)
-        except NotFoundError:
-            self.forget(cid)  # the replica never knew it (or forgot it long ago): gone either way
-            raise
+        # Counted in flight: a move of this cache waits for it, and then finds it gone.
+        with self._calls_in_flight([cid]):
+            try:
+                result = await self.replicas[replica].release_cache(cache, timeout=timeout)
+            except NotFoundError:
+                self.forget(cid)  # the replica never knew it (or forgot it long ago): gone either way
+                raise
         self.forget(cid)
         return result
 

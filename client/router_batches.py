@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from ._common import USE_DEFAULT, Timeout
-from .errors import ExecutorError, NotFoundError
+from .errors import ExecutorError, InvalidArgumentError, UnknownError
 from .router_placement import CachePlacement
 from .types import (
     DecodeInput,
@@ -41,8 +41,9 @@ class PartialBatchError(ExecutorError):
     """Part of a batch split over replicas failed; the other parts succeeded.
 
     `results` has one entry per item, in order: the item's result, or None where its
-    replica's part failed. `errors` maps replica index to its error. Code, reason and
-    metadata are those of the first error, so handlers of ExecutorError still work
+    replica's part failed. `errors` maps replica index to its error (a part that failed on
+    the client side, e.g. an item it could not encode, as INVALID_ARGUMENT or UNKNOWN with
+    the original as __cause__). Code, reason and metadata are those of the first error, so handlers of ExecutorError still work
     (metadata "field" is renumbered to the item's index in the whole batch).
     """
 
@@ -70,7 +71,7 @@ class BatchRouting(CachePlacement):
                 replicas.append(r)
                 created.extend(c)
         except BaseException:
-            self._settle(created, NotFoundError())
+            self._undo_pins(created)
             raise
         touched = [it.kv_cache.cache_id for it in routed]
         return await self._split(routed, replicas, lambda r, part: self.replicas[r].batch_prefill(part, timeout=timeout),
@@ -105,7 +106,7 @@ class BatchRouting(CachePlacement):
                 routed.append(it)
                 replicas.append(r)
         except BaseException:
-            self._settle(created, NotFoundError())
+            self._undo_pins(created)
             raise
         touched = [it.seq_id for it in routed]
         return await self._split(routed, replicas,
@@ -129,19 +130,34 @@ class BatchRouting(CachePlacement):
         # so that a move waiting for this cache's calls waits for them too.
         with self._calls_in_flight(touched):
             outs = await asyncio.gather(*(part(r, idx) for r, idx in groups.items()), return_exceptions=True)
+        failures = [o for o in outs if isinstance(o, BaseException)]
+        if len(failures) == len(outs) and (odd := [o for o in failures if not isinstance(o, ExecutorError)]):
+            raise odd[0]  # no part advanced a cache: no results to keep
         results: list[Any] = [None] * len(items)
         errors: dict[int, ExecutorError] = {}
         for (r, idx), out in zip(groups.items(), outs):
             if isinstance(out, BaseException):
-                if not isinstance(out, ExecutorError):
-                    raise out
-                errors[r] = _renumbered(out, idx)
+                errors[r] = _renumbered(_as_executor_error(out), idx)
                 continue
             for i, res in zip(idx, out):
                 results[i] = res
         if errors:
             raise PartialBatchError(errors, results)
         return results
+
+
+def _as_executor_error(error: BaseException) -> ExecutorError:
+    """A part's failure as an ExecutorError, so that a PartialBatchError can carry it beside
+    the other parts' results (which advanced their caches): a client-side refusal of the
+    part's items (ValueError, TypeError) as INVALID_ARGUMENT, anything else as UNKNOWN."""
+    if isinstance(error, ExecutorError):
+        return error
+    if not isinstance(error, Exception):
+        raise error  # a cancellation or an interpreter exit is not a part's failure
+    kind = InvalidArgumentError if isinstance(error, ValueError | TypeError | OverflowError) else UnknownError
+    wrapped = kind(f"{type(error).__name__}: {error}")
+    wrapped.__cause__ = error
+    return wrapped
 
 
 def _renumbered(error: ExecutorError, idx: list[int]) -> ExecutorError:

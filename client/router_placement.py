@@ -202,8 +202,11 @@ class CachePlacement:
             return
         # Only a status that says so proves nothing was created: a call cancelled (or
         # failed in any other way) after its request went out may have created its caches.
-        if may_have_taken_effect(error):
-            return
+        if not may_have_taken_effect(error):
+            self._undo_pins(created)
+
+    def _undo_pins(self, created: list[str]) -> None:
+        """Undo the pins of a call refused before it was sent (it created nothing)."""
         for cid in created:
             self._unpin(cid)
 

@@ -82,7 +82,7 @@ class Scheduler:
         self._running: list[_Seq] = []  # in admission order
         self._order = itertools.count()
         self._ids = itertools.count(1)
-        self._prefix = f"sched-{uuid.uuid4().hex[:6]}-"
+        self._prefix = f"sched-{uuid.uuid4().hex[:12]}-"  # of its cache ids; random: several may share an executor
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._started: asyncio.Future | None = None
@@ -109,11 +109,12 @@ class Scheduler:
             raise ValueError("prompt_ids must hold at least one token")
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
-        rid = request_id or f"req-{next(self._ids)}"
+        serial = next(self._ids)
+        rid = request_id or f"req-{serial}"
         stream = RequestStream(self, rid)
         stop = frozenset() if ignore_eos else (frozenset(int(t) for t in stop_token_ids)
                                                if stop_token_ids is not None else None)
-        seq = _Seq(rid, prompt, max_tokens, policy or LogitsPolicy.argmax(), stop, stream)
+        seq = _Seq(rid, serial, prompt, max_tokens, policy or LogitsPolicy.argmax(), stop, stream)
         stream._seq = seq
         self._waiting.append(seq)
         self._ensure_task()

@@ -40,15 +40,17 @@ class _Seq:
         "policy",
         "prompt",
         "replica",
+        "serial",
         "stall_since",
         "stop_ids",
         "stream",
         "tokens",
     )
 
-    def __init__(self, rid: str, prompt: list[int], max_tokens: int, policy: LogitsPolicy,
+    def __init__(self, rid: str, serial: int, prompt: list[int], max_tokens: int, policy: LogitsPolicy,
                  stop_ids: frozenset[int] | None, stream: RequestStream) -> None:
-        self.id = rid
+        self.id = rid  # the caller's name for it: any string, not necessarily unique
+        self.serial = serial  # unique in its scheduler: its cache ids are made from it
         self.prompt = prompt
         self.tokens = list(prompt)
         self.max_tokens = max_tokens

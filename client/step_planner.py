@@ -120,7 +120,9 @@ def impossible(s: _Seq, replicas: list[_Replica], kv_watermark_blocks: int) -> E
 
 def admit(sched: Scheduler, s: _Seq, replica: int) -> None:
     s.attempt += 1
-    s.cache_id = f"{sched._prefix}{s.id}.{s.attempt}"[:128]
+    # From the serial, not the request id: that one is the caller's, maybe shared by two
+    # live requests, maybe with characters a cache id refuses.
+    s.cache_id = f"{sched._prefix}{s.serial}.{s.attempt}"
     s.replica = replica
     s.computed = 0
     s.blocks = 0

@@ -9,6 +9,11 @@ decoding during the move loses nothing: each of its steps lands either on the so
 before the release (and its token is moved with the tail) or, after it, on the target.
 If the source shrank (a truncate) the target copy is dropped and the move starts over.
 
+A cache is never left on neither executor: a release whose answer was lost is asked
+again (a retry that finds nothing left to release means the lost one did it), and if no
+answer comes at all the target copy is kept (MoveResult.source_released None). A source
+found already released (its owner ended it during the move) drops the copy: NOT_FOUND.
+
 Caches are listed and moved under the caller's identity: run a drain with the token of
 the identity that owns the caches.
 """
@@ -26,6 +31,7 @@ from ._proto import executor_pb2 as pb
 from .aio import AsyncExecutorClient
 from .convert import cache_id_of
 from .errors import (
+    ERROR_DOMAIN,
     AlreadyExistsError,
     ExecutorError,
     FailedPreconditionError,
@@ -41,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["DrainReport", "MoveResult", "drain", "drain_replica", "move_cache"]
 
 MAX_MOVE_ROUNDS = 16
+RELEASE_ATTEMPTS = 3  # a source release whose answer was lost is asked again, this often in all
 
 
 @dataclass(slots=True)
@@ -51,6 +58,10 @@ class MoveResult:
     rounds: int  # exports streamed (1, plus one per tail a concurrent step added)
     bytes_moved: int  # K and V bytes streamed
     seconds: float
+    # True: the source copy was released; False: not asked to (release_source=False); None:
+    # its release went unanswered every time it was asked (the source unreachable): the
+    # target copy is the cache now, and the source may hold a stale one until its lease ends.
+    source_released: bool | None = True
 
     @property
     def gb_per_s(self) -> float:
@@ -119,22 +130,46 @@ async def move_cache(source: AsyncExecutorClient, target: AsyncExecutorClient, c
             await quietly(target.release_cache(tid))  # the import may have completed, its answer lost
         raise
     try:
-        rounds = await _release_source(source, target, cid, tid, result, release_source, max_chunk_bytes, max_rounds,
-                                       before_release, moved)
+        rounds, result, released = await _release_source(source, target, cid, tid, result, release_source,
+                                                         max_chunk_bytes, max_rounds, before_release, moved)
     except BaseException:
         await quietly(target.release_cache(tid))  # the source keeps the cache: drop the copy
         raise
-    return MoveResult(rounds[1].kv_cache, rounds[0], moved[0], time.perf_counter() - started)
+    return MoveResult(result.kv_cache, rounds, moved[0], time.perf_counter() - started,
+                      released if release_source else False)
+
+
+async def _release(source: AsyncExecutorClient, cid: str, length: int) -> bool | None:
+    """Release the source copy if it holds `length` tokens: True once released, None if no
+    answer came back (it may or may not have been); NotFoundError if it was gone already
+    (its owner released it during the move: the copy would bring it back)."""
+    lost = 0
+    while True:
+        try:
+            result = await source.release_cache(cid, expected_length=length)
+        except ExecutorError as e:
+            if not may_have_taken_effect(e):
+                raise
+            lost += 1
+            if lost == RELEASE_ATTEMPTS:
+                return None  # the copy is kept: on both, maybe, rather than on neither
+            await asyncio.sleep(0.05 * 4 ** lost)
+            continue
+        # After an answer was lost, "nothing to release" is that attempt's own success.
+        if not result.released and not lost:
+            raise NotFoundError(f"cache {cid!r} was released on the source while it moved", reason="CACHE_RELEASED",
+                                metadata={"cache_id": cid}, domain=ERROR_DOMAIN)
+        return True
 
 
 async def _release_source(source, target, cid, tid, result, release_source, max_chunk_bytes, max_rounds,
-                          before_release, moved) -> tuple[int, object]:
-    length, rounds = result.kv_cache.sequence_length, 1
+                          before_release, moved) -> tuple[int, Any, bool | None]:
+    length, rounds, released = result.kv_cache.sequence_length, 1, False
     while release_source:
         if before_release is not None:
             await before_release()
         try:
-            await source.release_cache(cid, expected_length=length)
+            released = await _release(source, cid, length)
             break
         except FailedPreconditionError as e:
             if e.reason != "STALE_CACHE_HANDLE" or rounds >= max_rounds:
@@ -151,7 +186,7 @@ async def _release_source(source, target, cid, tid, result, release_source, max_
             await target.release_cache(tid)
             result = await target.import_kv(_counted(_export(source, cid, 0, max_chunk_bytes), moved), tid)
         length = result.kv_cache.sequence_length
-    return rounds, result
+    return rounds, result, released
 
 
 async def drain(source: AsyncExecutorClient, targets: Sequence[AsyncExecutorClient], *, shutdown: bool = True,

@@ -134,6 +134,32 @@ def test_a_full_decode_pool_sends_the_move_elsewhere_or_later_and_errors_stay_pe
     assert_clean(prefill.address, full.address, small.address)
 
 
+@pytest.mark.parametrize("decode_servers", [1, 2])
+def test_requests_sharing_a_request_id_keep_caches_of_their_own(make_server, decode_servers):
+    """The request id is the caller's label: a second live "dup" used to be imported under
+    the first one's cache id, and its clean-up released the first one's cache (one decode
+    server), or its adoption failed and it never ended (two)."""
+    prefill, *decode = (make_server() for _ in range(1 + decode_servers))
+    prompts = PROMPTS[3:5]
+    expected = asyncio.run(colocated(prefill.address, prompts, 24, max_num_batched_tokens=16))
+
+    async def run():
+        router = AsyncExecutorRouter([d.address for d in decode], status_ttl_s=0)
+        async with router, DisaggregatedScheduler(AsyncExecutorClient(prefill.address), router,
+                                                  max_num_batched_tokens=16) as sched:
+            first = sched.submit(prompts[0], max_tokens=24, ignore_eos=True, request_id="dup")
+            while sched.stats.moves < 1:  # the first one decodes when the second arrives
+                await asyncio.sleep(0.01)
+            second = sched.submit(prompts[1], max_tokens=24, ignore_eos=True, request_id="dup")
+            return await asyncio.wait_for(asyncio.gather(first.result(), second.result()), 60), sched.stats
+
+    out, stats = asyncio.run(run())
+    assert [(c.finish_reason, c.error, c.preemptions) for c in out] == [("length", None, 0)] * 2
+    assert [c.token_ids for c in out] == [c.token_ids for c in expected]
+    assert stats.moves == 2 and stats.failed_moves == 0
+    assert_clean(prefill.address, *(d.address for d in decode))
+
+
 def test_cancel_and_close_with_requests_prefilling_moving_and_decoding_release_everything(make_server):
     prefill, *decode = (make_server() for _ in range(3))
 

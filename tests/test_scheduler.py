@@ -247,6 +247,24 @@ def test_cancelling_a_request_frees_its_cache(make_server):
         pool_is_clean(c)
 
 
+def test_request_ids_are_the_callers_labels_shared_or_not_cache_ids(make_server):
+    """Two live requests may share a request id, and one may hold characters a cache id
+    refuses: each still gets its own cache (the ids were made from the request id)."""
+    server = make_server()
+    with ExecutorClient(server.address) as c:
+        expected = [plain(c, p, 12) for p in PROMPTS[1:4]]
+
+    async def run():
+        async with Scheduler(AsyncExecutorClient(server.address)) as sched:
+            return await asyncio.gather(*(sched.generate(p, max_tokens=12, ignore_eos=True, request_id=rid)
+                                          for p, rid in zip(PROMPTS[1:4], ["dup", "dup", "user 7/chat #3"])))
+
+    out = asyncio.run(run())
+    assert [c.token_ids for c in out] == expected and [c.request_id for c in out] == ["dup", "dup", "user 7/chat #3"]
+    with ExecutorClient(server.address) as c:
+        pool_is_clean(c)
+
+
 def test_over_three_replicas_sequences_spread_and_tokens_equal_one_server(make_server):
     servers = [make_server() for _ in range(3)]
     with ExecutorClient(servers[0].address) as c:
