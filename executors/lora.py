@@ -27,6 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
+from executors.config_regex import PatternError, fullmatching
 from executors.models.config import DecoderConfig
 
 
@@ -228,9 +229,9 @@ def _targeted(config: dict, targets: LoraTargets, refuse: Refuse) -> set[tuple[i
             chosen = set(paths)
         else:
             try:
-                chosen = {p for p in paths if re.fullmatch(declared, p)}
-            except re.error as e:
-                raise refuse(f"target_modules {declared!r} is not a valid regular expression: {e}") from None
+                chosen = fullmatching(declared, paths)
+            except PatternError as e:
+                raise refuse(f"target_modules {declared[:200]!r} {e}") from None
             if not chosen:
                 raise refuse(f"target_modules regex {declared!r} matches none of the model's projections "
                              f"(module paths like {_module_path(0, 'q_proj')}; supported: {_supported(targets)})")
@@ -251,9 +252,9 @@ def _targeted(config: dict, targets: LoraTargets, refuse: Refuse) -> set[tuple[i
     if excluded:
         if isinstance(excluded, str):
             try:
-                chosen = {p for p in chosen if not re.fullmatch(excluded, p)}
-            except re.error as e:
-                raise refuse(f"exclude_modules {excluded!r} is not a valid regular expression: {e}") from None
+                chosen -= fullmatching(excluded, chosen)
+            except PatternError as e:
+                raise refuse(f"exclude_modules {excluded[:200]!r} {e}") from None
         elif isinstance(excluded, list | tuple) and all(isinstance(e, str) for e in excluded):
             chosen = {p for p in chosen if p not in excluded and not any(p.endswith(f".{e}") for e in excluded)}
         else:

@@ -288,6 +288,7 @@ def add_tensor(name: str, shape: tuple[int, ...]):
     return lambda config, tensors: tensors.update({name: torch.randn(shape)})
 
 
+BACKTRACKING = r"(?:\w|\.|\w\.|\.\w|\w\w)+\d\d\d"
 REFUSALS = {
     "not LoRA": (set_config(peft_type="IA3"), ["peft_type", "'IA3'", "LORA"]),
     "rank above max_rank": (set_config(r=32), ["r=32", "max_rank 16"]),
@@ -323,6 +324,10 @@ REFUSALS = {
     "layers_pattern": (set_config(layers_to_transform=[0], layers_pattern="blocks"), ["layers_pattern", "'blocks'"]),
     "regex matching nothing": (set_config(target_modules=r".*\.fc\d"), ["regex", "matches none", "supported"]),
     "invalid regex": (set_config(target_modules="(q_proj"), ["not a valid regular expression"]),
+    # Seconds per path (minutes under Python's re, with the GIL held): refused within the budget.
+    "backtracking regex": (set_config(target_modules=BACKTRACKING), ["target_modules", "took more than 0.5 s"]),
+    "backtracking exclude regex": (set_config(exclude_modules=BACKTRACKING), ["exclude_modules", "took more than"]),
+    "regex too long": (set_config(target_modules="|".join(["q_proj"] * 1000)), ["6999 characters long"]),
     # Values JSON (and Python's reader) allows that PEFT's config would never hold.
     "alpha past a float": (set_config(lora_alpha=10**400), ["lora_alpha", "401 digits", "too large"]),
     "alpha past a float, rslora": (set_config(lora_alpha=10**400, use_rslora=True), ["too large"]),
