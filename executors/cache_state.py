@@ -3,7 +3,9 @@
 - owner: the identity that created the cache; nobody else may use it.
 - adapter: the LoRA adapter its K and V were computed with, for every later step.
 - last_used: when the cache was last touched; idle caches past their lease are reclaimed,
-  so a client that vanished does not hold KV blocks forever.
+  so a client that vanished does not hold KV blocks forever. A call naming the cache counts
+  as use from its arrival to its end (`using`): a cache is not reaped while a call for it
+  waits in the queue or runs, and its lease starts over when the call ends, not when it began.
 - last_step: what the latest append did and returned, so a retried step (same position,
   same tokens, same policy) gets the same answer instead of appending its tokens twice.
 - serial and claims: which creation this is (ids are reused once released), and how many
@@ -14,9 +16,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +53,9 @@ class CacheRegistry:
         self._states: dict[str, CacheState] = {}
         self._serials = itertools.count(1)
         self.leases_expired = 0
+        # Calls under way per cache id: counted on the event loop, read by the reaper on the worker.
+        self._in_use: dict[str, int] = {}
+        self._in_use_lock = threading.Lock()
 
     def add(self, cache_id: str, owner: str | None, adapter: LoraAdapter | None = None) -> int:
         """Register a new cache; returns its creation serial."""
@@ -112,7 +119,42 @@ class CacheRegistry:
     def forget_step(self, cache_id: str) -> None:
         self._states[cache_id].last_step = None
 
+    def use(self, cache_ids: Collection[str]) -> None:
+        """Calls for these caches arrived: none is idle until done_using."""
+        with self._in_use_lock:
+            for cid in cache_ids:
+                self._in_use[cid] = self._in_use.get(cid, 0) + 1
+
+    def done_using(self, cache_ids: Collection[str]) -> None:
+        """Those calls ended: their caches' leases start over from now."""
+        now = time.monotonic()
+        with self._in_use_lock:
+            for cid in cache_ids:
+                if (left := self._in_use[cid] - 1) > 0:
+                    self._in_use[cid] = left
+                else:
+                    del self._in_use[cid]
+                if (state := self._states.get(cid)) is not None:
+                    state.last_used = max(state.last_used, now)
+
+    @contextlib.contextmanager
+    def using(self, cache_ids: Collection[str]) -> Iterator[None]:
+        self.use(cache_ids)
+        try:
+            yield
+        finally:
+            self.done_using(cache_ids)
+
+    def renew(self, cache_ids: Collection[str]) -> None:
+        """A step on these caches just ended (on the worker, before a reaper queued behind it runs)."""
+        now = time.monotonic()
+        for cid in cache_ids:
+            if (state := self._states.get(cid)) is not None:
+                state.last_used = now
+
     def idle(self, ttl_s: float) -> list[str]:
-        """Ids of caches untouched for longer than ttl_s."""
+        """Ids of caches untouched for longer than ttl_s, and with no call for them under way."""
         cutoff = time.monotonic() - ttl_s
-        return [cid for cid, s in self._states.items() if s.last_used < cutoff]
+        with self._in_use_lock:
+            busy = set(self._in_use)
+        return [cid for cid, s in self._states.items() if s.last_used < cutoff and cid not in busy]

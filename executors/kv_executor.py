@@ -188,7 +188,8 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
         return await self._run(self._forward_now, tokens, kind, dtype)
 
     async def truncate_kv(self, cache_id: str, new_length: int) -> TruncateResult:
-        return await self._run(truncate_now, self, cache_id, new_length, current_identity.get())
+        with self.caches.using([cache_id]):
+            return await self._run(truncate_now, self, cache_id, new_length, current_identity.get())
 
     async def release_cache(self, cache_id: str, expected_length: int | None = None) -> ReleaseResult:
         return await self._run(release_now, self, cache_id, current_identity.get(), expected_length)
@@ -264,7 +265,8 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
 
     async def _step(self, specs: list[ItemSpec], where: str = "input") -> list[StepResult]:
         check_batch(specs, where, self.max_batch_size)
-        return await self._run(run_step, self, specs, current_identity.get(), on_abandon=self._undo_created)
+        with self.caches.using({s.cache_id for s in specs if s.cache_id is not None}):
+            return await self._run(run_step, self, specs, current_identity.get(), on_abandon=self._undo_created)
 
     def _handle(self, cache_id: str) -> KvCacheHandle:
         t, p = self.kv.get(cache_id), self.pool

@@ -51,7 +51,11 @@ class KvMoves:
                           cache_id)
         adapter = named_adapter(self.loras, description.lora_adapter, "start.description.lora_adapter", self.name)
         session = KvImport(self, description, cache_id, current_identity.get(), adapter)
-        await self._run(session.begin_now, on_abandon=lambda _: session.abort())
+        try:
+            await self._run(session.begin_now, on_abandon=lambda _: session.abort())
+        except BaseException:
+            session.abort()
+            raise
         return session
 
     async def list_caches(self, cache_ids: Sequence[str] = ()) -> list[CacheInfo]:

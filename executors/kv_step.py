@@ -79,6 +79,7 @@ def run_step(ex: KvCacheExecutor, specs: list[ItemSpec], identity: str | None) -
     for r in results:
         if r.cache_id not in created:  # this call completed on a cache an earlier one made
             ex.caches.claim(r.cache_id)
+    ex.caches.renew([r.cache_id for r in results])  # leases run from a step's end: it may outlast one
     ex.peak_used_bytes = max(ex.peak_used_bytes, used_bytes(ex))
     ran = [s for s, _ in work]  # replayed items cost nothing and are not counted
     decode_items = sum(s.is_decode for s in ran)

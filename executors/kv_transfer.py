@@ -128,6 +128,14 @@ class KvImport:
         self._chunks = 0
         self._bytes = 0
         self.replayed: ImportResult | None = None
+        self._serial = 0  # the creation of the cache an import extends, checked again at adopt
+        # The cache an import extends is in use while the stream runs: not reaped meanwhile.
+        self._in_use = [cache_id] if self._extends and cache_id is not None else []
+        executor.caches.use(self._in_use)
+
+    def _done_using(self) -> None:
+        in_use, self._in_use = self._in_use, []
+        self._ex.caches.done_using(in_use)
 
     # -- on the worker --------------------------------------------------------------------
     def begin_now(self) -> None:
@@ -159,6 +167,7 @@ class KvImport:
                 raise FailedPrecondition(f"start.cache_id: cache {self.cache_id!r} is bound to LoRA adapter "
                                          f"{bound!r}, the stream to {d.lora_adapter!r}", field="start.cache_id",
                                          reason="LORA_ADAPTER_MISMATCH", cache_id=self.cache_id)
+            self._serial = ex.caches.mark(self.cache_id)[0]
             self._hold = kv.reserve(start, end, extend=self.cache_id)
             try:
                 ex.pool.copy_blocks(list(self._hold.copies))
@@ -187,7 +196,10 @@ class KvImport:
                                      reason="LORA_ADAPTER_NOT_FOUND", adapter=self._adapter.name)
         if self._extends:
             table = kv.get(self.cache_id) if self.cache_id in kv else None
-            if table is None or table.num_tokens != start or tuple(table.tokens) != d.token_ids[:start]:
+            # The same creation too: released and made again (by anyone) with the same tokens,
+            # it is another cache, perhaps another identity's.
+            if (table is None or table.num_tokens != start or tuple(table.tokens) != d.token_ids[:start]
+                    or ex.caches.mark(self.cache_id)[0] != self._serial):
                 raise FailedPrecondition(f"cache {self.cache_id!r} changed while the import was streaming",
                                          field="start.cache_id", reason="STALE_CACHE_HANDLE", cache_id=self.cache_id)
             cache_id = kv.adopt(self._hold, None, end, extend=self.cache_id)
@@ -197,7 +209,9 @@ class KvImport:
             cache_id = kv.adopt(self._hold, self.cache_id, end, namespace=namespace)
             ex.caches.add(cache_id, self._identity, self._adapter)
         self._hold = None
-        kv.commit(cache_id, start, d.token_ids[start:end])  # its full blocks join the prefix cache
+        # Its full blocks join the prefix cache, unless callers are told apart: K and V named by
+        # the stream's token ids, which its caller could have forged, must not reach others.
+        kv.commit(cache_id, start, d.token_ids[start:end], share=self._identity is None)
         result = ImportResult(ex._handle(cache_id), end - start)
         ex.caches.record(cache_id, start, d.token_ids[start:end], _replay_key(d), result)
         return result, ex.caches.mark(cache_id)
@@ -260,11 +274,15 @@ class KvImport:
         if self._chunks != d.num_chunks or self._bytes != d.total_bytes:
             raise DataLoss(f"the stream carried {self._chunks} chunks and {self._bytes} bytes; its description "
                            f"announced {d.num_chunks} and {d.total_bytes}", reason="KV_STREAM_MISMATCH")
-        result, _ = await self._ex._run(self._adopt_now, on_abandon=self._undo_now)
+        try:
+            result, _ = await self._ex._run(self._adopt_now, on_abandon=self._undo_now)
+        finally:
+            self._done_using()
         return result
 
     def abort(self) -> None:
         """Give the reservation back (queued on the worker; safe to call more than once)."""
+        self._done_using()
         hold, self._hold = self._hold, None
         if hold is not None:
             self._ex.worker.submit(self._ex.kv.drop_hold, hold)

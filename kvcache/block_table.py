@@ -29,6 +29,9 @@ class BlockTable:
     tokens: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     freed_blocks: int = 0  # leading logical blocks returned to the pool (block_ids FREED there)
+    # Logical blocks from this one on are never offered for reuse: their K and V (or those
+    # before them) came from an import, which its caller could have forged.
+    unshared_from: int | None = None
 
     @property
     def capacity(self) -> int:

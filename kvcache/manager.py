@@ -204,10 +204,14 @@ class KvCacheManager(HoldsMixin):
             matched += bs
         return matched
 
-    def commit(self, cache_id: str, start: int, tokens: Sequence[int]) -> None:
+    def commit(self, cache_id: str, start: int, tokens: Sequence[int], share: bool = True) -> None:
         """Record tokens whose K and V are now written at positions start.., and hash every
-        block they fill, so later prefills can reuse it."""
+        block they fill, so later prefills can reuse it; with share=False (K and V this
+        executor did not compute) none from the one holding `start` on ever will be."""
         table = self.get(cache_id)
+        if not share:
+            first = start // self.block_size
+            table.unshared_from = first if table.unshared_from is None else min(table.unshared_from, first)
         if len(table.tokens) != start or start + len(tokens) > table.num_tokens:
             return  # earlier tokens unknown: this cache's blocks cannot be named
         table.tokens.extend(int(t) for t in tokens)
@@ -222,7 +226,7 @@ class KvCacheManager(HoldsMixin):
             table.block_hashes.append(h)
             # False when an equal block is cached already (two caches computed the same
             # prefix at once): this one stays private and nameless.
-            if table.block_ids[i] != FREED:
+            if table.block_ids[i] != FREED and (table.unshared_from is None or i < table.unshared_from):
                 self.allocator.set_hash(table.block_ids[i], h, CachedBlock(parent, chunk))
 
     def record_lookup(self, matched_tokens: int) -> None:

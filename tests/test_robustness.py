@@ -152,6 +152,61 @@ def test_idle_caches_are_reclaimed_when_their_lease_runs_out(make_server):
         c.release_cache(busy)
 
 
+class SlowOnMarker(PagedAttentionExecutor):
+    """A step with an item starting at token SLOW_MARKER takes 1.2 s; the others are instant."""
+
+    def _forward_step(self, items):
+        if any(it.tokens and it.tokens[0] == SLOW_MARKER for it in items):
+            time.sleep(1.2)
+        return super()._forward_step(items)
+
+
+SLOW_MARKER = 250
+
+
+def test_a_lease_runs_from_a_calls_end_and_not_while_it_waits(make_server):
+    """A 0.5 s lease: a cache whose prefill took 1.2 s is not reaped before its owner's next
+    call (it was: the lease ran from the step's start), nor one whose decode arrived in time
+    but waited behind another caller's 1.2 s step (it was: reaped while the call queued)."""
+    running = make_server(instance=SlowOnMarker(PagedExecutorConfig(block_size=4, num_blocks=64)),
+                          cache_ttl_seconds=0.5)
+
+    async def drive():
+        async with AsyncExecutorClient(running.address, timeout=30) as c:
+            slow = (await c.prefill(PrefillInput([SLOW_MARKER, 1, 2]))).kv_cache
+            slow = (await c.decode(DecodeInput(3, slow))).kv_cache  # right after: still leased
+            await c.release_cache(slow)
+            waiting = (await c.prefill(PrefillInput([4, 5]))).kv_cache
+            other = asyncio.create_task(c.prefill(PrefillInput([SLOW_MARKER, 7])))
+            await asyncio.sleep(0.2)  # the slow step is running: this decode queues behind it
+            waiting = (await c.decode(DecodeInput(6, waiting))).kv_cache
+            other = (await other).kv_cache
+            for h in (waiting, other):
+                await c.release_cache(h)
+            return (await c.status()).kv_pool
+
+    pool = asyncio.run(drive())
+    assert pool.leases_expired == 0 and pool.active_caches == 0
+
+
+def test_a_cache_an_import_extends_is_not_reaped_while_the_stream_runs(make_server):
+    running = make_server(cache_ttl_seconds=0.3)
+    with ExecutorClient(running.address) as c:
+        source = c.prefill(PrefillInput(list(range(1, 13)))).kv_cache
+        c.prefill(PrefillInput(list(range(1, 9)), KvCacheHandle("target", 0)))
+        messages = list(c.export_kv(source, start=8))
+        c.release_cache(source)
+
+        def slow_stream():
+            for message in messages:
+                yield message
+                time.sleep(0.5)  # longer than the lease, between each message
+
+        assert c.import_kv(slow_stream(), "target").kv_cache.sequence_length == 12
+        c.release_cache("target")
+        assert c.status().kv_pool.leases_expired == 0
+
+
 CLIENT_SCRIPT = textwrap.dedent("""
     import sys
     from client import ExecutorClient, PrefillInput, DecodeInput

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 
 import grpc
+import numpy as np
 import pytest
 
 from client import (
     AsyncExecutorClient,
     DecodeInput,
     ExecutorClient,
+    FailedPreconditionError,
+    KvCacheHandle,
+    LogitsPolicy,
     PermissionDeniedError,
     PrefillInput,
     UnauthenticatedError,
@@ -299,3 +304,61 @@ def test_step_sessions_need_a_token_and_run_as_its_identity(make_server, token_f
         with ExecutorClient(running.address, timeout=10, token="tok-bob-2") as bob, pytest.raises(PermissionDeniedError):
             bob.release_cache("alice-seq")
         assert alice.release_cache("alice-seq").released
+
+
+def test_kv_one_identity_imports_is_never_reused_by_another(make_server, token_file):
+    """Bob imports K and V he labels with token ids of his choosing (here those of another
+    prompt): with identities told apart, no prefill of Alice's reuses them, nor anything
+    computed on top of them, while blocks a step computed still serve her."""
+    running = make_server(auth_token_file=token_file)
+    forged, real, tail = [11, 12, 13, 14, 15, 16, 17, 18], [201, 202, 203, 204, 205, 206, 207, 208], 19
+    full = LogitsPolicy.full()
+    with ExecutorClient(running.address, timeout=10, token="tok-alice-1") as alice, \
+            ExecutorClient(running.address, timeout=10, token="tok-bob-2") as bob:
+        def alice_reuses(prompt: list[int]) -> int:
+            before = alice.cache_metrics().saved_prefill_tokens
+            out = alice.prefill(PrefillInput(prompt + [tail], logits_policy=full))
+            np.testing.assert_allclose(out.logits.logits, alice.forward(prompt + [tail]).output[-1], atol=1e-5)
+            alice.release_cache(out.kv_cache)
+            return alice.cache_metrics().saved_prefill_tokens - before
+
+        def relabelled(messages, token_ids):
+            messages[0].description.ClearField("token_ids")
+            messages[0].description.token_ids.extend(token_ids)
+            return messages
+
+        mine = bob.prefill(PrefillInput(real)).kv_cache
+        bob.import_kv(relabelled(list(bob.export_kv(mine)), forged), "forged")
+        # A cache of his own, its first block computed here, the second imported with forged labels.
+        head = bob.prefill(PrefillInput(forged[:4] + [99], KvCacheHandle("extended", 0))).kv_cache
+        bob.truncate_kv(head, 4)
+        bob.import_kv(relabelled(list(bob.export_kv(mine, start=4)), forged), "extended")
+        for cid in (mine.cache_id, "forged", "extended"):
+            bob.release_cache(cid)
+        assert alice_reuses(forged) == 4  # the block a prefill computed, not the imported one
+
+
+def test_an_import_whose_cache_was_made_anew_meanwhile_is_refused(make_server):
+    """The cache an import extends is released and created again with the same tokens while
+    the stream runs: another cache now, perhaps another's; the import must not extend it."""
+    running = make_server()
+    with ExecutorClient(running.address, timeout=10) as c:
+        source = c.prefill(PrefillInput(list(range(1, 13)))).kv_cache
+        c.prefill(PrefillInput(list(range(1, 9)), KvCacheHandle("target", 0)))
+        messages = list(c.export_kv(source, start=8))
+
+        def stream():
+            yield messages[0]
+            while running.executor.kv.holds == 0:  # the import has checked its target and reserved
+                time.sleep(0.01)
+            c.release_cache("target")
+            c.prefill(PrefillInput(list(range(1, 9)), KvCacheHandle("target", 0)))
+            yield from messages[1:]
+
+        with pytest.raises(FailedPreconditionError) as refused:
+            c.import_kv(stream(), "target")
+        assert refused.value.reason == "STALE_CACHE_HANDLE"
+        assert c.list_caches(["target"])[0].sequence_length == 8
+        for cid in (source.cache_id, "target"):
+            c.release_cache(cid)
+        assert c.status().kv_pool.used_blocks == 0

@@ -610,3 +610,23 @@ def test_server_chosen_ids_skip_the_ids_to_avoid():
     assert second == f"kv-{number + 3}"
     for cache_id in taken:  # the callers' names stay free for them
         assert m.create(cache_id)[0] == cache_id
+
+
+# -- K and V that were not computed here ----------------------------------------------------
+def test_blocks_committed_unshared_are_never_offered_nor_those_after_them() -> None:
+    m = make(num_blocks=16)
+    prompt = list(range(1, 17))  # four blocks of 4
+    m.create("imported")
+    m.extend("imported", 6)
+    m.commit("imported", 0, prompt[:4])  # computed here
+    m.commit("imported", 4, prompt[4:6], share=False)  # imported from position 4: block 1 on
+    m.extend("imported", 16)
+    m.commit("imported", 6, prompt[6:])  # computed here, but on top of the imported block
+    m.check_invariants()
+    m.create("other")
+    assert m.match_prefix("other", prompt, limit=15) == 4  # block 0 only
+    m.release("other")
+    m.release("imported")
+    m.create("again")
+    assert m.match_prefix("again", prompt, limit=15) == 4
+    m.check_invariants()
