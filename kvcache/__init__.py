@@ -15,7 +15,8 @@ from kvcache.errors import (
     KvCacheError,
     KvCacheExhausted,
 )
-from kvcache.manager import KvCacheManager, KvPoolStats, PrefixCacheStats
+from kvcache.manager import KvCacheManager, KvPoolStats
+from kvcache.prefix_cache import PrefixCacheStats
 
 __all__ = [
     "BlockAllocator",
