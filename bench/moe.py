@@ -32,7 +32,7 @@ def model(experts: int, top_k: int, args, device: str) -> DecoderLM:
     cfg = dict(architectures=["MixtralForCausalLM"], vocab_size=args.vocab, hidden_size=args.hidden,
                num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=4,
                max_position_embeddings=4096, intermediate_size=args.expert_size, num_local_experts=experts,
-               num_experts_per_tok=top_k)
+               num_experts_per_tok=top_k, sliding_window=None)  # full attention, as the MoE side
     if experts == 0:  # dense: a Mistral-shaped model with one MLP as wide as the active experts
         cfg.update(architectures=["MistralForCausalLM"], intermediate_size=args.expert_size * top_k)
     torch.manual_seed(0)

@@ -3,7 +3,9 @@
 Accepts both the older keys (`rope_theta`, `rope_scaling`, `torch_dtype`,
 `rope_local_base_freq`, `sliding_window_pattern`) and transformers 5's (`rope_parameters`,
 `dtype`, `layer_types`). Anything the decoder cannot serve raises UnsupportedModel naming
-the problem, at start-up rather than at the first request.
+the problem, at start-up rather than at the first request. A key the file omits takes its
+family's transformers default (family_defaults.py), and the rope keys are read in transformers'
+order of precedence.
 
 A family is a set of flags on the one decoder: mixtures of experts (moe_config.py) replace
 the MLP of some layers; sliding windows, Gemma's norms, scaled embeddings, soft-capping and
@@ -18,24 +20,26 @@ from pathlib import Path
 from typing import Any
 
 from executors.models.errors import UnsupportedModel
+from executors.models.family_defaults import FAMILY_DEFAULTS, FamilyDefaults
 from executors.models.moe_config import MoeConfig, moe_from_dict
 
 __all__ = ["DecoderConfig", "MoeConfig", "RopeScaling", "UnsupportedModel"]
 
-# architecture -> (family, q/k/v bias by default, per-head q/k RMSNorm)
+# architecture -> (family, per-head q/k RMSNorm); biases and defaults: family_defaults.py
 ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", False, False),
-    "Qwen2ForCausalLM": ("qwen2", True, False),
-    "Qwen3ForCausalLM": ("qwen3", False, True),
-    "MistralForCausalLM": ("mistral", False, False),
-    "MixtralForCausalLM": ("mixtral", False, False),
-    "Qwen2MoeForCausalLM": ("qwen2_moe", True, False),
-    "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
-    "Gemma3ForCausalLM": ("gemma3", False, True),
+    "LlamaForCausalLM": ("llama", False),
+    "Qwen2ForCausalLM": ("qwen2", False),
+    "Qwen3ForCausalLM": ("qwen3", True),
+    "MistralForCausalLM": ("mistral", False),
+    "MixtralForCausalLM": ("mixtral", False),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", False),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", True),
+    "Gemma3ForCausalLM": ("gemma3", True),
 }
 # Families whose every layer sees the same `sliding_window` (when the config sets one).
 WINDOWED_FAMILIES = ("mistral", "mixtral")
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+LAYER_TYPE_KEYS = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,43 +122,38 @@ class DecoderConfig:
             raise UnsupportedModel(
                 f"architecture {archs or cfg.get('model_type')!r} is not supported; "
                 f"supported: {', '.join(ARCHITECTURES)}")
-        family, default_qkv_bias, qk_norm = ARCHITECTURES[arch]
+        family, qk_norm = ARCHITECTURES[arch]
 
         def need(key: str) -> Any:
             if key not in cfg:
                 raise UnsupportedModel(f"config.json lacks {key!r}, which {arch} needs")
             return cfg[key]
 
+        defaults = FAMILY_DEFAULTS[family]
         if cfg.get("use_sliding_window"):
             raise UnsupportedModel(f"sliding-window attention (use_sliding_window: true) is not supported for {arch}")
         if cfg.get("use_bidirectional_attention"):
             raise UnsupportedModel("bidirectional attention (use_bidirectional_attention: true) is not supported")
-        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if family == "gemma3" else "silu")
+        # Only the family's own key: transformers' Llama ignores a hidden_activation, Gemma 3 a hidden_act.
+        act = cfg.get(defaults.activation_key, defaults.activation)
         if act not in (GELU_TANH if family == "gemma3" else ("silu",)):
-            raise UnsupportedModel(f"activation {act!r} is not supported for {arch}")
+            raise UnsupportedModel(f"activation {act!r} ({defaults.activation_key}) is not supported for {arch}")
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        # A missing key here falls back to the checkpoint's own shape, not transformers' class
+        # default: a wrong guess is refused by the loader's shape check, never served.
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         if heads % kv_heads:
             raise UnsupportedModel(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-        rope = cfg.get("rope_parameters") or {}
-        local_rope = None
-        if "full_attention" in rope or "sliding_attention" in rope:  # transformers 5, per layer type
-            local_rope = rope.get("sliding_attention") or {}
-            rope = rope.get("full_attention") or {}
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        max_positions = int(cfg.get("max_position_embeddings", defaults.max_position_embeddings))
+        theta, scaling, local_theta = _read_rope(cfg, family, defaults, max_positions)
         eos = cfg.get("eos_token_id")
-        attention_bias = bool(cfg.get("attention_bias", default_qkv_bias))
-        if family == "qwen2_moe":  # transformers 5 names it qkv_bias; Qwen2-MoE checkpoints have it
-            attention_bias = bool(cfg.get("qkv_bias", True))
+        if defaults.attention_bias_key is None:
+            attention_bias = defaults.attention_bias
+        else:
+            attention_bias = bool(cfg.get(defaults.attention_bias_key, defaults.attention_bias))
         gemma = family == "gemma3"
-        windows = _layer_windows(cfg, family, int(need("num_hidden_layers")))
-        local_theta = None
-        if gemma:
-            if local_rope and local_rope.get("rope_type", "default") != "default":
-                raise UnsupportedModel(f"rope type {local_rope['rope_type']!r} on sliding layers is not supported")
-            local_theta = float((local_rope or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+        windows = _layer_windows(cfg, family, defaults, int(need("num_hidden_layers")))
         return cls(
             architecture=arch,
             family=family,
@@ -165,17 +164,15 @@ class DecoderConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias and no o bias; Llama's and Gemma's attention_bias
-            # covers all four.
-            qkv_bias=True if family == "qwen2" else attention_bias,
-            o_bias=attention_bias if family in ("llama", "gemma3") else False,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            rms_norm_eps=_number(cfg, "rms_norm_eps", defaults.rms_norm_eps),
+            rope_theta=theta,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", defaults.tie_word_embeddings)),
+            qkv_bias=attention_bias,
+            o_bias=attention_bias and defaults.o_proj_bias,
+            mlp_bias=bool(cfg.get(defaults.mlp_bias_key, False)) if defaults.mlp_bias_key else False,
             qk_norm=qk_norm,
-            rope_scaling=_rope_scaling(scaling),
+            rope_scaling=scaling,
             dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
@@ -186,7 +183,7 @@ class DecoderConfig:
             embed_scale=hidden ** 0.5 if gemma else None,
             hidden_act="gelu_tanh" if gemma else "silu",
             sandwich_norms=gemma,
-            attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5 if gemma else None,
+            attn_scale=_number(cfg, "query_pre_attn_scalar", defaults.query_pre_attn_scalar) ** -0.5 if gemma else None,
             final_softcap=_positive(cfg, "final_logit_softcapping") if gemma else None,
             raw=cfg,
         )
@@ -201,9 +198,17 @@ def _positive(cfg: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
-def _layer_windows(cfg: dict[str, Any], family: str, layers: int) -> tuple[int | None, ...]:
+def _number(cfg: dict[str, Any], key: str, default: float | None) -> float:
+    """cfg[key], or the family's default when the key is absent; a positive number either way."""
+    value = cfg.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise UnsupportedModel(f"{key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _layer_windows(cfg: dict[str, Any], family: str, defaults: FamilyDefaults, layers: int) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: global), or () when no layer has one."""
-    window = cfg.get("sliding_window")
+    window = cfg.get("sliding_window", defaults.sliding_window)  # null in the file: no window
     if family in WINDOWED_FAMILIES:
         if window is None:
             return ()
@@ -212,7 +217,9 @@ def _layer_windows(cfg: dict[str, Any], family: str, layers: int) -> tuple[int |
         return ()  # Qwen: sliding windows only with use_sliding_window, refused above
     types = cfg.get("layer_types")
     if types is None:  # older configs: every `sliding_window_pattern`-th layer is global
-        pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
+        pattern = cfg.get("sliding_window_pattern", defaults.sliding_window_pattern)
+        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
+            raise UnsupportedModel(f"sliding_window_pattern must be a positive integer, got {pattern!r}")
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     if len(types) != layers:
         raise UnsupportedModel(f"layer_types lists {len(types)} layers, num_hidden_layers is {layers}")
@@ -231,16 +238,69 @@ def _window_size(window: Any) -> int:
     return window
 
 
-def _rope_scaling(s: dict[str, Any] | None) -> RopeScaling | None:
-    if not s:
-        return None
+def _read_rope(cfg: dict[str, Any], family: str, defaults: FamilyDefaults,
+               max_positions: int) -> tuple[float, RopeScaling | None, float | None]:
+    """(rope theta, its scaling, the sliding layers' theta where it differs), as transformers 5's
+    config classes read them (convert_rope_params_to_dict, standardize_rope_params)."""
+    if family == "gemma3":
+        return _read_gemma3_rope(cfg, defaults, max_positions)
+    # A rope_scaling, when set, is the whole rope config: rope_parameters beside it is dropped.
+    where = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    rope = _rope_dict(cfg.get(where) or {}, where)
+    nested = [k for k in LAYER_TYPE_KEYS if k in rope]
+    if nested:  # transformers ignores them on these families (or fails to build the model)
+        raise UnsupportedModel(f"rope_parameters per layer type ({', '.join(nested)}) is only read for Gemma 3")
+    theta = _number(rope, "rope_theta", cfg.get("rope_theta", defaults.rope_theta))
+    # A top-level original_max_position_embeddings (Phi-3's place for it) overrides the nested one.
+    if "original_max_position_embeddings" in cfg:
+        rope = {**rope, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
+    return theta, _rope_scaling(rope, where, max_positions), None
+
+
+def _read_gemma3_rope(cfg: dict[str, Any], defaults: FamilyDefaults,
+                      max_positions: int) -> tuple[float, RopeScaling | None, float]:
+    """Gemma3TextConfig's own reading: rope_parameters per layer type, a legacy rope_scaling
+    merged over the full-attention one, rope_theta / rope_local_base_freq as the bases."""
+    per_type = _rope_dict(cfg.get("rope_parameters") or {}, "rope_parameters")
+    flat = sorted(set(per_type) - set(LAYER_TYPE_KEYS))
+    if flat:  # transformers silently ignores these on Gemma 3
+        raise UnsupportedModel(f"Gemma 3 rope_parameters must be per layer type (full_attention, sliding_attention); "
+                               f"flat keys {flat} are not supported")
+    full = dict(_rope_dict(per_type.get("full_attention") or {"rope_type": "default"}, "full_attention"))
+    if cfg.get("rope_scaling") is not None:
+        full.update(_rope_dict(cfg["rope_scaling"], "rope_scaling"))
+    local = _rope_dict(per_type.get("sliding_attention") or {"rope_type": "default"}, "sliding_attention")
+    local_kind = _rope_kind(local, "sliding_attention")
+    if local_kind != "default":
+        raise UnsupportedModel(f"rope type {local_kind!r} on sliding layers is not supported")
+    theta = _number(full, "rope_theta", cfg.get("rope_theta", defaults.rope_theta))
+    local_theta = _number(local, "rope_theta", cfg.get("rope_local_base_freq", defaults.local_rope_theta))
+    return theta, _rope_scaling(full, "full_attention rope (with rope_scaling over it)", max_positions), local_theta
+
+
+def _rope_dict(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise UnsupportedModel(f"{where} must be an object, got {value!r}")
+    return value
+
+
+def _rope_kind(s: dict[str, Any], where: str) -> str:
+    """rope_type, or the legacy key type when rope_type is absent (transformers' order)."""
     kind = s.get("rope_type", s.get("type", "default"))
+    if "type" in s and s["type"] != kind:
+        raise UnsupportedModel(f"{where}: rope_type {kind!r} and the legacy type {s['type']!r} disagree")
+    return kind
+
+
+def _rope_scaling(s: dict[str, Any], where: str, max_positions: int) -> RopeScaling | None:
+    kind = _rope_kind(s, where)
     if kind == "default":
         return None
     if kind == "linear":
-        if not isinstance(s.get("factor"), (int, float)) or s["factor"] <= 0:
-            raise UnsupportedModel(f"linear rope scaling needs a positive factor, got {s.get('factor')!r}")
-        return RopeScaling(factor=float(s["factor"]), kind="linear")
+        factor = s.get("factor")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+            raise UnsupportedModel(f"linear rope scaling needs a positive factor, got {factor!r}")
+        return RopeScaling(factor=float(factor), kind="linear")
     if kind != "llama3":
         raise UnsupportedModel(f"rope scaling type {kind!r} is not supported (only llama3 and linear)")
     try:
@@ -248,7 +308,9 @@ def _rope_scaling(s: dict[str, Any] | None) -> RopeScaling | None:
             factor=float(s["factor"]),
             low_freq_factor=float(s["low_freq_factor"]),
             high_freq_factor=float(s["high_freq_factor"]),
-            original_max_position_embeddings=int(s["original_max_position_embeddings"]),
+            original_max_position_embeddings=int(s.get("original_max_position_embeddings", max_positions)),
         )
     except KeyError as e:
         raise UnsupportedModel(f"llama3 rope scaling lacks {e.args[0]!r}") from None
+    except (TypeError, ValueError):
+        raise UnsupportedModel(f"llama3 rope scaling has a non-numeric field: {s!r}") from None

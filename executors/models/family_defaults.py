@@ -1,0 +1,53 @@
+"""Per family: the value of each config.json key the loader reads when the file omits it, and
+which projections carry a bias, as transformers 5 has them.
+
+Copied as constants from transformers' config classes (LlamaConfig, ..., Gemma3TextConfig:
+their field defaults and `default_theta`) and modeling code (which nn.Linear gets `bias=`),
+because serving must not import transformers; tests/models/test_config_fidelity.py compares
+this table with those classes so that it cannot drift.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyDefaults:
+    rope_theta: float  # the class's default_theta (Gemma 3: its global layers')
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None  # read only where the family applies it (Mistral, Mixtral, Gemma 3)
+    activation_key: str = "hidden_act"  # the one key the family's MLP reads its activation from
+    activation: str = "silu"
+    # q/k/v bias: switched by this key (None: fixed at attention_bias, whatever the config says).
+    attention_bias_key: str | None = None
+    attention_bias: bool = False
+    o_proj_bias: bool = False  # o_proj carries the bias whenever q/k/v do
+    mlp_bias_key: str | None = None  # None: the MLP never has a bias
+    # Gemma 3 only.
+    local_rope_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    sliding_window_pattern: int | None = None  # without layer_types: every n-th layer is global
+
+
+FAMILY_DEFAULTS = {
+    "llama": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048,
+                            attention_bias_key="attention_bias", o_proj_bias=True, mlp_bias_key="mlp_bias"),
+    "mistral": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=131072,
+                              sliding_window=4096),
+    "mixtral": FamilyDefaults(rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=131072),
+    "qwen2": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                            sliding_window=4096, attention_bias=True),
+    "qwen3": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                            sliding_window=4096, attention_bias_key="attention_bias", o_proj_bias=True),
+    "qwen2_moe": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                                sliding_window=4096, attention_bias_key="qkv_bias", attention_bias=True),
+    "qwen3_moe": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                                sliding_window=4096, attention_bias_key="attention_bias", o_proj_bias=True),
+    "gemma3": FamilyDefaults(rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=131072,
+                             tie_word_embeddings=True, sliding_window=4096, activation_key="hidden_activation",
+                             activation="gelu_pytorch_tanh", attention_bias_key="attention_bias", o_proj_bias=True,
+                             local_rope_theta=10000.0, query_pre_attn_scalar=256, sliding_window_pattern=6),
+}

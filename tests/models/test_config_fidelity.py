@@ -1,0 +1,185 @@
+"""config.json variants read as transformers 5 reads them, or refused by name.
+
+Each case saves a tiny random model with transformers, rewrites its config.json, reloads the
+transformers model from that same file (the oracle) and loads it in LlmExecutor: the logits of
+a whole sequence must agree within 1e-4 (fp32), or the load must fail with UnsupportedModel
+naming the problem. The per-family defaults table (executors/models/family_defaults.py) is
+checked against transformers' config classes and modeling code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from executors.models.errors import UnsupportedModel
+from executors.models.family_defaults import FAMILY_DEFAULTS
+from executors.models.moe_config import MOE_FAMILIES
+
+tf = pytest.importorskip("transformers")
+
+VOCAB, TOL = 320, 1e-4
+DEL = object()  # in an edit: remove the key
+COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+GEMMA = {**COMMON, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+         "layer_types": ["sliding_attention", "full_attention"]}
+# transformers 4's Gemma 3 layout, as google/gemma-3-* ship it.
+GEMMA_LEGACY = {"rope_parameters": DEL, "layer_types": DEL, "sliding_window_pattern": 2,
+                "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+L3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 32, "rope_theta": 50000.0}
+L3_TYPE_KEY = {("type" if k == "rope_type" else k): v for k, v in L3.items()}
+L3_NO_ORIGINAL_MAX = {k: v for k, v in L3.items() if k != "original_max_position_embeddings"}
+GEMMA_PER_TYPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+QWEN3_MOE = {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+# name: (family, config class kwargs, config.json edits, tokens, None or the refusal's text)
+CASES = {
+    # 1. The legacy "type" key inside rope_parameters.
+    "type_key_linear": (
+        "llama", {}, {"rope_parameters": {"type": "linear", "factor": 4.0, "rope_theta": 1e4}}, 40, None),
+    "type_key_llama3": ("llama", {}, {"rope_parameters": L3_TYPE_KEY}, 40, None),
+    "type_key_yarn": (
+        "llama", {}, {"rope_parameters": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
+        40, "'yarn'"),
+    # 2. A top-level original_max_position_embeddings wins over the nested one; neither means
+    # max_position_embeddings.
+    "llama3_toplevel_original_max": (
+        "llama", {}, {"rope_parameters": L3, "original_max_position_embeddings": 256}, 40, None),
+    "llama3_no_original_max": ("llama", {}, {"rope_parameters": L3_NO_ORIGINAL_MAX}, 40, None),
+    # 3. rope_scaling beside rope_parameters is the whole rope config, its base from it or from
+    # the top-level rope_theta; on Gemma 3 it is merged over full_attention.
+    "rope_scaling_beside_rope_parameters": (
+        "llama", {}, {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+                      "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 1e4}, 40, None),
+    "gemma3_rope_scaling_over_full_attention": (
+        "gemma3", {"rope_parameters": GEMMA_PER_TYPE}, {"rope_scaling": {"factor": 4.0}}, 40, None),
+    # There transformers keeps rope_type "default" and drops a "type" scaling: refused.
+    "gemma3_rope_scaling_type_key": (
+        "gemma3", {}, {**GEMMA_LEGACY, "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 8.0}},
+        40, "legacy type 'linear'"),
+    # transformers ignores rope parameters per layer type on Llama.
+    "llama_rope_per_layer_type": (
+        "llama", {}, {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0}}},
+        40, "per layer type"),
+    # 4. Keys left out take each family's transformers defaults.
+    "mixtral_no_theta_no_eps": (
+        "mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5},
+        {"rope_parameters": {"rope_type": "default"}, "rms_norm_eps": DEL}, 40, None),
+    "mistral_no_sliding_window": (  # 4096 by default: the sequence must pass it
+        "mistral", {"num_hidden_layers": 1, "max_position_embeddings": 4200, "sliding_window": 8},
+        {"sliding_window": DEL}, 4200, None),
+    "gemma3_legacy_no_theta_scalar_tie": (
+        "gemma3", {}, {**GEMMA_LEGACY, "query_pre_attn_scalar": DEL, "tie_word_embeddings": DEL}, 40, None),
+    # 5. The activation from the family's own key only.
+    "llama_hidden_activation_ignored": ("llama", {"hidden_act": "gelu"}, {"hidden_activation": "silu"}, 20, "'gelu'"),
+    "llama_hidden_activation_ignored_silu": ("llama", {}, {"hidden_activation": "gelu"}, 20, None),
+    "gemma3_hidden_act_ignored": ("gemma3", {}, {"hidden_act": "silu", "hidden_activation": DEL}, 20, None),
+    # 6. A flat rope_parameters on Gemma 3 (transformers ignores it): refused.
+    "gemma3_flat_rope_parameters": (
+        "gemma3", {}, {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}},
+        40, "per layer type"),
+    # 7. Biases where each family's modeling code puts them (Qwen3: on o_proj too).
+    "qwen3_attention_bias": ("qwen3", {"head_dim": 16, "attention_bias": True}, {}, 20, None),
+    "qwen3_moe_attention_bias": ("qwen3_moe", {**QWEN3_MOE, "attention_bias": True}, {}, 20, None),
+    "mistral_attention_bias_ignored": (
+        "mistral", {"sliding_window": None}, {"attention_bias": True, "mlp_bias": True}, 20, None),
+}
+
+MODELS = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig"), "mistral": ("MistralForCausalLM", "MistralConfig"),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"), "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"), "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
+}
+
+
+def save_tiny(family: str, kwargs: dict, edits: dict, out):
+    """Save a random tiny model, apply `edits` to its config.json, return transformers' reading of it."""
+    model_cls, config_cls = (getattr(tf, n) for n in MODELS[family])
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**(GEMMA if family == "gemma3" else COMMON), **kwargs}))
+    with torch.no_grad():  # random init leaves biases at zero and norms at one: make them count
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.eval().save_pretrained(out)
+    path = out / "config.json"
+    cfg = json.loads(path.read_text())
+    for key, value in edits.items():
+        if value is DEL:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    path.write_text(json.dumps(cfg))
+    return model_cls.from_pretrained(out, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_config_read_as_transformers_reads_it(name, tmp_path):
+    from executors.llm import LlmExecutor, LlmExecutorConfig
+
+    family, kwargs, edits, n, refusal = CASES[name]
+    oracle = save_tiny(family, kwargs, edits, tmp_path)
+    config = LlmExecutorConfig(model_dir=str(tmp_path), block_size=4, num_blocks=64)
+    if refusal is not None:
+        with pytest.raises(UnsupportedModel, match=refusal):
+            LlmExecutor(config)
+        return
+    tokens = np.random.default_rng(1).integers(0, VOCAB, size=n).tolist()
+    with torch.no_grad():
+        ref = oracle(torch.tensor([tokens])).logits[0].float().numpy()
+    executor = LlmExecutor(config)
+    try:
+        ours = executor._forward_sequence(tokens, hidden=False).float().numpy()
+    finally:
+        executor.close()
+    diff = np.abs(ours - ref).max(axis=1)
+    assert diff.max() <= TOL, f"max |diff| {diff.max():.3g}, first position over {TOL}: {int(np.argmax(diff > TOL))}"
+
+
+def test_family_defaults_match_transformers_config_classes():
+    for family, ours in FAMILY_DEFAULTS.items():
+        config_cls = getattr(tf, MODELS[family][1])
+        fields = {f.name: f.default for f in dataclasses.fields(config_cls)}
+        theta = config_cls.default_theta
+        expected = {
+            "rope_theta": theta["global"] if isinstance(theta, dict) else theta,
+            "local_rope_theta": theta["local"] if isinstance(theta, dict) else None,
+            "rms_norm_eps": fields["rms_norm_eps"], "max_position_embeddings": fields["max_position_embeddings"],
+            "tie_word_embeddings": fields["tie_word_embeddings"], "sliding_window": fields.get("sliding_window"),
+            "activation": fields[ours.activation_key], "query_pre_attn_scalar": fields.get("query_pre_attn_scalar")}
+        if ours.attention_bias_key is not None:
+            expected["attention_bias"] = fields[ours.attention_bias_key]
+        got = {k: getattr(ours, k) for k in expected}
+        assert got == expected, family
+        # The one activation key the family reads: the other is not a field of its class.
+        other = {"hidden_act": "hidden_activation", "hidden_activation": "hidden_act"}[ours.activation_key]
+        assert other not in fields, family
+        if ours.sliding_window_pattern is not None:
+            types = config_cls(num_hidden_layers=2 * ours.sliding_window_pattern).layer_types
+            assert types.index("full_attention") == ours.sliding_window_pattern - 1, family
+
+
+@pytest.mark.parametrize("family", list(FAMILY_DEFAULTS))
+def test_family_bias_layout_matches_transformers_modeling(family):
+    """Every bias switch on: which of q/o/MLP projections transformers gives a bias."""
+    ours = FAMILY_DEFAULTS[family]
+    model_cls, config_cls = (getattr(tf, n) for n in MODELS[family])
+    moe = {"num_experts": 2, "num_local_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 8,
+           "shared_expert_intermediate_size": 8, "mlp_only_layers": [0]}  # layer 0 dense, layer 1 sparse
+    config = config_cls(**{**COMMON, "hidden_size": 16, "intermediate_size": 8, "head_dim": 4, "attention_bias": True,
+                           "qkv_bias": True, "mlp_bias": True, **(moe if family in MOE_FAMILIES else {})})
+    with torch.device("meta"):
+        names = {n for n, _ in model_cls(config).named_parameters()}
+    switchable = ours.attention_bias_key is not None
+    assert ("model.layers.0.self_attn.q_proj.bias" in names) == (switchable or ours.attention_bias), family
+    assert ("model.layers.0.self_attn.o_proj.bias" in names) == ours.o_proj_bias, family
+    mlp_biases = {n for n in names if n.endswith("bias") and ("mlp" in n or "sparse_moe" in n)}
+    assert bool(mlp_biases) == (ours.mlp_bias_key is not None), (family, mlp_biases)
