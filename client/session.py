@@ -16,7 +16,7 @@ import grpc
 
 from . import convert
 from ._proto import executor_pb2 as pb
-from .errors import ExecutorError, UnavailableError, error_class, from_rpc_error
+from .errors import ExecutorError, UnavailableError, error_class, from_rpc_error, parse_status_details
 from .types import UnifiedBatch, UnifiedBatchItem, UnifiedItemResult
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -55,9 +55,22 @@ class AsyncStepSession:
                 resp = await self._call.read()
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from e
+            except asyncio.InvalidStateError:  # the call had ended: a step cancelled, a deadline, the server
+                raise await self._ended() from None
             if resp is grpc.aio.EOF:
-                raise UnavailableError("the step session ended", code=grpc.StatusCode.UNAVAILABLE)
+                raise await self._ended()
             return _results(resp)
+
+    async def _ended(self) -> ExecutorError:
+        """Why the call ended, as the typed error a step raises from then on."""
+        code = await self._call.code()
+        if code is grpc.StatusCode.OK:
+            return UnavailableError("the step session ended", code=grpc.StatusCode.UNAVAILABLE)
+        info = parse_status_details(await self._call.trailing_metadata())
+        return error_class(code)(f"the step session ended: {await self._call.details()}", code=code,
+                                 reason=(info.reason or None) if info else None,
+                                 metadata=dict(info.metadata) if info else None,
+                                 domain=(info.domain or None) if info else None)
 
     async def close(self) -> None:
         try:

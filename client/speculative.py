@@ -30,6 +30,7 @@ target alone.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -133,15 +134,17 @@ class SpeculativeDecoder:
         self.temperature = temperature
         self.rng = np.random.default_rng(seed)
         self.stats = SpeculativeStats()  # over every generation of this decoder
-        self._max_len: int | None = None
+        self._max_lens: tuple[int, int] | None = None
 
-    async def _limits(self) -> int:
-        if self._max_len is None:
+    async def _limits(self) -> tuple[int, int]:
+        """(the target's max_sequence_length, the draft's): the output is the target's, however
+        short the draft's limit; that only bounds how far the draft can propose."""
+        if self._max_lens is None:
             t, d = await asyncio.gather(self.target.info(), self.draft.info())
             if t.vocab_size != d.vocab_size:
                 raise ValueError(f"target and draft vocabularies differ ({t.vocab_size} vs {d.vocab_size})")
-            self._max_len = min(t.max_sequence_length, d.max_sequence_length)
-        return self._max_len
+            self._max_lens = (t.max_sequence_length, d.max_sequence_length)
+        return self._max_lens
 
     async def generate(self, prompt_ids: Sequence[int], *, max_tokens: int,
                        stop_token_ids: Sequence[int] = ()) -> SpeculativeResult:
@@ -164,14 +167,17 @@ class SpeculativeDecoder:
         result = result if result is not None else SpeculativeResult([], "length")
         stats = result.stats
         stop = {int(t) for t in stop_token_ids}
-        max_len = await self._limits()
+        max_len, draft_max_len = await self._limits()
         greedy = self.temperature == 0
         policy = LogitsPolicy.argmax() if greedy else LogitsPolicy.full()
-        target_h: KvCacheHandle | None = None
+        # Ids chosen here, not by the servers: a call cut off after its server ran it leaves a
+        # cache that the clean-up below can still name.
+        target_h: KvCacheHandle | None = KvCacheHandle(f"spec-{uuid.uuid4().hex}", 0)
         draft_h: KvCacheHandle | None = None
+        draft_id = f"spec-{uuid.uuid4().hex}"
         try:
             # The target reads the prompt and picks the first token; the draft catches up lazily.
-            out = await self.target.prefill(PrefillInput(prompt, logits_policy=policy))
+            out = await self.target.prefill(PrefillInput(prompt, target_h, logits_policy=policy))
             target_h = out.kv_cache
             stats.target_calls += 1
             first = self._pick(out.logits)
@@ -185,8 +191,10 @@ class SpeculativeDecoder:
             stats.emitted += 1
             draft_len = 0  # tokens in the draft's cache, a prefix of `committed`
             while emitted < max_tokens and len(committed) <= max_len:
-                # Drafts this round: never past max_tokens (the round adds n+1) or the model's limit.
-                n = min(self.num_draft_tokens, max_tokens - emitted - 1, max_len - len(committed))
+                # Drafts this round: never past max_tokens (the round adds n+1) or either model's
+                # limit (the target's cache grows to len(committed) + n, the draft's to one less).
+                n = max(0, min(self.num_draft_tokens, max_tokens - emitted - 1, max_len - len(committed),
+                               draft_max_len - len(committed) + 1))
                 last = committed[-1]
                 drafts: list[int] = []
                 draft_rows: list[np.ndarray] = []
@@ -194,7 +202,8 @@ class SpeculativeDecoder:
                     pending = committed[draft_len:]
                     for i in range(n):
                         if i == 0 and (draft_h is None or len(pending) > 1):
-                            d_out = await self.draft.prefill(PrefillInput(pending, draft_h, logits_policy=policy))
+                            d_out = await self.draft.prefill(
+                                PrefillInput(pending, draft_h or KvCacheHandle(draft_id, 0), logits_policy=policy))
                         else:
                             feed = pending[0] if i == 0 else drafts[-1]
                             d_out = await self.draft.decode(DecodeInput(feed, draft_h, logits_policy=policy))
@@ -241,7 +250,7 @@ class SpeculativeDecoder:
                         return
         finally:
             self.stats.add(stats)
-            await asyncio.shield(self._release(target_h, draft_h))
+            await asyncio.shield(self._release(target_h, draft_h or KvCacheHandle(draft_id, 0)))
 
     def _pick(self, out: LogitsOutput) -> int:
         if self.temperature == 0:
@@ -250,7 +259,10 @@ class SpeculativeDecoder:
         return int(self.rng.choice(len(probs), p=probs))
 
     async def _release(self, target_h: KvCacheHandle | None, draft_h: KvCacheHandle | None) -> None:
-        calls = [c.release_cache(h) for c, h in ((self.target, target_h), (self.draft, draft_h)) if h is not None]
+        # By id: a handle's length is stale when its last call was cut off (and a release
+        # of an id its server never created is a no-op).
+        calls = [c.release_cache(h.cache_id) for c, h in ((self.target, target_h), (self.draft, draft_h))
+                 if h is not None]
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, BaseException) and not isinstance(result, ExecutorError):
                 raise result

@@ -123,6 +123,54 @@ def test_identical_draft_accepts_everything_and_a_foreign_one_almost_nothing(tin
     assert_clean(*(s.address for s in servers.values()))
 
 
+def test_a_draft_with_a_shorter_limit_does_not_cut_the_target_short(tiny, tmp_path):
+    """The output is the target's: a draft that holds 30 positions only proposes less."""
+    import json
+
+    family, servers, reference = tiny
+    build(family, tmp_path / "short")
+    config = json.loads((tmp_path / "short" / "config.json").read_text())
+    (tmp_path / "short" / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 30}))
+    short = serve(tmp_path / "short")
+    try:
+        results, _ = run_speculative(servers["target"].address, short.address, PROMPTS[:2], TOKENS,
+                                     num_draft_tokens=3)
+        assert [r.token_ids for r in results] == reference[:2]
+        assert_clean(servers["target"].address, short.address)
+    finally:
+        short.stop()
+
+
+@pytest.mark.parametrize("side", ["target", "draft"])
+def test_a_first_prefill_whose_answer_is_lost_leaves_no_cache(tiny, side):
+    """The server made the cache, the answer never came: the ids are the client's own, so the
+    clean-up still releases it (with server-chosen ids it stayed until its lease ran out)."""
+    from client import DeadlineExceededError
+
+    _, servers, _ = tiny
+
+    async def go():
+        t = AsyncExecutorClient(servers["target"].address, timeout=120)
+        d = AsyncExecutorClient(servers["perturbed"].address, timeout=120)
+        lossy = t if side == "target" else d
+        real = lossy.prefill
+
+        async def answer_lost(item, **kwargs):
+            await real(item, **kwargs)
+            raise DeadlineExceededError("the answer did not arrive in time (injected)")
+
+        lossy.prefill = answer_lost
+        try:
+            with pytest.raises(DeadlineExceededError):
+                await SpeculativeDecoder(t, d, num_draft_tokens=3).generate(PROMPTS[2], max_tokens=8)
+        finally:
+            await t.close()
+            await d.close()
+
+    asyncio.run(go())
+    assert_clean(servers["target"].address, servers["perturbed"].address)
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 5, 7])
 def test_max_tokens_and_end_of_sequence_cut_rounds_short(tiny, max_tokens):
     _, servers, reference = tiny

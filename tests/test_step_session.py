@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import numpy as np
@@ -10,6 +11,8 @@ import pytest
 
 from client import (
     AsyncExecutorClient,
+    CallCancelledError,
+    DeadlineExceededError,
     ExecutorClient,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -17,6 +20,7 @@ from client import (
     NotFoundError,
     UnifiedBatchItem,
 )
+from executors.paged import PagedAttentionExecutor, PagedExecutorConfig
 from generated.modelexec.v1 import executor_pb2 as pb
 from tests.paged_reference import PagedModel
 
@@ -71,6 +75,43 @@ def test_the_async_session_and_undecodable_steps(paged_server):
     assert responses[1].step_id == 9 and not responses[1].HasField("error")
     with ExecutorClient(paged_server.address) as c:
         c.release_cache("raw")
+
+
+class SlowPaged(PagedAttentionExecutor):
+    def _forward_step(self, items):
+        time.sleep(0.5)
+        return super()._forward_step(items)
+
+
+def test_a_step_on_a_session_that_ended_raises_a_typed_error(make_server):
+    """Past its deadline, or once a step was cancelled, the call is over: a step says why, as
+    an ExecutorError (it was asyncio.InvalidStateError, which handlers of ExecutorError missed)."""
+    running = make_server(instance=SlowPaged(PagedExecutorConfig(block_size=4, num_blocks=64)))
+
+    async def drive() -> None:
+        async with AsyncExecutorClient(running.address) as c:
+            session = c.step_session(timeout=1.0)
+            await session.step([UnifiedBatchItem("late", [1, 2], 0, True)])
+            await asyncio.sleep(1.0)
+            with pytest.raises(DeadlineExceededError):
+                await session.step([UnifiedBatchItem("late", [3], 2, True)])
+            await session.close()
+            await c.release_cache("late")
+
+            session = c.step_session()
+            step = asyncio.create_task(session.step([UnifiedBatchItem("cut", [1, 2], 0, True)]))
+            await asyncio.sleep(0.2)  # its answer is 0.3 s away
+            step.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await step
+            with pytest.raises(CallCancelledError):
+                await session.step([UnifiedBatchItem("cut", [3], 2, True)])
+            await session.close()
+        with ExecutorClient(running.address) as c:
+            c.release_cache("cut")
+            assert c.status().kv_pool.active_caches == 0
+
+    asyncio.run(drive())
 
 
 def test_the_step_session_bench_runs():
