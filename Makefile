@@ -22,8 +22,9 @@ test: check-node install-test model
 	$(PY) -m pytest -q $(ARGS)
 
 check-node:
-	@command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 || { \
-	  echo "make test needs Node.js 18+ and npm (the TypeScript client's tests): install them first," \
+	@command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 && \
+	  node -e 'process.exit(Number(process.versions.node.split(".")[0]) < 20 ? 1 : 0)' || { \
+	  echo "make test needs Node.js 20+ and npm (the TypeScript client's tests): install them first," \
 	       "e.g. sudo apt-get install -y nodejs npm (Debian, Ubuntu) or brew install node (macOS)" >&2; exit 1; }
 
 venv:

@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown parts: {', '.join(sorted(unknown))}")
     dtypes = [d for d in args.dtypes.split(",") if d]
+    if bad := [d for d in dtypes if d not in ("float32", "bfloat16", "float16")]:
+        p.error(f"--dtypes: {', '.join(bad)} is not one of float32, bfloat16, float16")
+    if args.out and not Path(args.out).resolve().parent.is_dir():  # found out now, not after the run
+        p.error(f"--out {args.out}: the directory {Path(args.out).resolve().parent} does not exist")
     if args.threads:
         torch.set_num_threads(args.threads)
     if not MODEL_DIR.is_dir() and set(parts) - set(GPU_PARTS):

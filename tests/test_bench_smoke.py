@@ -24,6 +24,16 @@ def test_unknown_parts_are_refused():
     assert done.returncode != 0 and "nonsense" in done.stderr
 
 
+def test_a_bad_out_directory_or_dtype_is_refused_before_any_part_runs(tmp_path, capsys):
+    import pytest
+
+    for argv, fragment in ((["--out", str(tmp_path / "missing" / "x.json")], "does not exist"),
+                           (["--dtypes", "float32,float23"], "float23 is not one of")):
+        with pytest.raises(SystemExit) as refused:
+            suite.main(["--parts", "gpu", "--no-plots", *argv])
+        assert refused.value.code == 2 and fragment in capsys.readouterr().err
+
+
 def test_the_table_reports_every_part_and_the_targets():
     results = {"results": {
         "prefill": [{"dtype": "float32", "prompts": 32, "prompt_len": 128, "batched_s": 1.0, "batched_tok_s": 4096.0,

@@ -26,7 +26,7 @@ def test_make_test_without_node_says_what_to_install_before_anything_runs(tmp_pa
                           text=True, timeout=60, env={**os.environ, "PATH": path})
     assert done.returncode != 0
     message = done.stderr.strip().splitlines()
-    assert any("make test needs Node.js 18+ and npm" in x and "apt-get install -y nodejs npm" in x for x in message), \
+    assert any("make test needs Node.js 20+ and npm" in x and "apt-get install -y nodejs npm" in x for x in message), \
         done.stderr
     assert not (tmp_path / "venv").exists()  # nothing was created or installed first
     assert "pip" not in done.stdout and "venv" not in done.stdout

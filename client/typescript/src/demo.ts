@@ -26,6 +26,9 @@ function parseArgs(argv: string[]): Args {
   if (args.prompt.length === 0 || args.prompt.some((t) => !Number.isInteger(t) || t < 0)) {
     throw new Error(`--prompt: expected comma-separated token ids, got ${args.prompt}`);
   }
+  if (!Number.isFinite(args.timeoutSeconds) || args.timeoutSeconds <= 0) {
+    throw new Error(`--timeout: expected a positive number of seconds, got ${args.timeoutSeconds}`);
+  }
   return args;
 }
 
@@ -53,6 +56,7 @@ async function main(): Promise<void> {
     timeoutSeconds: args.timeoutSeconds,
     token: process.env.MODELEXEC_TOKEN || undefined,
   });
+  let made: string | undefined;  // released at the end if the run stopped before its release
   try {
     await client.waitForReady();
     const info = (await client.getInfo()).info;
@@ -60,6 +64,7 @@ async function main(): Promise<void> {
 
     const prefill = await client.prefill({ inputIds: args.prompt, logitsPolicy: { argmax: {} } });
     const afterPrefill = prefill.output?.kvCache;
+    made = afterPrefill?.cacheId;
     emit({ step: "prefill", ...handle(afterPrefill), ...logits(prefill.output?.logits), timing: prefill.timing });
 
     const decode = await client.decode({
@@ -71,11 +76,13 @@ async function main(): Promise<void> {
     emit({ step: "decode", ...handle(afterDecode), ...logits(decode.output?.logits), timing: decode.timing });
 
     const release = await client.releaseCache(afterDecode?.cacheId ?? "");
+    made = undefined;
     emit({ step: "release", cacheId: afterDecode?.cacheId, released: release.released, freedBlocks: release.freedBlocks });
 
     const pool = (await client.getStatus()).status?.kvPool;
     emit({ step: "status", totalBlocks: pool?.totalBlocks, freeBlocks: pool?.freeBlocks, activeCaches: pool?.activeCaches });
   } finally {
+    if (made) await client.releaseCache(made).catch(() => undefined);
     client.close();
   }
 }

@@ -54,6 +54,9 @@ function parseArgs(argv: string[]): Args {
   if (args.prompt.length === 0 || args.prompt.some((t) => !Number.isInteger(t) || t < 0)) {
     throw new Error(`--prompt: expected comma-separated token ids, got ${args.prompt}`);
   }
+  if (!Number.isFinite(args.timeoutSeconds) || args.timeoutSeconds <= 0) {
+    throw new Error(`--timeout: expected a positive number of seconds, got ${args.timeoutSeconds}`);
+  }
   if (!Number.isInteger(args.maxChunkBytes) || args.maxChunkBytes < 0) {
     throw new Error(`--max-chunk-bytes: expected a non-negative integer, got ${args.maxChunkBytes}`);
   }
@@ -105,12 +108,15 @@ async function main(): Promise<void> {
   const source = new ExecutorClient(args.source, options);
   const target = new ExecutorClient(args.target, options);
   const small = args.smallTarget ? new ExecutorClient(args.smallTarget, options) : undefined;
+  // What this run made, released at the end however it ends (a release of a released id is a no-op).
+  const made: { client: ExecutorClient; cacheId: string }[] = [];
   try {
     await Promise.all([source.waitForReady(), target.waitForReady()]);
 
     const prefill = await source.prefill({ inputIds: args.prompt, logitsPolicy: { argmax: {} } });
     const original = prefill.output?.kvCache;
     if (!original) throw new Error("the prefill returned no cache handle");
+    made.push({ client: source, cacheId: original.cacheId });
     emit({ step: "prefill", ...handle(original), tokenId: prefill.output?.logits?.tokenId });
 
     // The export kept in an array: its description, then its chunks.
@@ -138,6 +144,7 @@ async function main(): Promise<void> {
     const seen = { chunks: 0, bytes: 0 };
     const imported = await target.importKv(
       counted(source.exportKv(original, { maxChunkBytes: args.maxChunkBytes }), seen), TARGET_ID);
+    made.push({ client: target, cacheId: TARGET_ID });
     emit({ step: "import", ...handle(imported.kvCache), importedTokens: imported.importedTokens,
            replayed: imported.replayed, streamedChunks: seen.chunks, streamedBytes: seen.bytes, timing: imported.timing });
 
@@ -194,6 +201,7 @@ async function main(): Promise<void> {
     if (small) {
       // The import fails on the target; the export it was reading is cancelled with it.
       const again = await source.prefill({ inputIds: args.prompt, logitsPolicy: { argmax: {} } });
+      made.push({ client: source, cacheId: again.output?.kvCache?.cacheId ?? "" });
       try {
         await small.importKv(source.exportKv(again.output?.kvCache ?? "", { maxChunkBytes: args.maxChunkBytes }));
         emit({ step: "import-exhausted", failed: false });
@@ -207,6 +215,7 @@ async function main(): Promise<void> {
     emit({ step: "cleanup", released: targetRelease.released, targetCaches: (await target.listCaches()).caches.length,
            sourceCaches: (await source.listCaches()).caches.length });
   } finally {
+    await Promise.allSettled(made.filter((m) => m.cacheId).map((m) => m.client.releaseCache(m.cacheId)));
     source.close();
     target.close();
     small?.close();
