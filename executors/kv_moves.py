@@ -18,6 +18,7 @@ from executors.kv_transfer import KvExport, KvImport, check_description, export_
 from executors.lora_calls import named_adapter
 from executors.transfer_types import DEFAULT_MAX_CHUNK_BYTES, CacheInfo, KvExportDescription, KvFingerprint
 from executors.types import DType
+from kvcache.manager import CACHE_ID_PATTERN
 
 
 class KvMoves:
@@ -59,6 +60,10 @@ class KvMoves:
         return session
 
     async def list_caches(self, cache_ids: Sequence[str] = ()) -> list[CacheInfo]:
+        for i, cid in enumerate(cache_ids):  # a malformed id names no cache: a mistake, not "none of them"
+            if not CACHE_ID_PATTERN.fullmatch(cid):
+                raise InvalidParameter(f"cache_ids[{i}] {cid[:140]!r} is not a cache id: use 1 to 128 characters "
+                                       "from [A-Za-z0-9._:-]", field=f"cache_ids[{i}]")
         return await self._run(self._list_now, frozenset(cache_ids), current_identity.get())
 
     def _export_now(self, cache_id: str, start: int | None, end: int | None, max_chunk_bytes: int,

@@ -56,6 +56,10 @@ def prefill_spec(inp: PrefillInput, where: str, vocab_size: int) -> ItemSpec:
     handle = inp.kv_cache
     start = handle.sequence_length if handle is not None else 0
     if inp.position_ids is not None and len(inp.position_ids) > 0:
+        if len(inp.position_ids) != len(tokens):  # malformed, whatever the cache holds
+            raise InvalidParameter(
+                f"{where}.position_ids has {len(inp.position_ids)} entries for {len(tokens)} input_ids",
+                field=f"{where}.position_ids")
         expected = list(range(start, start + len(tokens)))
         if [int(p) for p in inp.position_ids] != expected:
             raise FailedPrecondition(

@@ -58,6 +58,11 @@ def test_prefill_bad_inputs(client):
     expect(C.INVALID_ARGUMENT, client.prefill, PrefillInput([1, 2], attention_mask=[1, 0]))
     expect(C.INVALID_ARGUMENT, client.prefill, PrefillInput([1, 2], attention_mask=[1]))
     expect(C.FAILED_PRECONDITION, client.prefill, PrefillInput([1, 2], position_ids=[3, 4]))
+    err = expect(C.INVALID_ARGUMENT, client.prefill, PrefillInput([1, 2, 3], position_ids=[0]))
+    assert err.metadata.get("field") == "input.position_ids"
+    err = expect(C.INVALID_ARGUMENT, client.list_caches, ["fine", "a b"])
+    assert err.metadata.get("field") == "cache_ids[1]"
+    expect(C.INVALID_ARGUMENT, client.list_caches, [""])
     expect(C.OUT_OF_RANGE, client.prefill, PrefillInput([1] * 513))
     expect(C.INVALID_ARGUMENT, client.prefill, PrefillInput([1], kv_cache=KvCacheHandle("bad id!", 0)))
 
