@@ -1,13 +1,19 @@
 """`python -m client schedule`: a file of prompts through the reference scheduler, colocated on
 --targets (client/scheduler.py) or disaggregated, prefill on --prefill-targets and decode on
 --decode-targets (client/disaggregated.py). Prints each completion with its time to first
-token and inter-token latency, then throughput and a latency summary (client/latency.py)."""
+token and inter-token latency, then throughput and a latency summary (client/latency.py).
+
+Also the argument types and the tokenizer that `generate` shares with it: values out of a
+field's range are refused by argparse, naming the flag, before any call."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from .batch_runner import _Progress
@@ -16,10 +22,75 @@ from .router import AsyncExecutorRouter, parse_targets
 from .scheduler import Completion, Scheduler, SchedulerConfig, run_batch
 from .types import LogitsPolicy
 
+MAX_SEED = 2**64 - 1  # LogitsPolicy's seed is a uint64
 
-def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
+
+def at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(
+                f"must be >= {low}, got {value}" if high is None else f"must be in [{low}, {high}], got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def temperature(text: str) -> float:
+    """An argparse type: a sampling temperature, finite and >= 0 (0: greedy)."""
+    value = _float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be finite and >= 0 (0 is greedy), got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """An argparse type: a nucleus mass, in (0, 1]."""
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+seed = at_least(0, MAX_SEED)
+
+
+def add_tokenizer_argument(p: argparse.ArgumentParser) -> None:
     from .tokenizer import DEFAULT_TOKENIZER_DIR
 
+    default = (f"default: the embedded model, {DEFAULT_TOKENIZER_DIR}"
+               if (Path(DEFAULT_TOKENIZER_DIR) / "tokenizer.json").is_file() else
+               "no default here: the embedded model is only in a checkout, after `make model`")
+    p.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help=f"directory with the served model's tokenizer.json ({default})")
+
+
+def load_tokenizer(directory: str | None) -> Any:
+    """--tokenizer's TextTokenizer; without one, the embedded model's, if this is a checkout that has it."""
+    from . import tokenizer
+
+    if directory is None:
+        directory = tokenizer.DEFAULT_TOKENIZER_DIR
+        if not (Path(directory) / "tokenizer.json").is_file():
+            raise ValueError(f"no tokenizer: pass --tokenizer DIR, the served model's directory with its "
+                             f"tokenizer.json (the default, the embedded model at {directory}, is not there: it "
+                             f"is only in a checkout, after `make model`)")
+    return tokenizer.TextTokenizer(directory)
+
+
+def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", default=None,
                    help="HOST:PORT[,HOST:PORT...] of the executor replicas (default: --target)")
     p.add_argument("--prefill-targets", default=None,
@@ -28,17 +99,40 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
                    help="disaggregated: HOST:PORT[,...] of the executors that decode; each cache moves "
                         "there from its prefill executor once its prompt is in")
     p.add_argument("--prompts-file", required=True, help="one prompt per line (blank lines are skipped)")
-    p.add_argument("--max-tokens", type=int, default=64, help="most new tokens per prompt (default %(default)s)")
+    p.add_argument("--max-tokens", type=at_least(1), default=64,
+                   help="most new tokens per prompt (default %(default)s)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
-    p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER_DIR),
-                   help="directory with the served model's tokenizer.json (default: the embedded model)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; else sampled on the server")
-    p.add_argument("--seed", type=int, default=None, help="seed of server-side sampling (per prompt: seed + index)")
-    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig().max_num_seqs,
+    add_tokenizer_argument(p)
+    p.add_argument("--temperature", type=temperature, default=0.0,
+                   help="0 is greedy (default); above 0, sampled on the server")
+    p.add_argument("--seed", type=seed, default=None,
+                   help="with --temperature: seed of server-side sampling (per prompt: seed + index)")
+    p.add_argument("--max-num-seqs", type=at_least(1), default=SchedulerConfig().max_num_seqs,
                    help="sequences per step and replica (default %(default)s)")
-    p.add_argument("--max-batched-tokens", type=int, default=SchedulerConfig().max_num_batched_tokens,
+    p.add_argument("--max-batched-tokens", type=at_least(1), default=SchedulerConfig().max_num_batched_tokens,
                    help="tokens per step and replica; longer prompts are prefilled in chunks (default %(default)s)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+
+
+def check_schedule_arguments(args: argparse.Namespace) -> str | None:
+    """What argparse alone cannot refuse: a flag that would be ignored."""
+    if args.seed is not None and args.temperature == 0:
+        return "--seed has no effect on greedy decoding: add --temperature > 0"
+    return None
+
+
+def read_prompts(path: str) -> list[str]:
+    """The non-blank lines of --prompts-file; ValueError with a plain message when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            texts = [line.rstrip("\n") for line in f if line.strip()]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompts-file {path} is not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ValueError(f"--prompts-file {path}: {e.strerror or e}") from None
+    if not texts:
+        raise ValueError(f"{path} holds no prompts")
+    return texts
 
 
 def _target_groups(args: argparse.Namespace) -> list[list[str]]:
@@ -52,21 +146,18 @@ def _target_groups(args: argparse.Namespace) -> list[list[str]]:
     return [parse_targets(args.prefill_targets), parse_targets(args.decode_targets)]
 
 
-def run_schedule_command(args: argparse.Namespace) -> None:
-    """The `schedule` subcommand: prints each completion, then throughput, to stdout."""
-    from .tokenizer import TextTokenizer
-
+def run_schedule_command(args: argparse.Namespace, **client_options: Any) -> int:
+    """The `schedule` subcommand: prints each completion, then throughput, to stdout; returns
+    how many requests failed. `client_options` (credentials, token) go to every client."""
     groups = _target_groups(args)
-    tok = TextTokenizer(args.tokenizer)
-    with open(args.prompts_file, encoding="utf-8") as f:
-        texts = [line.rstrip("\n") for line in f if line.strip()]
-    if not texts:
-        raise ValueError(f"{args.prompts_file} holds no prompts")
+    tok = load_tokenizer(args.tokenizer)
+    texts = read_prompts(args.prompts_file)
     rendered = [tok.apply_chat_template([{"role": "user", "content": t}]) if args.chat else t for t in texts]
     prompts = [tok.encode(t) for t in rendered]
 
     async def main() -> tuple[list[Completion], float, Any]:
-        routers = [AsyncExecutorRouter(g, timeout=args.timeout) for g in groups]
+        routers = [AsyncExecutorRouter(g, timeout=args.timeout, **client_options) for g in groups]
+        progress = _Progress(len(prompts))
         try:
             options: dict[str, Any] = {
                 "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_batched_tokens,
@@ -78,19 +169,19 @@ def run_schedule_command(args: argparse.Namespace) -> None:
             else:
                 sched = Scheduler(routers[0], **options)
             async with sched:
-                progress = _Progress(len(prompts))
                 started = time.monotonic()
                 policies = None
                 if args.temperature > 0:
                     # One seed per prompt: prompts differ from each other, and a run repeats exactly.
-                    policies = [LogitsPolicy.sample(args.temperature, seed=None if args.seed is None else args.seed + i)
+                    policies = [LogitsPolicy.sample(args.temperature,
+                                                    seed=None if args.seed is None else (args.seed + i) % (MAX_SEED + 1))
                                 for i in range(len(prompts))]
                 completions = await run_batch(sched, prompts, max_tokens=args.max_tokens, policy=policies,
                                               progress=progress, ignore_eos=args.ignore_eos)
                 elapsed = time.monotonic() - started
-                progress.close()
                 return completions, elapsed, sched.stats
         finally:
+            progress.close()  # on a terminal, ends the progress line (also on Ctrl-C)
             for router in routers:
                 await router.close()
 
@@ -119,3 +210,4 @@ def run_schedule_command(args: argparse.Namespace) -> None:
         print(f"moves: {stats.moves} caches, {stats.bytes_moved / 1e6:.3g} MB, "
               f"{stats.move_seconds / max(stats.moves, 1):.3f}s each on average "
               f"({stats.move_refusals} refused by a full pool, {stats.failed_moves} failed)")
+    return failed

@@ -70,13 +70,16 @@ class MoveResult:
 
 @dataclass(slots=True)
 class DrainReport:
-    """Where each cache of a drained replica went (target index), and those that failed."""
+    """Where each cache of a drained replica went (target index), and those that failed.
+    `shutdown_error`: `drain`'s Shutdown call refused or failed after the caches moved (e.g.
+    PERMISSION_DENIED from a server started without --allow-shutdown); the source is up."""
 
     moved: dict[str, int] = field(default_factory=dict)
     failed: dict[str, ExecutorError] = field(default_factory=dict)
     bytes_moved: int = 0
     seconds: float = 0.0
     shut_down: bool = False
+    shutdown_error: ExecutorError | None = None
 
 
 def _export(source: AsyncExecutorClient, cache_id: str, start: int, max_chunk_bytes: int) -> AsyncIterator[bytes]:
@@ -193,7 +196,8 @@ async def drain(source: AsyncExecutorClient, targets: Sequence[AsyncExecutorClie
                 grace_seconds: float = 0.0, concurrency: int = 4, max_chunk_bytes: int = 0) -> DrainReport:
     """Move every cache the caller owns on `source` to the targets (the one with the most
     free blocks first; the next when one is full), then shut `source` down if asked and
-    every cache moved. `report.failed` names caches that could not be moved."""
+    every cache moved. `report.failed` names caches that could not be moved; a Shutdown that
+    fails is `report.shutdown_error` (not raised: the moves it reports happened)."""
     if not targets:
         raise ValueError("drain needs at least one target to move the caches to")
     report = DrainReport()
@@ -227,8 +231,11 @@ async def drain(source: AsyncExecutorClient, targets: Sequence[AsyncExecutorClie
     await asyncio.gather(*(one(c) for c in caches))
     report.seconds = time.perf_counter() - started
     if shutdown and not report.failed:
-        await source.shutdown(grace_seconds)
-        report.shut_down = True
+        try:
+            await source.shutdown(grace_seconds)
+            report.shut_down = True
+        except ExecutorError as e:
+            report.shutdown_error = e
     return report
 
 
@@ -283,25 +290,39 @@ async def _move_all(router: AsyncExecutorRouter, replica: int, cache_ids: list[s
             break
 
 
-def run_drain_command(args) -> bool:
+def run_drain_command(args, **client_options: Any) -> bool:
     """`python -m client --target SOURCE drain --to A,B`: prints one line per cache moved and
-    a summary; True when every cache moved."""
+    a summary; True when every cache moved and the source shut down (or --keep-running).
+    `client_options` (credentials, token) go to the source's client and the targets'."""
     from .router import parse_targets
 
+    names = parse_targets(args.to)
+
     async def run() -> DrainReport:
-        source = AsyncExecutorClient(args.target, timeout=args.timeout)
-        targets = [AsyncExecutorClient(t, timeout=args.timeout) for t in parse_targets(args.to)]
+        source = AsyncExecutorClient(args.target, timeout=args.timeout, **client_options)
+        targets = [AsyncExecutorClient(t, timeout=args.timeout, **client_options) for t in names]
         try:
             return await drain(source, targets, shutdown=not args.keep_running, grace_seconds=args.grace_seconds)
         finally:
             await asyncio.gather(source.close(), *(t.close() for t in targets))
 
     report = asyncio.run(run())
-    names = parse_targets(args.to)
     for cid, i in report.moved.items():
         print(f"moved {cid} -> {names[i]}")
     for cid, e in report.failed.items():
         print(f"failed {cid}: {e}", file=sys.stderr)
+    if report.shut_down:
+        outcome = "source shut down"
+    elif report.shutdown_error is not None:
+        outcome = "source left running: its shutdown failed"
+    else:
+        outcome = "source left running"
     print(f"{len(report.moved)} caches moved ({report.bytes_moved / 1e6:.1f} MB in {report.seconds:.2f} s), "
-          f"{len(report.failed)} failed; source {'shut down' if report.shut_down else 'left running'}")
-    return not report.failed
+          f"{len(report.failed)} failed; {outcome}", flush=True)
+    if report.failed:
+        print("error: some caches could not be moved; the source was left running", file=sys.stderr)
+    if report.shutdown_error is not None:
+        print(f"error: the source did not shut down: {report.shutdown_error}"
+              + (" (start it with --allow-shutdown)" if report.shutdown_error.code.name == "PERMISSION_DENIED"
+                 else ""), file=sys.stderr)
+    return not report.failed and report.shutdown_error is None
