@@ -87,11 +87,14 @@ def _export(source: AsyncExecutorClient, cache_id: str, start: int, max_chunk_by
 
 
 async def _counted(stream: AsyncIterator[bytes], counter: list[int]) -> AsyncIterator[bytes]:
-    """The stream's serialized messages; the K and V bytes its description announces counted."""
+    """The stream's serialized messages; the K and V bytes its description announces counted
+    (counter[0]), and the length the copy will have (counter[1])."""
     first = True
     async for message in stream:
         if first:
-            counter[0] += pb.ExportKvResponse.FromString(message).description.total_bytes
+            description = pb.ExportKvResponse.FromString(message).description
+            counter[0] += description.total_bytes
+            counter[1] = description.end_position
             first = False
         yield message
 
@@ -123,14 +126,17 @@ async def move_cache(source: AsyncExecutorClient, target: AsyncExecutorClient, c
     awaited before each release attempt (a router holds the cache's calls there)."""
     cid = cache_id_of(cache)
     tid = target_id or cid
-    moved = [0]
+    moved = [0, 0]
     started = time.perf_counter()
     try:
         result = await target.import_kv(_counted(_export(source, cid, 0, max_chunk_bytes), moved), tid)
     except BaseException as e:
-        # Not after a refusal (no room, the id another cache's there): nothing was created.
-        if may_have_taken_effect(e):
-            await quietly(target.release_cache(tid))  # the import may have completed, its answer lost
+        # Not after a refusal (no room, the id another cache's there): nothing was created; nor
+        # before the stream's start went out. Otherwise the import may have completed, its answer
+        # lost: drop the copy, and only a copy of that length (an id the target had already is
+        # another's cache, and the import may have failed before the target said so).
+        if may_have_taken_effect(e) and moved[1]:
+            await quietly(target.release_cache(tid, expected_length=moved[1]))
         raise
     try:
         rounds, result, released = await _release_source(source, target, cid, tid, result, release_source,

@@ -204,3 +204,28 @@ def test_routers_given_one_id_prefix_still_name_caches_apart(make_server):
     asyncio.run(run())
     with pytest.raises(ValueError, match="id_prefix"):
         AsyncExecutorRouter([server.address], id_prefix="no spaces/")
+
+
+def test_a_move_cut_off_mid_import_does_not_release_a_cache_the_target_had(make_server):
+    """The target already holds a cache under the id (its own kv-N, say) and the import breaks
+    off before it could say ALREADY_EXISTS: the clean-up drops only a copy of the moved length."""
+    source_server, target_server = make_server(), make_server()
+
+    async def run():
+        source = AsyncExecutorClient(source_server.address, timeout=30)
+        target = AsyncExecutorClient(target_server.address, timeout=30)
+        await source.prefill(PrefillInput(PROMPT, KvCacheHandle("c", 0)))
+        await target.prefill(PrefillInput([7, 8, 9], KvCacheHandle("c", 0)))  # another's "c"
+
+        async def cut_off(export, cache_id=None, **kwargs):
+            await anext(aiter(export))  # the description went out, then the connection broke
+            raise UnavailableError("the connection broke (injected)")
+
+        target.import_kv = cut_off
+        with pytest.raises(UnavailableError):
+            await move_cache(source, target, "c")
+        await source.close()
+        await target.close()
+
+    asyncio.run(run())
+    assert held(source_server) == [("c", len(PROMPT))] and held(target_server) == [("c", 3)]
