@@ -71,7 +71,7 @@ class MoveResult:
 @dataclass(slots=True)
 class DrainReport:
     """Where each cache of a drained replica went (target index), and those that failed.
-    `shutdown_error`: `drain`'s Shutdown call refused or failed after the caches moved (e.g.
+    `shutdown_error`: the Shutdown call refused or failed after the caches moved (e.g.
     PERMISSION_DENIED from a server started without --allow-shutdown); the source is up."""
 
     moved: dict[str, int] = field(default_factory=dict)
@@ -250,7 +250,8 @@ async def drain_replica(router: AsyncExecutorRouter, replica: int, *, shutdown: 
     """Move every cache the caller owns on one of a router's replicas to the others while
     the router keeps serving: each cache's calls are held only for its final release (in
     flight ones finish first), then go to its new replica. No new sequence is placed on
-    the replica meanwhile; it is shut down at the end if asked and every cache moved."""
+    the replica meanwhile; it is shut down at the end if asked and every cache moved (a
+    Shutdown that fails is `report.shutdown_error`, as in `drain`)."""
     if not 0 <= replica < len(router.replicas) or len(router.replicas) < 2:
         raise ValueError(f"replica {replica} cannot be drained: the router has {len(router.replicas)} replicas")
     router.draining.add(replica)
@@ -266,8 +267,11 @@ async def drain_replica(router: AsyncExecutorRouter, replica: int, *, shutdown: 
         await _move_all(router, replica, left, report, max_chunk_bytes)
     report.seconds = time.perf_counter() - started
     if shutdown and not report.failed:
-        await source.shutdown(grace_seconds)
-        report.shut_down = True
+        try:
+            await source.shutdown(grace_seconds)
+            report.shut_down = True
+        except ExecutorError as e:  # the caches moved all the same: the report says so
+            report.shutdown_error = e
     return report
 
 

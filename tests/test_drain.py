@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from client import DecodeInput, ExecutorClient, LogitsPolicy, PrefillInput, UnavailableError
+from client import DecodeInput, ExecutorClient, KvCacheHandle, LogitsPolicy, PrefillInput, UnavailableError
 from client.router import AsyncExecutorRouter
 from client.scheduler import Scheduler
 from client.transfer import drain_replica
@@ -120,3 +120,20 @@ def test_a_move_whose_import_answer_is_lost_leaves_no_copy_behind(make_server):
         return held
 
     assert asyncio.run(run()) == [["C"], []]
+
+
+def test_a_replica_that_refuses_to_shut_down_still_reports_its_moves(make_server):
+    """Started without --allow-shutdown: drain_replica's caches move and the refusal is in the
+    report (it was raised, and the report of what moved was lost)."""
+    servers = [make_server(), make_server()]
+
+    async def run():
+        async with AsyncExecutorRouter([s.address for s in servers], status_ttl_s=0) as router:
+            router.pin("r", 0)
+            await router.prefill(PrefillInput(PROMPTS[1], KvCacheHandle("r", 0)))
+            report = await drain_replica(router, 0)
+            assert report.moved == {"r": 1} and not report.shut_down
+            assert report.shutdown_error is not None and report.shutdown_error.code.name == "PERMISSION_DENIED"
+            await router.release_cache("r")
+
+    asyncio.run(run())
