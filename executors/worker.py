@@ -69,8 +69,10 @@ class SerialWorker:
 
     def _abandoned(self, future: Future, on_abandon: Callable[[Any], Any]) -> None:
         if not future.cancelled() and future.exception() is None:
-            # Queue the clean-up as a job of its own: this callback may run on any thread.
-            self._pool.submit(on_abandon, future.result())
+            # Queue the clean-up as a job of its own: this callback may run on any thread. The
+            # forward may end after the worker closed (the server stopped, the interpreter is
+            # exiting): then, as for submit(), there is nothing left to clean.
+            self.submit(on_abandon, future.result())
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

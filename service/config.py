@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -15,6 +16,14 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models",
                                  "smollm2-135m-instruct")
 REFLECTION_MODES = ("on", "off", "authenticated")
+# The flags only --executor llm reads (service/server.py: llm_config), by ServeConfig field. The
+# paged executor would ignore them without a word: given with it, they are refused instead.
+LLM_ONLY_FLAGS = {"model": "--model", "dtype": "--dtype", "device": "--device",
+                  "kv_memory_fraction": "--kv-memory-fraction", "attention_backend": "--attention-backend",
+                  "cuda_graphs": "--no-cuda-graphs", "cpu_kernels": "--no-cpu-kernels", "lora_dir": "--lora-dir",
+                  "max_loras": "--max-loras", "max_lora_rank": "--max-lora-rank",
+                  "tensor_parallel_size": "--tensor-parallel-size",
+                  "tensor_parallel_timeout_s": "--tensor-parallel-timeout-s"}
 LOG_FORMATS = ("text", "json")
 
 
@@ -103,8 +112,8 @@ class ServeConfig:
             raise ValueError("max_concurrent_rpcs must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if not self.cache_ttl_seconds >= 0:
             raise ValueError(f"cache_ttl_seconds must be >= 0, got {self.cache_ttl_seconds}")
         if not 0 <= self.coalesce_window_ms <= 10_000:
@@ -118,8 +127,8 @@ class ServeConfig:
                              f"cuda:LOCAL_RANK), not {self.device!r}")
         if not 0 < self.tensor_parallel_timeout_s <= 3600:
             raise ValueError(f"tensor_parallel_timeout_s must be in (0, 3600], got {self.tensor_parallel_timeout_s}")
-        if self.grace_seconds < 0:
-            raise ValueError("grace_seconds must be >= 0")
+        if not 0 <= self.grace_seconds <= 3600:  # the bounds of the Shutdown RPC's grace_seconds; NaN fails too
+            raise ValueError(f"grace_seconds must be in [0, 3600], got {self.grace_seconds}")
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras}, {self.max_lora_rank}")
         if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
@@ -243,7 +252,13 @@ def parse_args(argv: Sequence[str] | None = None) -> ServeConfig:
                      help="serve Prometheus metrics on --host at this port; 0 is off (default %(default)s)")
     obs.add_argument("--log-format", choices=LOG_FORMATS, default=defaults.log_format,
                      help="log lines (one per RPC among them) as text or JSON (default %(default)s)")
-    args = vars(p.parse_args(argv))
+    # The llm-only flags start out unset, so that a flag given is told from a default.
+    unset = object()
+    args = vars(p.parse_args(argv, argparse.Namespace(**dict.fromkeys(LLM_ONLY_FLAGS, unset))))
+    given = [flag for name, flag in LLM_ONLY_FLAGS.items() if args[name] is not unset]
+    if args["executor"] != "llm" and given:
+        p.error(f"{given[0]} is a flag of --executor llm; the {args['executor']} executor does not use it")
+    args.update({name: getattr(defaults, name) for name in LLM_ONLY_FLAGS if args[name] is unset})
     try:
         return ServeConfig(**{f.name: args[f.name] for f in fields(ServeConfig)})
     except ValueError as e:

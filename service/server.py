@@ -12,11 +12,14 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from executors.base import ModelExecutor
 from executors.coalescer import DecodeCoalescer
+from executors.errors import ExecutorError
 from generated.modelexec.v1 import executor_pb2 as pb
 from generated.modelexec.v1 import executor_pb2_grpc as pb_grpc
+from kvcache.errors import KvCacheError, KvCacheExhausted
 from service.auth import Authenticator, server_credentials
 from service.config import ServeConfig
 from service.handlers import CallWrapper, Registrar
+from service.listen import StartupError, claim_unix_socket, os_problem, tcp_bind_problem
 from service.metrics import MetricsHttpServer, ServiceMetrics
 from service.observability import RpcObservability
 from service.servicer import ModelExecutorServicer
@@ -89,9 +92,28 @@ class ExecutorServer:
         self.metrics_port = 0  # the bound Prometheus port once started; 0 when off
 
     async def start(self) -> str:
-        """Bind, start serving and (unless disabled) warm up; returns the bound address."""
+        """Bind, start serving and (unless disabled) warm up; returns the bound address.
+
+        Raises StartupError when it cannot (the address, the metrics port, the warm-up); a
+        failed or interrupted start stops what it started first."""
         cfg = self.config
         server = grpc.aio.server(options=grpc_options(cfg), maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
+        try:
+            await self._start(server)
+        except BaseException:
+            # Stopped here, on its loop: left to its __del__, the gRPC server would be stopped
+            # on a loop that asyncio.run has closed by then ("Event loop is closed" noise).
+            self._server = None
+            await server.stop(None)
+            if self._metrics_http is not None:
+                await self._metrics_http.stop()
+            raise
+        if cfg.cache_ttl_seconds > 0 and hasattr(self.executor, "reap_idle"):
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_leases(cfg.cache_ttl_seconds))
+        return self.address
+
+    async def _start(self, server: grpc.aio.Server) -> None:
+        cfg = self.config
         # Every method runs in one wrapper built here, once (service/handlers.py): request id,
         # metrics and log line see every outcome, auth refusals included; auth sets the
         # identity before the request is parsed and errors are mapped.
@@ -106,10 +128,17 @@ class ExecutorServer:
         if cfg.reflection_mode != "off":  # reflection.enable_server_reflection(..., registrar), for grpc.aio
             reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(
                 (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)), registrar)
-        if self.credentials is not None:
-            port = server.add_secure_port(cfg.address, self.credentials)
-        else:
-            port = server.add_insecure_port(cfg.address)
+        if cfg.unix_socket:  # right before the bind: gRPC would take a live server's socket over
+            claim_unix_socket(cfg.unix_socket)
+        try:
+            if self.credentials is not None:
+                port = server.add_secure_port(cfg.address, self.credentials)
+            else:
+                port = server.add_insecure_port(cfg.address)
+        except RuntimeError as e:  # gRPC says "Failed to bind", not why
+            why = None if cfg.unix_socket else tcp_bind_problem(cfg.host, cfg.port)
+            raise StartupError(f"cannot listen on {cfg.address}: "
+                               f"{why or 'gRPC cannot bind it (GRPC_VERBOSITY=debug says why)'}") from e
         self.address = cfg.address if cfg.unix_socket else f"{cfg.host}:{port}"
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if hasattr(self.executor, "add_failure_listener"):  # tensor parallelism: a rank can be lost
@@ -119,15 +148,18 @@ class ExecutorServer:
         self._server = server
         if cfg.metrics_port:
             self._metrics_http = MetricsHttpServer(self.metrics.registry)
-            self.metrics_port = await self._metrics_http.start(cfg.host, cfg.metrics_port)
+            try:
+                self.metrics_port = await self._metrics_http.start(cfg.host, cfg.metrics_port)
+            except OSError as e:
+                raise StartupError(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port}: {os_problem(e)}") from e
             log.info("Prometheus metrics on http://%s:%d/metrics", cfg.host, self.metrics_port)
         log.info("listening on %s (executor %s)", self.address, self.executor.name)
         if cfg.warmup_on_start:
-            await self.executor.warmup()
+            try:
+                await self.executor.warmup()
+            except (ExecutorError, KvCacheError) as e:
+                raise StartupError(f"warm-up failed: {_warmup_problem(e)}") from e
             await self._serving()
-        if cfg.cache_ttl_seconds > 0 and hasattr(self.executor, "reap_idle"):
-            self._reaper = asyncio.get_running_loop().create_task(self._reap_leases(cfg.cache_ttl_seconds))
-        return self.address
 
     async def _reap_leases(self, ttl: float) -> None:
         # Release caches whose idle lease ran out: their clients are gone or have forgotten them.
@@ -194,14 +226,25 @@ class ExecutorServer:
         await self.stopped.wait()
 
 
-async def serve(config: ServeConfig, world=None) -> None:
-    server = ExecutorServer(config, world=world)
+def _warmup_problem(e: Exception) -> str:
+    if isinstance(e, KvCacheExhausted):  # its own text advises a client to release caches
+        return (f"its prompt needs {e.blocks_needed} KV blocks and the pool has {e.total_blocks} "
+                f"(--num-blocks, --block-size)")
+    return str(e)
+
+
+async def serve(config: ServeConfig, world=None, executor: ModelExecutor | None = None) -> None:
+    """Serve until SIGTERM or SIGINT (or a Shutdown call) has stopped the server.
+    `executor`: one built already (`python -m service` loads the model before the loop runs)."""
+    server = ExecutorServer(config, executor, world=world)
     address = await server.start()
     print(f"modelexec: serving the {server.executor.name} executor on {address}", flush=True)
     loop = asyncio.get_running_loop()
     stops: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
 
     def on_signal(sig: signal.Signals) -> None:
+        if server.stopped.is_set():
+            return
         # The first signal drains calls in flight for the grace period; a second ends it now.
         log.info("%s: %s", sig.name, "again" if server.stopping else
                  f"stopping, {config.grace_seconds:.1f} s grace for calls in flight (a second signal ends it)")
@@ -212,4 +255,10 @@ async def serve(config: ServeConfig, world=None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     await server.wait()
+    # Stopped: a later signal has nothing left to stop. Ignored from here on, it cannot
+    # interrupt the way out either (once the loop's handler is gone, Ctrl-C would raise
+    # KeyboardInterrupt wherever the main thread is, asyncio.run's clean-up or the exit).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
     print("modelexec: stopped", flush=True)

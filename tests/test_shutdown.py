@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
+import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -17,10 +22,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import AsyncExecutorClient, ExecutorError, PrefillInput
+from client import AsyncExecutorClient, ExecutorClient, ExecutorError, PrefillInput
 from executors.paged import PagedAttentionExecutor, PagedExecutorConfig
 from service.config import ServeConfig
-from tests.conftest import start_server
+from tests.conftest import REPO, start_server
 from tests.server_process import ServerProcess, serve_paged
 
 C = grpc.StatusCode
@@ -289,3 +294,100 @@ def test_a_call_queued_behind_shutdown_is_refused_and_leaves_the_executor_shut_d
     late = outcomes["late"]
     assert isinstance(late, ExecutorError) and late.code == C.UNAVAILABLE, late
     assert executor.stats.state is ExecutorState.SHUTDOWN and executor.kv.cache_ids() == []
+
+
+def test_the_clean_up_of_a_forward_that_outlives_its_worker_is_dropped(caplog):
+    """A call cut off while its forward runs queues its clean-up when the forward ends: after
+    the worker closed (the server stopped, the interpreter exits), there is none to queue, and
+    no "cannot schedule new futures" error either."""
+    from executors.worker import SerialWorker
+
+    worker = SerialWorker("test-abandoned")
+    release = threading.Event()
+    cleaned: list[object] = []
+
+    async def cut_off() -> None:
+        call = asyncio.ensure_future(worker.run(release.wait, 10, on_abandon=cleaned.append))
+        await asyncio.sleep(0.1)  # running on the worker
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+    asyncio.run(cut_off())
+    threading.Timer(0.2, release.set).start()  # the forward ends while close() waits for it
+    with caplog.at_level(logging.ERROR, logger="concurrent.futures"):
+        worker.close()
+    assert cleaned == [] and not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+# `python -m service` whose forwards of more than 100 tokens take a minute (the warm-up's are short).
+SLOW_SERVICE = """
+import sys, time
+import service.server
+from executors.paged import PagedAttentionExecutor, PagedExecutorConfig
+
+class SlowPrompts(PagedAttentionExecutor):
+    def _forward_step(self, items):
+        if any(len(item.tokens) > 100 for item in items):
+            time.sleep(60)
+        return super()._forward_step(items)
+
+service.server.build_executor = lambda config, world=None: SlowPrompts(PagedExecutorConfig())
+sys.argv[0] = "service"
+from service.__main__ import main
+main()
+"""
+
+
+@pytest.mark.parametrize("second_signal", [False, True], ids=["sigterm", "sigterm_then_ctrl_c"])
+def test_a_stopped_server_exits_at_once_while_a_forward_cut_off_still_runs(tmp_path, second_signal):
+    """The grace runs out on a forward that goes on (nothing interrupts it): the process exits
+    0 once stopped, not when the forward ends, without a traceback; a Ctrl-C right after
+    "stopped" changes nothing."""
+    sock = tmp_path / "s.sock"
+    proc = subprocess.Popen([sys.executable, "-u", "-c", SLOW_SERVICE, "--executor", "paged", "--unix-socket",
+                             str(sock), "--grace-seconds", "0.5"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    seen = {"modelexec: serving": threading.Event(), "modelexec: stopped": threading.Event()}
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            for what, event in seen.items():
+                if what in line:
+                    event.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    outcome: list[object] = []
+
+    def long_prefill() -> None:
+        with ExecutorClient(f"unix://{sock}", timeout=30) as c:
+            try:
+                outcome.append(c.prefill(PrefillInput(list(range(200)))))
+            except ExecutorError as e:
+                outcome.append(e.code)
+
+    try:
+        assert seen["modelexec: serving"].wait(60), "".join(lines)
+        caller = threading.Thread(target=long_prefill)
+        caller.start()
+        time.sleep(0.5)  # its forward runs
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert seen["modelexec: stopped"].wait(10), "".join(lines)
+        if second_signal:
+            proc.send_signal(signal.SIGINT)
+        rc = proc.wait(10)
+        exited = time.monotonic() - signalled
+        caller.join(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    reader.join(10)
+    out = "".join(lines)
+    assert rc == 0 and exited < 5, (rc, exited, out)
+    assert "Traceback" not in out and "cannot schedule new futures" not in out, out
+    assert outcome and outcome[0] in CLEAR, outcome
