@@ -86,9 +86,8 @@ def busy_port() -> Iterator[int]:
         yield s.getsockname()[1]
 
 
-@pytest.mark.parametrize("case", ["busy_port", "foreign_host", "no_directory", "busy_metrics_port", "warmup"])
-def test_a_start_up_failure_is_one_line_without_a_traceback(case, busy_port):
-    args, message = {
+def test_start_up_failures_are_one_line_without_a_traceback(busy_port):
+    cases = {
         "busy_port": (["--port", str(busy_port)], rf"modelexec: cannot listen on 127\.0\.0\.1:{busy_port}: the port is in use"),
         # TEST-NET-1 (RFC 5737): an address no host here has.
         "foreign_host": (["--host", "192.0.2.1", "--port", "0"], r"modelexec: cannot listen on 192\.0\.2\.1:0: .+"),
@@ -99,8 +98,20 @@ def test_a_start_up_failure_is_one_line_without_a_traceback(case, busy_port):
         "warmup": (["--port", "0", "--num-blocks", "1", "--block-size", "1"],
                    (r"modelexec: warm-up failed: its prompt needs \d+ KV blocks and the pool has 1 "
                     r"\(--num-blocks, --block-size\)")),
-    }[case]
-    assert_fails_with(run_service("--executor", "paged", *args), message)
+    }
+    # All at once: each spends its seconds importing torch, and they do not share anything.
+    procs = {case: subprocess.Popen([sys.executable, "-m", "service", "--executor", "paged", *args], cwd=REPO,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for case, (args, _) in cases.items()}
+    try:
+        for case, proc in procs.items():
+            out, err = proc.communicate(timeout=120)
+            assert_fails_with(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), cases[case][1])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_a_corrupt_lora_adapter_fails_the_start_in_one_line(smollm2_dir, tmp_path):
