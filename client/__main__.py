@@ -95,8 +95,8 @@ def _lora_unload_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_generate(ex: ExecutorClient, args: argparse.Namespace) -> None:
     """Stream a completion of --prompt (or a chat reply with --chat) to stdout. The prompt is
     printed once the prefill succeeded; a line left open is ended before an error (or Ctrl-C)."""
+    from .cli_options import load_tokenizer
     from .generate import generate_text
-    from .schedule_cli import load_tokenizer
     from .types import LogitsPolicy
 
     tok = load_tokenizer(args.tokenizer)
@@ -148,7 +148,7 @@ def _check_generate(args: argparse.Namespace) -> str | None:
 
 
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
-    from .schedule_cli import add_tokenizer_argument, at_least, probability, seed, temperature
+    from .cli_options import add_tokenizer_argument, at_least, probability, seed, temperature
 
     p.add_argument("--prompt", required=True, help="text to complete (or the user message with --chat)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")

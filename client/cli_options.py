@@ -1,12 +1,17 @@
-"""What every command of `python -m client` shares: the credentials of the clients it builds
-(`--token`, default $MODELEXEC_TOKEN; `--ca`, `--cert`, `--key`), the program's name, and a
-quiet end when stdout's reader went away."""
+"""What the commands of `python -m client` share: the credentials of the clients it builds
+(`--token`, default $MODELEXEC_TOKEN; `--ca`, `--cert`, `--key`), the program's name, a quiet
+end when stdout's reader went away, and the argument types and tokenizer of `generate` and
+`schedule` (a value out of its field's range is refused by argparse, naming the flag, before
+any call)."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 TOKEN_ENV = "MODELEXEC_TOKEN"  # as the TypeScript client's demo and move scripts read it
@@ -61,3 +66,71 @@ def stdout_gone() -> int:
     except (OSError, ValueError):
         pass  # not a real file (captured, or closed already)
     return 1
+
+
+MAX_SEED = 2**64 - 1  # LogitsPolicy's seed is a uint64
+
+
+def at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(
+                f"must be >= {low}, got {value}" if high is None else f"must be in [{low}, {high}], got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def temperature(text: str) -> float:
+    """An argparse type: a sampling temperature, finite and >= 0 (0: greedy)."""
+    value = _float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be finite and >= 0 (0 is greedy), got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """An argparse type: a nucleus mass, in (0, 1]."""
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+seed = at_least(0, MAX_SEED)
+
+
+def add_tokenizer_argument(p: argparse.ArgumentParser) -> None:
+    from .tokenizer import DEFAULT_TOKENIZER_DIR
+
+    default = (f"default: the embedded model, {DEFAULT_TOKENIZER_DIR}"
+               if (Path(DEFAULT_TOKENIZER_DIR) / "tokenizer.json").is_file() else
+               "no default here: the embedded model is only in a checkout, after `make model`")
+    p.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help=f"directory with the served model's tokenizer.json ({default})")
+
+
+def load_tokenizer(directory: str | None) -> Any:
+    """--tokenizer's TextTokenizer; without one, the embedded model's, if this is a checkout that has it."""
+    from . import tokenizer
+
+    if directory is None:
+        directory = tokenizer.DEFAULT_TOKENIZER_DIR
+        if not (Path(directory) / "tokenizer.json").is_file():
+            raise ValueError(f"no tokenizer: pass --tokenizer DIR, the served model's directory with its "
+                             f"tokenizer.json (the default, the embedded model at {directory}, is not there: it "
+                             f"is only in a checkout, after `make model`)")
+    return tokenizer.TextTokenizer(directory)

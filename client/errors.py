@@ -36,6 +36,7 @@ __all__ = [
     "UnknownError",
     "error_class",
     "from_rpc_error",
+    "from_status",
     "parse_status_details",
 ]
 
@@ -233,8 +234,13 @@ def from_rpc_error(err: grpc.RpcError) -> ExecutorError:
     code = _call_or_none(err, "code")
     if not isinstance(code, grpc.StatusCode):
         code = grpc.StatusCode.UNKNOWN
-    details = _call_or_none(err, "details") or ""
-    info = parse_status_details(_call_or_none(err, "trailing_metadata"))
+    return from_status(code, _call_or_none(err, "details") or "", _call_or_none(err, "trailing_metadata"))
+
+
+def from_status(code: grpc.StatusCode, details: str,
+                trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> ExecutorError:
+    """The typed exception for a call that ended with this status (its ErrorInfo read from the trailers)."""
+    info = parse_status_details(trailing_metadata)
     return error_class(code)(
         details,
         code=code,

@@ -16,7 +16,7 @@ import grpc
 
 from . import convert
 from ._proto import executor_pb2 as pb
-from .errors import ExecutorError, UnavailableError, error_class, from_rpc_error, parse_status_details
+from .errors import ExecutorError, UnavailableError, error_class, from_rpc_error, from_status
 from .types import UnifiedBatch, UnifiedBatchItem, UnifiedItemResult
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -66,11 +66,8 @@ class AsyncStepSession:
         code = await self._call.code()
         if code is grpc.StatusCode.OK:
             return UnavailableError("the step session ended", code=grpc.StatusCode.UNAVAILABLE)
-        info = parse_status_details(await self._call.trailing_metadata())
-        return error_class(code)(f"the step session ended: {await self._call.details()}", code=code,
-                                 reason=(info.reason or None) if info else None,
-                                 metadata=dict(info.metadata) if info else None,
-                                 domain=(info.domain or None) if info else None)
+        return from_status(code, f"the step session ended: {await self._call.details()}",
+                           await self._call.trailing_metadata())
 
     async def close(self) -> None:
         try:

@@ -54,6 +54,7 @@ def triton_kernels_unrunnable() -> str | None:
 from client import ExecutorClient
 from service.config import ServeConfig
 from service.server import ExecutorServer
+from tests.pki import Pki, make_pki
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -134,6 +135,24 @@ def smollm2_dir(gguf_path: Path) -> Path:
     from executors.gguf_import import DEFAULT_MODEL_DIR, convert
 
     return convert(gguf_path, DEFAULT_MODEL_DIR)
+
+
+# Bearer tokens of two identities, as --auth-token-file reads them (a comment, a blank line and
+# uneven spacing included: the format allows them).
+TOKENS = "# identities of this test\n\nalice tok-alice-1\n  bob   tok-bob-2  \n"
+
+
+@pytest.fixture
+def token_file(tmp_path) -> str:
+    path = tmp_path / "tokens"
+    path.write_text(TOKENS)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory) -> Pki:
+    """A CA, a server certificate for localhost, a client certificate from it and one from another CA."""
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="session")

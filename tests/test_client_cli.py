@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,6 @@ from client import AsyncExecutorClient, ExecutorClient, PrefillInput
 from client.__main__ import main
 from executors.paged import PagedAttentionExecutor, PagedExecutorConfig
 from tests.conftest import REPO
-from tests.pki import Pki, make_pki
-
-TOKENS = "alice tok-alice-1\nbob tok-bob-2\n"
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +36,6 @@ def words(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture
-def token_file(tmp_path) -> str:
-    path = tmp_path / "tokens"
-    path.write_text(TOKENS)
-    return str(path)
 
 
 @pytest.fixture(autouse=True)
@@ -196,20 +184,25 @@ def test_drain_reports_the_moves_when_the_source_refuses_to_shut_down(make_serve
 
 
 # -- 4. Ctrl-C and closed pipes -----------------------------------------------------------------
+def interrupted(proc: subprocess.Popen, ready: Callable[[], bool]) -> tuple[str, str]:
+    """Ctrl-C (SIGINT) to `proc` once `ready()`; then its (stdout, stderr). It never outlives this."""
+    try:
+        wait_for(ready, timeout=20)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        return proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_ctrl_c_during_generate_exits_130_quietly_and_releases_the_cache(make_server, words):
     running = make_server(instance=Slow())
     proc = popen("--target", running.address, "generate", "--prompt", "w1 w2 w3", "--tokenizer", str(words),
                  "--max-tokens", "400", "--ignore-eos")
-    try:
-        assert proc.stdout.read(1)  # the prompt: the prefill is done
-        wait_for(lambda: active_caches(running.address) == 1)
-        time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == 130, err
+    prompt_shown = proc.stdout.read(1)  # the prompt: the prefill is done
+    out, err = interrupted(proc, lambda: active_caches(running.address) == 1)
+    assert prompt_shown and proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert out.endswith("\n")
     assert active_caches(running.address) == 0
@@ -221,14 +214,7 @@ def test_ctrl_c_during_schedule_exits_130_quietly_and_releases_the_caches(make_s
     prompts.write_text("w1 w2 w3\nw4 w5\nw6 w7 w8 w9\n")
     proc = popen("--target", running.address, "schedule", "--prompts-file", str(prompts), "--tokenizer", str(words),
                  "--max-tokens", "400", "--ignore-eos")
-    try:
-        wait_for(lambda: active_caches(running.address) == 3, timeout=20)
-        time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-        proc.wait()
+    _, err = interrupted(proc, lambda: active_caches(running.address) == 3)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     wait_for(lambda: active_caches(running.address) == 0, timeout=5)

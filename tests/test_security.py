@@ -34,22 +34,7 @@ from generated.modelexec.v1 import executor_pb2 as pb
 from service.auth import Authenticator, CredentialsError, bearer_token, load_tokens, parse_token_file
 from service.config import ServeConfig, parse_args
 from service.server import ExecutorServer
-from tests.pki import Pki, make_pki
-
-TOKENS = "# identities of this test\n\nalice tok-alice-1\n  bob   tok-bob-2  \n"
-
-
-# -- certificates ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture
-def token_file(tmp_path) -> str:
-    path = tmp_path / "tokens"
-    path.write_text(TOKENS)
-    return str(path)
+from tests.conftest import TOKENS
 
 
 class IdentityProbe(PagedAttentionExecutor):
