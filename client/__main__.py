@@ -194,7 +194,7 @@ def cmd_drain(ex: ExecutorClient, args: argparse.Namespace) -> int:
     """Move every cache on --target to --to, then shut --target down (client/transfer.py).
     Exit status 1 when a cache could not be moved or the source refused to shut down (the
     failures are printed on stderr)."""
-    from .transfer import run_drain_command
+    from .drain import run_drain_command
 
     ex.close()  # the drain runs on asyncio clients of its own
     return 0 if run_drain_command(args, **client_options(args)) else 1

@@ -10,7 +10,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -113,7 +113,7 @@ class AsyncExecutorClient:
         if channel is not None:
             await channel.close()
 
-    async def __aenter__(self) -> AsyncExecutorClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -234,7 +234,7 @@ class AsyncExecutorClient:
         resp = await self._call(self.stub.ReleaseCache, convert.release_cache_request(cache, expected_length), timeout)
         return convert.release_cache_response(resp)
 
-    # -- moving caches (client.transfer builds moves and drains on these) ---------------------
+    # -- moving caches (client.transfer and client.drain build moves and drains on these) ---------
 
     async def export_kv(
         self, cache: KvCacheHandle | str, start: int | None = None, end: int | None = None, *,

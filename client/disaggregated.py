@@ -178,17 +178,20 @@ class DisaggregatedScheduler:
     async def _move(self, s: _Seq, src: int, cid: str, blocks: int) -> None:
         source = self.prefill.router.replicas[src]
         placed: tuple[int, KvCacheHandle, int] | None = None
+        landed: list[tuple[int, KvCacheHandle]] = []  # where a move cancelled after its commit left the cache
         error: BaseException | None = None
         try:
             async with self._gate:
                 if not s.cancelled:
                     await self.decode.start()
-                    placed = await self._place(s, source, cid)
+                    placed = await self._place(s, source, cid, landed)
         except (Exception, asyncio.CancelledError) as e:  # noqa: BLE001 - fails this request alone (cancel: close())
             error = e
         adopt = placed is not None and not self._closing and not s.cancelled
         try:
-            if placed is None:
+            if placed is None and landed:  # cancelled once the source was released: drop the copy
+                await quietly(self.decode.router.replicas[landed[0][0]].release_cache(landed[0][1].cache_id))
+            elif placed is None:
                 await quietly(source.release_cache(cid))
             elif not adopt:  # closed or cancelled while it moved
                 await quietly(self.decode.router.replicas[placed[0]].release_cache(placed[1].cache_id))
@@ -214,9 +217,11 @@ class DisaggregatedScheduler:
         order = [r for r in range(len(reps)) if r not in self.decode.router.draining]
         return sorted(order, key=lambda r: (live[r] + self._incoming[r], -reps[r].free_blocks, r))
 
-    async def _place(self, s: _Seq, source: AsyncExecutorClient, cid: str) -> tuple[int, KvCacheHandle, int] | None:
+    async def _place(self, s: _Seq, source: AsyncExecutorClient, cid: str,
+                     landed: list[tuple[int, KvCacheHandle]]) -> tuple[int, KvCacheHandle, int] | None:
         """Move the cache to a decode replica: (replica, cache there, blocks reserved), or
-        None when the request was cancelled meanwhile."""
+        None when the request was cancelled meanwhile. `landed` gets (replica, cache there)
+        once a move commits, even if a cancellation then cuts it short."""
         started, delay, transient = time.monotonic(), 0.0, 0
         while not s.cancelled:
             tried = False
@@ -231,7 +236,8 @@ class DisaggregatedScheduler:
                 rep.free_blocks -= need  # reserved: the decode scheduler plans around it
                 self._incoming[r] += 1
                 try:
-                    moved = await move_cache(source, target, cid)
+                    moved = await move_cache(source, target, cid,
+                                             on_released=lambda m, r=r: landed.append((r, m.kv_cache)))
                 except BaseException as e:
                     # move_cache has dropped any copy it made (not one under this id it did
                     # not make: an ALREADY_EXISTS names another's cache).

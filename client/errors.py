@@ -69,7 +69,8 @@ class ExecutorError(Exception):
 
     def __str__(self) -> str:
         text = f"{self.code.name}: {self.details_message}"
-        return f"{text} [{self.reason}]" if self.reason else text
+        # A generic reason (the code's own name) would say the code twice.
+        return f"{text} [{self.reason}]" if self.reason and self.reason != self.code.name else text
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Keyword-only fields survive pickling (e.g. across multiprocessing boundaries).

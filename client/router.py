@@ -116,7 +116,7 @@ class AsyncExecutorRouter(BatchRouting):
         self._status_at = float("-inf")
         self._refreshing: asyncio.Task | None = None
         self._turn = 0
-        self.draining: set[int] = set()  # replicas that get no new sequence (client.transfer.drain_replica)
+        self.draining: set[int] = set()  # replicas that get no new sequence (client.drain.drain_replica)
         self._held: dict[str, asyncio.Event] = {}  # caches whose calls wait while they move
         self._in_flight: dict[str, int] = {}
 

@@ -5,7 +5,7 @@ that use it. A KV cache lives in one replica's memory and stays there unless it 
 table maps each cache id to its replica: pins made when a call may create a cache, undone
 when the call certainly did not (client.errors.may_have_taken_effect), forgotten when the
 cache is released or lost. New sequences go to the least loaded replica (fewest live caches, then most free KV
-blocks from GetStatus, then in turn). client.transfer.drain_replica moves caches between
+blocks from GetStatus, then in turn). client.drain.drain_replica moves caches between
 replicas through `hold_calls`/`release_calls`, which is why every routed call is counted
 in flight (`_guard`).
 
@@ -43,7 +43,7 @@ class CachePlacement:
     # Declared here for the methods below; AsyncExecutorRouter.__init__ assigns them.
     replicas: list[AsyncExecutorClient]
     status_ttl_s: float  # GetStatus at most this often, and only when a sequence is placed
-    draining: set[int]  # replicas that get no new sequence (client.transfer.drain_replica)
+    draining: set[int]  # replicas that get no new sequence (client.drain.drain_replica)
     _prefix: str  # of the cache ids this router names (`new_cache_id`)
     _ids: Iterator[int]  # numbers the ids new_cache_id() makes
     _owner: dict[str, int]  # cache id -> replica holding (or creating) it
@@ -111,7 +111,7 @@ class CachePlacement:
         order = [i for i in range(len(self.replicas)) if i != exclude and i not in self.draining]
         return sorted(order, key=lambda i: (not self._healthy[i], self._live[i], -(self._free_blocks[i] or 0)))
 
-    # -- moving caches (client.transfer.drain_replica) -------------------------------------
+    # -- moving caches (client.drain.drain_replica) -------------------------------------
     async def hold_calls(self, cache_id: str) -> None:
         """Hold new calls for a cache, and wait until those in flight have finished."""
         self._held.setdefault(cache_id, asyncio.Event())

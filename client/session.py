@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import queue
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import grpc
 
@@ -76,7 +76,7 @@ class AsyncStepSession:
         except grpc.RpcError:
             pass  # the session is over either way
 
-    async def __aenter__(self) -> AsyncStepSession:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -110,7 +110,7 @@ class StepSession:
         except grpc.RpcError:
             pass
 
-    def __enter__(self) -> StepSession:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

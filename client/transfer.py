@@ -1,4 +1,4 @@
-"""Moving caches between executors: one cache (`move_cache`), or a whole replica (`drain`).
+"""Moving a cache between executors (`move_cache`); client/drain.py moves a whole replica's.
 
 A move streams ExportKv from the source straight into ImportKv on the target (no whole
 cache is ever buffered here, and chunks are forwarded as the bytes they arrived as, never
@@ -13,38 +13,28 @@ A cache is never left on neither executor: a release whose answer was lost is as
 again (a retry that finds nothing left to release means the lost one did it), and if no
 answer comes at all the target copy is kept (MoveResult.source_released None). A source
 found already released (its owner ended it during the move) drops the copy: NOT_FOUND.
+The release is the move's commit point: a cancellation that arrives while it is in flight
+waits for its answer, and if the source was released the copy is kept and `on_released`
+told (a drain cancelled by Ctrl-C used to drop the copy of a cache it had just released).
 
-Caches are listed and moved under the caller's identity: run a drain with the token of
-the identity that owns the caches.
+A cache is moved under the caller's identity: the one that owns it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 from ._proto import executor_pb2 as pb
 from .aio import AsyncExecutorClient
 from .convert import cache_id_of
-from .errors import (
-    ERROR_DOMAIN,
-    AlreadyExistsError,
-    ExecutorError,
-    FailedPreconditionError,
-    NotFoundError,
-    ResourceExhaustedError,
-    may_have_taken_effect,
-)
+from .errors import ERROR_DOMAIN, ExecutorError, FailedPreconditionError, NotFoundError, may_have_taken_effect
 from .types import KvCacheHandle
 
-if TYPE_CHECKING:
-    from .router import AsyncExecutorRouter
-
-__all__ = ["DrainReport", "MoveResult", "drain", "drain_replica", "move_cache"]
+__all__ = ["MAX_MOVE_ROUNDS", "MoveResult", "move_cache", "quietly", "through_cancellation"]
 
 MAX_MOVE_ROUNDS = 16
 RELEASE_ATTEMPTS = 3  # a source release whose answer was lost is asked again, this often in all
@@ -68,20 +58,6 @@ class MoveResult:
         return self.bytes_moved / self.seconds / 1e9 if self.seconds else 0.0
 
 
-@dataclass(slots=True)
-class DrainReport:
-    """Where each cache of a drained replica went (target index), and those that failed.
-    `shutdown_error`: the Shutdown call refused or failed after the caches moved (e.g.
-    PERMISSION_DENIED from a server started without --allow-shutdown); the source is up."""
-
-    moved: dict[str, int] = field(default_factory=dict)
-    failed: dict[str, ExecutorError] = field(default_factory=dict)
-    bytes_moved: int = 0
-    seconds: float = 0.0
-    shut_down: bool = False
-    shutdown_error: ExecutorError | None = None
-
-
 def _export(source: AsyncExecutorClient, cache_id: str, start: int, max_chunk_bytes: int) -> AsyncIterator[bytes]:
     return source.export_kv(cache_id, start=start or None, max_chunk_bytes=max_chunk_bytes, raw=True)
 
@@ -99,6 +75,23 @@ async def _counted(stream: AsyncIterator[bytes], counter: list[int]) -> AsyncIte
         yield message
 
 
+async def through_cancellation(call: Awaitable[Any]) -> tuple[Any, bool]:
+    """(the call's result, whether the task was cancelled meanwhile): the call runs to its end
+    however often the task is cancelled, so that the caller can act on its outcome before it
+    re-raises the cancellation. A call that failed raises its error, or, once the task was
+    cancelled, CancelledError."""
+    task = asyncio.ensure_future(call)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait([task])  # unlike awaiting the task, a cancellation here leaves it running
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled and (task.cancelled() or task.exception() is not None):
+        raise asyncio.CancelledError
+    return task.result(), cancelled
+
+
 async def quietly(call: Awaitable[Any]) -> None:
     """A clean-up call (a release): its ExecutorError ignored, and run to its end even when
     the task is cancelled meanwhile (a scheduler's close() cancels moves; a release cut short
@@ -109,25 +102,32 @@ async def quietly(call: Awaitable[Any]) -> None:
         except ExecutorError:
             pass
 
-    done = asyncio.ensure_future(run())
-    try:
-        await asyncio.shield(done)
-    except asyncio.CancelledError:
-        await done
-        raise
+    if (await through_cancellation(run()))[1]:
+        raise asyncio.CancelledError
 
 
 async def move_cache(source: AsyncExecutorClient, target: AsyncExecutorClient, cache: KvCacheHandle | str, *,
                      target_id: str | None = None, release_source: bool = True, max_chunk_bytes: int = 0,
                      max_rounds: int = MAX_MOVE_ROUNDS,
-                     before_release: Callable[[], Awaitable[None]] | None = None) -> MoveResult:
+                     before_release: Callable[[], Awaitable[None]] | None = None,
+                     on_released: Callable[[MoveResult], None] | None = None) -> MoveResult:
     """Copy a cache to `target` (under `target_id`, by default its own id), then release it
     on `source` once no step has grown it since (see the module doc). `before_release` is
-    awaited before each release attempt (a router holds the cache's calls there)."""
+    awaited before each release attempt (a router holds the cache's calls there);
+    `on_released` is called with the result the moment the source copy is released (or its
+    release went unanswered), even when the task is cancelled at that moment: the copy on the
+    target is the cache from then on, and the CancelledError that follows does not undo it."""
     cid = cache_id_of(cache)
     tid = target_id or cid
     moved = [0, 0]
     started = time.perf_counter()
+    committed: list[MoveResult] = []
+
+    def commit(rounds: int, result: Any, released: bool | None) -> None:
+        committed.append(MoveResult(result.kv_cache, rounds, moved[0], time.perf_counter() - started, released))
+        if on_released is not None:
+            on_released(committed[0])
+
     try:
         result = await target.import_kv(_counted(_export(source, cid, 0, max_chunk_bytes), moved), tid)
     except BaseException as e:
@@ -138,14 +138,16 @@ async def move_cache(source: AsyncExecutorClient, target: AsyncExecutorClient, c
         if may_have_taken_effect(e) and moved[1]:
             await quietly(target.release_cache(tid, expected_length=moved[1]))
         raise
+    if not release_source:
+        return MoveResult(result.kv_cache, 1, moved[0], time.perf_counter() - started, False)
     try:
-        rounds, result, released = await _release_source(source, target, cid, tid, result, release_source,
-                                                         max_chunk_bytes, max_rounds, before_release, moved)
+        await _release_source(source, target, cid, tid, result, max_chunk_bytes, max_rounds, before_release,
+                              moved, commit)
     except BaseException:
-        await quietly(target.release_cache(tid))  # the source keeps the cache: drop the copy
+        if not committed:  # the source keeps the cache: drop the copy
+            await quietly(target.release_cache(tid))
         raise
-    return MoveResult(result.kv_cache, rounds, moved[0], time.perf_counter() - started,
-                      released if release_source else False)
+    return committed[0]
 
 
 async def _release(source: AsyncExecutorClient, cid: str, length: int) -> bool | None:
@@ -171,15 +173,18 @@ async def _release(source: AsyncExecutorClient, cid: str, length: int) -> bool |
         return True
 
 
-async def _release_source(source, target, cid, tid, result, release_source, max_chunk_bytes, max_rounds,
-                          before_release, moved) -> tuple[int, Any, bool | None]:
-    length, rounds, released = result.kv_cache.sequence_length, 1, False
-    while release_source:
+async def _release_source(source, target, cid, tid, result, max_chunk_bytes, max_rounds, before_release, moved,
+                          commit: Callable[[int, Any, bool | None], None]) -> None:
+    length, rounds = result.kv_cache.sequence_length, 1
+    while True:
         if before_release is not None:
             await before_release()
         try:
-            released = await _release(source, cid, length)
-            break
+            released, cancelled = await through_cancellation(_release(source, cid, length))
+            commit(rounds, result, released)
+            if cancelled:
+                raise asyncio.CancelledError
+            return
         except FailedPreconditionError as e:
             if e.reason != "STALE_CACHE_HANDLE" or rounds >= max_rounds:
                 raise
@@ -195,144 +200,3 @@ async def _release_source(source, target, cid, tid, result, release_source, max_
             await target.release_cache(tid)
             result = await target.import_kv(_counted(_export(source, cid, 0, max_chunk_bytes), moved), tid)
         length = result.kv_cache.sequence_length
-    return rounds, result, released
-
-
-async def drain(source: AsyncExecutorClient, targets: Sequence[AsyncExecutorClient], *, shutdown: bool = True,
-                grace_seconds: float = 0.0, concurrency: int = 4, max_chunk_bytes: int = 0) -> DrainReport:
-    """Move every cache the caller owns on `source` to the targets (the one with the most
-    free blocks first; the next when one is full), then shut `source` down if asked and
-    every cache moved. `report.failed` names caches that could not be moved; a Shutdown that
-    fails is `report.shutdown_error` (not raised: the moves it reports happened)."""
-    if not targets:
-        raise ValueError("drain needs at least one target to move the caches to")
-    report = DrainReport()
-    started = time.perf_counter()
-    caches = await source.list_caches()
-    free = [s.kv_pool.free_blocks for s in await asyncio.gather(*(t.status() for t in targets))]
-    gate = asyncio.Semaphore(max(1, concurrency))
-
-    async def one(info: pb.CacheInfo) -> None:
-        async with gate:
-            order = sorted(range(len(targets)), key=lambda i: -free[i])
-            for i in order:
-                try:
-                    moved = await move_cache(source, targets[i], info.cache_id, max_chunk_bytes=max_chunk_bytes)
-                except ResourceExhaustedError as e:
-                    report.failed[info.cache_id] = e
-                    free[i] = 0
-                    continue
-                except AlreadyExistsError as e:  # server-chosen ids (kv-N) are per server
-                    report.failed[info.cache_id] = e
-                    continue
-                except ExecutorError as e:
-                    report.failed[info.cache_id] = e
-                    return
-                report.failed.pop(info.cache_id, None)
-                report.moved[info.cache_id] = i
-                report.bytes_moved += moved.bytes_moved
-                free[i] -= info.num_blocks
-                return
-
-    await asyncio.gather(*(one(c) for c in caches))
-    report.seconds = time.perf_counter() - started
-    if shutdown and not report.failed:
-        try:
-            await source.shutdown(grace_seconds)
-            report.shut_down = True
-        except ExecutorError as e:
-            report.shutdown_error = e
-    return report
-
-
-async def drain_replica(router: AsyncExecutorRouter, replica: int, *, shutdown: bool = True,
-                        grace_seconds: float = 0.0, max_chunk_bytes: int = 0) -> DrainReport:
-    """Move every cache the caller owns on one of a router's replicas to the others while
-    the router keeps serving: each cache's calls are held only for its final release (in
-    flight ones finish first), then go to its new replica. No new sequence is placed on
-    the replica meanwhile; it is shut down at the end if asked and every cache moved (a
-    Shutdown that fails is `report.shutdown_error`, as in `drain`)."""
-    if not 0 <= replica < len(router.replicas) or len(router.replicas) < 2:
-        raise ValueError(f"replica {replica} cannot be drained: the router has {len(router.replicas)} replicas")
-    router.draining.add(replica)
-    report = DrainReport()
-    started = time.perf_counter()
-    source = router.replicas[replica]
-    await router.refresh()
-    # Listed again until none is left: a step in flight when draining began may create one.
-    for _ in range(MAX_MOVE_ROUNDS):
-        left = [i.cache_id for i in await source.list_caches() if i.cache_id not in report.failed]
-        if not left:
-            break
-        await _move_all(router, replica, left, report, max_chunk_bytes)
-    report.seconds = time.perf_counter() - started
-    if shutdown and not report.failed:
-        try:
-            await source.shutdown(grace_seconds)
-            report.shut_down = True
-        except ExecutorError as e:  # the caches moved all the same: the report says so
-            report.shutdown_error = e
-    return report
-
-
-async def _move_all(router: AsyncExecutorRouter, replica: int, cache_ids: list[str], report: DrainReport,
-                    max_chunk_bytes: int) -> None:
-    source = router.replicas[replica]
-    for cid in cache_ids:
-        for target in router.placement_order(exclude=replica):
-            try:
-                moved = await move_cache(source, router.replicas[target], cid, max_chunk_bytes=max_chunk_bytes,
-                                         before_release=lambda c=cid: router.hold_calls(c))
-            except BaseException as e:
-                router.release_calls(cid, None)  # it stays where it was
-                if not isinstance(e, ExecutorError):
-                    raise
-                if isinstance(e, NotFoundError):
-                    break  # released meanwhile (its request ended): nothing to move
-                report.failed[cid] = e
-                if isinstance(e, ResourceExhaustedError | AlreadyExistsError):
-                    continue  # the next replica may have room, or not the id already
-                break
-            router.release_calls(cid, target)
-            report.failed.pop(cid, None)
-            report.moved[cid] = target
-            report.bytes_moved += moved.bytes_moved
-            break
-
-
-def run_drain_command(args, **client_options: Any) -> bool:
-    """`python -m client --target SOURCE drain --to A,B`: prints one line per cache moved and
-    a summary; True when every cache moved and the source shut down (or --keep-running).
-    `client_options` (credentials, token) go to the source's client and the targets'."""
-    from .router import parse_targets
-
-    names = parse_targets(args.to)
-
-    async def run() -> DrainReport:
-        source = AsyncExecutorClient(args.target, timeout=args.timeout, **client_options)
-        targets = [AsyncExecutorClient(t, timeout=args.timeout, **client_options) for t in names]
-        try:
-            return await drain(source, targets, shutdown=not args.keep_running, grace_seconds=args.grace_seconds)
-        finally:
-            await asyncio.gather(source.close(), *(t.close() for t in targets))
-
-    report = asyncio.run(run())
-    for cid, i in report.moved.items():
-        print(f"moved {cid} -> {names[i]}")
-    for cid, e in report.failed.items():
-        print(f"failed {cid}: {e}", file=sys.stderr)
-    if report.shut_down:
-        outcome = "source shut down"
-    elif report.shutdown_error is not None:
-        outcome = "source left running: its shutdown failed"
-    else:
-        outcome = "source left running"
-    print(f"{len(report.moved)} caches moved ({report.bytes_moved / 1e6:.1f} MB in {report.seconds:.2f} s), "
-          f"{len(report.failed)} failed; {outcome}", flush=True)
-    if report.failed:
-        print("error: some caches could not be moved; the source was left running", file=sys.stderr)
-    if report.shutdown_error is not None:
-        print(f"error: the source did not shut down: {report.shutdown_error}"
-              + (" (start it with --allow-shutdown)" if report.shutdown_error.code.name == "PERMISSION_DENIED"
-                 else ""), file=sys.stderr)
-    return not report.failed and report.shutdown_error is None

@@ -170,7 +170,7 @@ def test_drain_reports_the_moves_when_the_source_refuses_to_shut_down(make_serve
 
         async def library():
             async with AsyncExecutorClient(source.address) as s, AsyncExecutorClient(target.address) as t:
-                from client.transfer import drain
+                from client.drain import drain
 
                 return await drain(s, [t])
 

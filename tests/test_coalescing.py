@@ -27,6 +27,9 @@ from service.config import ServeConfig, parse_args
 from tests.conftest import start_server
 from tests.models.test_cpu_paths import VOCAB, tiny_model
 
+# Asserts wall-clock bounds or orders events by sleeping: `make test` runs it alone (tests/conftest.py).
+pytestmark = pytest.mark.alone
+
 N = 6
 
 

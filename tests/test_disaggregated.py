@@ -185,6 +185,26 @@ def test_cancel_and_close_with_requests_prefilling_moving_and_decoding_release_e
     assert_clean(prefill.address, *(d.address for d in decode))
 
 
+def test_close_while_a_moves_source_release_is_answered_leaves_no_copy_anywhere(make_server):
+    """close() cancels a move whose source release has happened but not yet answered: the
+    move keeps its copy (the commit point), and the request's clean-up releases it."""
+    from tests.test_router_faults import PausesAfterRelease
+
+    prefill, decode = make_server(), make_server()
+
+    async def run():
+        source = PausesAfterRelease(prefill.address)
+        router = AsyncExecutorRouter([decode.address])
+        async with router, DisaggregatedScheduler(source, router, max_num_batched_tokens=16) as sched:
+            stream = sched.submit(PROMPTS[3], max_tokens=50)
+            await asyncio.wait_for(source.releasing.wait(), 30)
+        return await stream.result(), sched.stats
+
+    out, stats = asyncio.run(run())
+    assert out.finish_reason == "cancelled" and stats.moves == 0
+    assert_clean(prefill.address, decode.address)
+
+
 def test_a_tiny_llama_in_fp32_decodes_the_same_after_its_cache_moved(tmp_path):
     from tests.models.tiny_models import VOCAB, build
 

@@ -1,5 +1,5 @@
 """Draining a replica: its caches move to the others and it shuts down, without losing a
-sequence, whether a scheduler is running over a router (client.transfer.drain_replica) or
+sequence, whether a scheduler is running over a router (client.drain.drain_replica) or
 an operator runs `python -m client drain`."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from client import DecodeInput, ExecutorClient, KvCacheHandle, LogitsPolicy, PrefillInput, UnavailableError
+from client.drain import drain_replica
 from client.router import AsyncExecutorRouter
 from client.scheduler import Scheduler
-from client.transfer import drain_replica
 from tests.test_scheduler import plain, pool_is_clean
 
 PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(5 + 3 * i)] for i in range(6)]

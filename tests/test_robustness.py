@@ -34,6 +34,9 @@ from executors.types import DecodeInput as DomainDecode
 from executors.types import LogitsPolicy as DomainPolicy
 from executors.types import PrefillInput as DomainPrefill
 
+# Asserts wall-clock bounds or orders events by sleeping: `make test` runs it alone (tests/conftest.py).
+pytestmark = pytest.mark.alone
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

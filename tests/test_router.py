@@ -18,6 +18,9 @@ from client import (
 )
 from client.router import AsyncExecutorRouter, PartialBatchError, parse_targets
 
+# Asserts wall-clock bounds or orders events by sleeping: `make test` runs it alone (tests/conftest.py).
+pytestmark = pytest.mark.alone
+
 ARGMAX = LogitsPolicy.argmax()
 rng = np.random.default_rng(11)
 PROMPTS = [rng.integers(0, 256, size=int(n)).tolist() for n in rng.integers(1, 30, size=9)]

@@ -21,9 +21,10 @@ from client import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from client.drain import drain_replica
 from client.errors import may_have_taken_effect
 from client.router import AsyncExecutorRouter, PartialBatchError
-from client.transfer import drain_replica, move_cache
+from client.transfer import move_cache, quietly
 
 PROMPT = list(range(1, 40))
 
@@ -229,3 +230,117 @@ def test_a_move_cut_off_mid_import_does_not_release_a_cache_the_target_had(make_
 
     asyncio.run(run())
     assert held(source_server) == [("c", len(PROMPT))] and held(target_server) == [("c", 3)]
+
+
+class PausesAfterRelease(AsyncExecutorClient):
+    """A source whose conditional release reaches the server, and whose answer then takes a
+    while to come back: a cancellation lands in between."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.releasing = asyncio.Event()
+
+    async def release_cache(self, cache, *, expected_length=None, **kwargs):
+        result = await super().release_cache(cache, expected_length=expected_length, **kwargs)
+        if expected_length is not None:
+            self.releasing.set()
+            await asyncio.sleep(0.3)
+        return result
+
+
+def test_a_move_cancelled_during_its_release_keeps_the_cache_it_released(make_server):
+    """The release is the commit point: cancelled while its answer is on the way, the move
+    waits for it and keeps the copy (it used to drop it: the cache was on neither)."""
+    source_server, target_server = make_server(), make_server()
+
+    async def run():
+        source = PausesAfterRelease(source_server.address, timeout=30)
+        target = AsyncExecutorClient(target_server.address, timeout=30)
+        await source.prefill(PrefillInput(PROMPT, KvCacheHandle("c", 0)))
+        committed = []
+        task = asyncio.ensure_future(move_cache(source, target, "c", on_released=committed.append))
+        await source.releasing.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert [(m.kv_cache.cache_id, m.source_released) for m in committed] == [("c", True)]
+        await source.close()
+        await target.close()
+
+    asyncio.run(run())
+    assert held(source_server) == [] and held(target_server) == [("c", len(PROMPT))]
+
+
+def test_a_drain_cancelled_during_a_release_routes_the_moved_cache_to_its_new_replica(make_server):
+    servers = [make_server(), make_server()]
+
+    async def run():
+        source = PausesAfterRelease(servers[0].address, timeout=30)
+        async with AsyncExecutorRouter([source, AsyncExecutorClient(servers[1].address, timeout=30)],
+                                       status_ttl_s=0) as router:
+            router.pin("d", 0)
+            await router.prefill(PrefillInput(PROMPT, KvCacheHandle("d", 0)))
+            drain = asyncio.ensure_future(drain_replica(router, 0, shutdown=False))
+            await source.releasing.wait()
+            drain.cancel()  # Ctrl-C on a drain
+            with pytest.raises(asyncio.CancelledError):
+                await drain
+            assert router.replica_of("d") == 1
+            out = await router.decode(DecodeInput(5, KvCacheHandle("d", len(PROMPT))))
+            assert out.kv_cache.sequence_length == len(PROMPT) + 1
+            await router.release_cache("d")
+        await router.replicas[1].close()
+        await source.close()
+
+    asyncio.run(run())
+    assert held(servers[0]) == held(servers[1]) == []
+
+
+def test_a_move_cancelled_before_its_release_keeps_the_cache_on_the_source(make_server):
+    source_server, target_server = make_server(), make_server()
+
+    async def run():
+        source = AsyncExecutorClient(source_server.address, timeout=30)
+        target = AsyncExecutorClient(target_server.address, timeout=30)
+        await source.prefill(PrefillInput(PROMPT, KvCacheHandle("c", 0)))
+        reached, committed = asyncio.Event(), []
+
+        async def hold() -> None:  # a router holding the cache's calls: the cancellation lands here
+            reached.set()
+            await asyncio.sleep(30)
+
+        task = asyncio.ensure_future(move_cache(source, target, "c", before_release=hold,
+                                                on_released=committed.append))
+        await reached.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert committed == []
+        await source.close()
+        await target.close()
+
+    asyncio.run(run())
+    assert held(source_server) == [("c", len(PROMPT))] and held(target_server) == []
+
+
+def test_a_clean_up_release_runs_to_its_end_through_repeated_cancellations():
+    """A scheduler's close() and then asyncio.run's own shutdown cancel the same task twice:
+    the second cancellation used to cut the release short (and leak the cache)."""
+    async def run():
+        answered, finished = asyncio.Event(), asyncio.Event()
+
+        async def release() -> None:
+            await answered.wait()
+            finished.set()
+
+        task = asyncio.ensure_future(quietly(release()))
+        for _ in range(3):
+            await asyncio.sleep(0.01)
+            task.cancel()
+        await asyncio.sleep(0.01)
+        answered.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert finished.is_set()
+
+    asyncio.run(run())

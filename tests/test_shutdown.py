@@ -28,6 +28,9 @@ from service.config import ServeConfig
 from tests.conftest import REPO, start_server
 from tests.server_process import ServerProcess, serve_paged
 
+# Asserts wall-clock bounds or orders events by sleeping: `make test` runs it alone (tests/conftest.py).
+pytestmark = pytest.mark.alone
+
 C = grpc.StatusCode
 CLEAR = {C.UNAVAILABLE, C.CANCELLED, C.DEADLINE_EXCEEDED}  # what a call cut off by shutdown may get
 LONG_PROMPT = 500  # tokens: ~30 ms per prefill, so 16 clients keep ~0.5 s of work queued

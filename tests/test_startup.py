@@ -27,6 +27,9 @@ from service.config import ServeConfig, parse_args
 from tests.conftest import PAGED_TEST_CONFIG, start_server
 from tests.server_process import serve_paged
 
+# Asserts wall-clock bounds or orders events by sleeping: `make test` runs it alone (tests/conftest.py).
+pytestmark = pytest.mark.alone
+
 REPO = Path(__file__).resolve().parent.parent
 SILENCE_S = 2.0
 

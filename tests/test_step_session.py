@@ -24,6 +24,9 @@ from executors.paged import PagedAttentionExecutor, PagedExecutorConfig
 from generated.modelexec.v1 import executor_pb2 as pb
 from tests.paged_reference import PagedModel
 
+# Asserts wall-clock bounds or orders events by sleeping: `make test` runs it alone (tests/conftest.py).
+pytestmark = pytest.mark.alone
+
 MODEL = PagedModel()
 
 

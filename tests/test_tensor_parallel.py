@@ -275,6 +275,7 @@ def _health(address: str) -> int:
         return c.health().status
 
 
+@pytest.mark.alone  # bounds the time a lost rank takes to be noticed (tests/conftest.py)
 @pytest.mark.parametrize("fault", ["killed", "frozen"])
 def test_a_lost_rank_turns_the_server_unavailable_in_bounded_time(fault, models):
     timeout_s = 3.0

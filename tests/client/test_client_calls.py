@@ -282,3 +282,10 @@ def test_executor_error_pickles() -> None:
     err = ResourceExhaustedError("m", reason="KV_CACHE_EXHAUSTED", metadata={"blocks_free": "2"})
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is ResourceExhaustedError and back.blocks_free == 2 and back.reason == err.reason
+
+
+def test_an_errors_text_names_its_code_once() -> None:
+    exhausted = ResourceExhaustedError("pool has 1 free block, 3 needed", reason="KV_CACHE_EXHAUSTED")
+    assert str(exhausted) == "RESOURCE_EXHAUSTED: pool has 1 free block, 3 needed [KV_CACHE_EXHAUSTED]"
+    generic = ResourceExhaustedError("too many calls", reason="RESOURCE_EXHAUSTED")  # no finer reason
+    assert str(generic) == "RESOURCE_EXHAUSTED: too many calls"
