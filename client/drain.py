@@ -42,14 +42,17 @@ class DrainReport:
 
 
 async def drain(source: AsyncExecutorClient, targets: Sequence[AsyncExecutorClient], *, shutdown: bool = True,
-                grace_seconds: float = 0.0, concurrency: int = 4, max_chunk_bytes: int = 0) -> DrainReport:
+                grace_seconds: float = 0.0, concurrency: int = 4, max_chunk_bytes: int = 0,
+                report: DrainReport | None = None) -> DrainReport:
     """Move every cache the caller owns on `source` to the targets (the one with the most
     free blocks first; the next when one is full), then shut `source` down if asked and
     every cache moved. `report.failed` names caches that could not be moved; a Shutdown that
-    fails is `report.shutdown_error` (not raised: the moves it reports happened)."""
+    fails is `report.shutdown_error` (not raised: the moves it reports happened). Each move
+    is in `report` (the caller's, if given) once it happened, so a caller that cancels the
+    drain still knows where the caches it moved are."""
     if not targets:
         raise ValueError("drain needs at least one target to move the caches to")
-    report = DrainReport()
+    report = report if report is not None else DrainReport()
     started = time.perf_counter()
     caches = await source.list_caches()
     free = [s.kv_pool.free_blocks for s in await asyncio.gather(*(t.status() for t in targets))]
@@ -59,8 +62,15 @@ async def drain(source: AsyncExecutorClient, targets: Sequence[AsyncExecutorClie
         async with gate:
             order = sorted(range(len(targets)), key=lambda i: -free[i])
             for i in order:
+                def landed(moved: MoveResult, i: int = i) -> None:  # the move's commit point
+                    report.failed.pop(info.cache_id, None)
+                    report.moved[info.cache_id] = i
+                    report.bytes_moved += moved.bytes_moved
+                    free[i] -= info.num_blocks
+
                 try:
-                    moved = await move_cache(source, targets[i], info.cache_id, max_chunk_bytes=max_chunk_bytes)
+                    await move_cache(source, targets[i], info.cache_id, max_chunk_bytes=max_chunk_bytes,
+                                     on_released=landed)
                 except ResourceExhaustedError as e:
                     report.failed[info.cache_id] = e
                     free[i] = 0
@@ -71,10 +81,6 @@ async def drain(source: AsyncExecutorClient, targets: Sequence[AsyncExecutorClie
                 except ExecutorError as e:
                     report.failed[info.cache_id] = e
                     return
-                report.failed.pop(info.cache_id, None)
-                report.moved[info.cache_id] = i
-                report.bytes_moved += moved.bytes_moved
-                free[i] -= info.num_blocks
                 return
 
     await asyncio.gather(*(one(c) for c in caches))
@@ -160,15 +166,25 @@ def run_drain_command(args, **client_options: Any) -> bool:
 
     names = parse_targets(args.to)
 
+    report = DrainReport()
+
     async def run() -> DrainReport:
         source = AsyncExecutorClient(args.target, timeout=args.timeout, **client_options)
         targets = [AsyncExecutorClient(t, timeout=args.timeout, **client_options) for t in names]
         try:
-            return await drain(source, targets, shutdown=not args.keep_running, grace_seconds=args.grace_seconds)
+            return await drain(source, targets, shutdown=not args.keep_running, grace_seconds=args.grace_seconds,
+                               report=report)
         finally:
             await asyncio.gather(source.close(), *(t.close() for t in targets))
 
-    report = asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:  # Ctrl-C: where the caches it moved went, then status 130
+        for cid, i in report.moved.items():
+            print(f"moved {cid} -> {names[i]}")
+        print(f"interrupted: {len(report.moved)} caches moved; the others are still on the source, which was "
+              "left running", file=sys.stderr, flush=True)
+        raise
     for cid, i in report.moved.items():
         print(f"moved {cid} -> {names[i]}")
     for cid, e in report.failed.items():

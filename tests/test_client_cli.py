@@ -220,6 +220,33 @@ def test_ctrl_c_during_schedule_exits_130_quietly_and_releases_the_caches(make_s
     wait_for(lambda: active_caches(running.address) == 0, timeout=5)
 
 
+class SlowImports(PagedAttentionExecutor):
+    """Each import takes 2 s before it lands, so a drain is still moving when it is interrupted."""
+
+    def __init__(self) -> None:
+        super().__init__(PagedExecutorConfig(block_size=4, num_blocks=256))
+
+    async def import_kv(self, description, cache_id):
+        await asyncio.sleep(2.0)
+        return await super().import_kv(description, cache_id)
+
+
+def test_ctrl_c_during_drain_says_where_the_moved_caches_went_and_loses_none(make_server):
+    """Two rounds of moves (four at a time): Ctrl-C during the second. The caches already moved
+    are printed, and every cache is on exactly one of the two servers."""
+    source, target = make_server(), make_server(instance=SlowImports())
+    with ExecutorClient(source.address, timeout=10) as a:
+        ids = {a.prefill(PrefillInput([i + 1, i + 2, i + 3])).kv_cache.cache_id for i in range(6)}
+    proc = popen("--target", source.address, "drain", "--to", target.address)
+    out, err = interrupted(proc, lambda: active_caches(target.address) >= 1)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    printed = {line.split()[1] for line in out.splitlines() if line.startswith("moved ")}
+    with ExecutorClient(source.address, timeout=10) as a, ExecutorClient(target.address, timeout=10) as b:
+        left, there = {i.cache_id for i in a.list_caches()}, {i.cache_id for i in b.list_caches()}
+    assert printed == there and there and left and not left & there and left | there == ids, (out, left, there)
+    assert f"interrupted: {len(there)} caches moved" in err, err
+
+
 def closed_stdout(*argv: str) -> tuple[int, str]:
     """Run the CLI with a stdout whose reader is gone before anything is written (`| head -c 0`)."""
     r, w = os.pipe()
