@@ -191,7 +191,7 @@ def cmd_list_caches(ex: ExecutorClient, args: argparse.Namespace) -> Message | N
 
 
 def cmd_drain(ex: ExecutorClient, args: argparse.Namespace) -> int:
-    """Move every cache on --target to --to, then shut --target down (client/transfer.py).
+    """Move every cache on --target to --to, then shut --target down (client/drain.py).
     Exit status 1 when a cache could not be moved or the source refused to shut down (the
     failures are printed on stderr)."""
     from .drain import run_drain_command

@@ -6,6 +6,7 @@ executor, come back after its release, or be shared by two owners."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -87,22 +88,35 @@ def test_a_source_that_never_answers_its_release_keeps_the_copy(make_server):
     assert held(source_server) == [] and held(target_server) == [("c", len(PROMPT))]
 
 
+@contextlib.asynccontextmanager
+async def router_holding(source: AsyncExecutorClient, other_address: str, cache_id: str):
+    """A router over `source` (replica 0, holding a prefilled cache `cache_id`) and another server."""
+    other = AsyncExecutorClient(other_address, timeout=30)
+    async with AsyncExecutorRouter([source, other], status_ttl_s=0) as router:
+        router.pin(cache_id, 0)
+        await router.prefill(PrefillInput(PROMPT, KvCacheHandle(cache_id, 0)))
+        yield router
+    await other.close()
+    await source.close()
+
+
+async def goes_on_at_replica_1(router: AsyncExecutorRouter, cache_id: str) -> None:
+    """The moved cache is routed to replica 1 and decodes there; then it is released."""
+    assert router.replica_of(cache_id) == 1
+    out = await router.decode(DecodeInput(5, KvCacheHandle(cache_id, len(PROMPT))))
+    assert out.kv_cache.sequence_length == len(PROMPT) + 1
+    await router.release_cache(cache_id)
+
+
 def test_a_drain_whose_release_answer_is_lost_routes_the_cache_to_its_new_replica(make_server):
     servers = [make_server(), make_server()]
 
     async def run():
         source = ReleaseAnswerLost(servers[0].address, timeout=30, error=DeadlineExceededError)
-        async with AsyncExecutorRouter([source, AsyncExecutorClient(servers[1].address, timeout=30)],
-                                       status_ttl_s=0) as router:
-            router.pin("d", 0)
-            await router.prefill(PrefillInput(PROMPT, KvCacheHandle("d", 0)))
+        async with router_holding(source, servers[1].address, "d") as router:
             report = await drain_replica(router, 0, shutdown=False)
-            assert (report.moved, report.failed, router.replica_of("d")) == ({"d": 1}, {}, 1)
-            out = await router.decode(DecodeInput(5, KvCacheHandle("d", len(PROMPT))))
-            assert out.kv_cache.sequence_length == len(PROMPT) + 1
-            await router.release_cache("d")
-        await router.replicas[1].close()
-        await source.close()
+            assert (report.moved, report.failed) == ({"d": 1}, {})
+            await goes_on_at_replica_1(router, "d")
 
     asyncio.run(run())
     assert held(servers[0]) == held(servers[1]) == []
@@ -276,21 +290,13 @@ def test_a_drain_cancelled_during_a_release_routes_the_moved_cache_to_its_new_re
 
     async def run():
         source = PausesAfterRelease(servers[0].address, timeout=30)
-        async with AsyncExecutorRouter([source, AsyncExecutorClient(servers[1].address, timeout=30)],
-                                       status_ttl_s=0) as router:
-            router.pin("d", 0)
-            await router.prefill(PrefillInput(PROMPT, KvCacheHandle("d", 0)))
+        async with router_holding(source, servers[1].address, "d") as router:
             drain = asyncio.ensure_future(drain_replica(router, 0, shutdown=False))
             await source.releasing.wait()
             drain.cancel()  # Ctrl-C on a drain
             with pytest.raises(asyncio.CancelledError):
                 await drain
-            assert router.replica_of("d") == 1
-            out = await router.decode(DecodeInput(5, KvCacheHandle("d", len(PROMPT))))
-            assert out.kv_cache.sequence_length == len(PROMPT) + 1
-            await router.release_cache("d")
-        await router.replicas[1].close()
-        await source.close()
+            await goes_on_at_replica_1(router, "d")
 
     asyncio.run(run())
     assert held(servers[0]) == held(servers[1]) == []
