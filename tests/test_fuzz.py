@@ -563,9 +563,11 @@ def test_fuzz_every_rpc_keeps_statuses_clean_and_the_pool_exact(fuzz_server):
     started = time.monotonic()
     with grpc.insecure_channel(fuzz_server.address) as channel:
         ServerFuzz.channel = channel
-        # Runs of 8 examples until 3000 messages or 25 s, whichever comes first: how many
-        # messages an example sends varies a lot.
-        while ServerFuzz.sent < 3000 and time.monotonic() - started < 25:
+        # Runs of 8 examples (how many messages an example sends varies a lot) until 2000
+        # messages. The count bounds the run, not the clock: a slower machine or a busy
+        # neighbour on the other test worker takes longer rather than testing less. The cap
+        # only ends a run against a server that has all but stalled.
+        while ServerFuzz.sent < 2000 and time.monotonic() - started < 300:
             run_state_machine_as_test(ServerFuzz, settings=settings(
                 max_examples=8, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)))
         # The server still serves, and nothing is left behind.

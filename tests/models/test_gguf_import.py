@@ -175,9 +175,7 @@ def test_converted_model_generates_text(converted: Path, hf_model) -> None:
 def test_second_convert_is_a_no_op(converted: Path, gguf_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     mtimes = {p.name: p.stat().st_mtime_ns for p in converted.iterdir()}
     assert set(mtimes) == set(gguf_import.OUTPUT_FILES)
-    start = time.monotonic()
     assert convert(gguf_path, converted) == converted
-    assert time.monotonic() - start < 3.0
     assert {p.name: p.stat().st_mtime_ns for p in converted.iterdir()} == mtimes
     assert "nothing to do" in capsys.readouterr().out
     marker = json.loads((converted / "conversion.json").read_text())
