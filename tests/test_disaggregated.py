@@ -17,7 +17,7 @@ from client.latency import summarize_latency
 from client.router import AsyncExecutorRouter
 from client.scheduler import Scheduler
 from service.config import ServeConfig
-from tests.conftest import start_server
+from tests.conftest import eventually, start_server
 
 rng = np.random.default_rng(11)
 # Lengths 1..45: several longer than a 16-token step budget, prefilled in chunks.
@@ -148,8 +148,7 @@ def test_requests_sharing_a_request_id_keep_caches_of_their_own(make_server, dec
         async with router, DisaggregatedScheduler(AsyncExecutorClient(prefill.address), router,
                                                   max_num_batched_tokens=16) as sched:
             first = sched.submit(prompts[0], max_tokens=24, ignore_eos=True, request_id="dup")
-            while sched.stats.moves < 1:  # the first one decodes when the second arrives
-                await asyncio.sleep(0.01)
+            await eventually(lambda: sched.stats.moves >= 1)  # the first one decodes when the second arrives
             second = sched.submit(prompts[1], max_tokens=24, ignore_eos=True, request_id="dup")
             return await asyncio.wait_for(asyncio.gather(first.result(), second.result()), 60), sched.stats
 
@@ -176,8 +175,7 @@ def test_cancel_and_close_with_requests_prefilling_moving_and_decoding_release_e
                         break
             assert (await first.result()).finish_reason == "cancelled"
             streams = [sched.submit(p, max_tokens=400) for p in PROMPTS]
-            while sched.stats.moves < 4:
-                await asyncio.sleep(0.001)
+            await eventually(lambda: sched.stats.moves >= 4, poll=0.001)
         return [await s.result() for s in streams], sched.stats  # close() ended every one of them
 
     out, stats = asyncio.run(run())

@@ -16,6 +16,7 @@ from client import DecodeInput, ExecutorClient, KvCacheHandle, LogitsPolicy, Pre
 from client.drain import drain_replica
 from client.router import AsyncExecutorRouter
 from client.scheduler import Scheduler
+from tests.conftest import eventually
 from tests.test_scheduler import plain, pool_is_clean
 
 PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(5 + 3 * i)] for i in range(6)]
@@ -42,8 +43,7 @@ def test_a_drain_during_a_scheduler_run_loses_no_request(make_server):
         router = AsyncExecutorRouter([s.address for s in servers])
         async with router, Scheduler(router, max_num_batched_tokens=64, max_num_seqs=8) as sched:
             tasks = [asyncio.ensure_future(sched.generate(p, max_tokens=40)) for p in PROMPTS]
-            while router.live_caches()[0] < 2:  # wait until replica 0 holds sequences mid-run
-                await asyncio.sleep(0.005)
+            await eventually(lambda: router.live_caches()[0] >= 2)  # replica 0 holds sequences mid-run
             report = await drain_replica(router, 0)
             done = await asyncio.gather(*tasks)
         return report, done, router.live_caches()

@@ -443,6 +443,11 @@ def test_example_json_log(tmp_path):
                                  "--log-format", "json", "--auth-token-file", str(tmp_path / "tokens")],
                                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     try:
+        # The socket first: a channel opened before it exists retries on gRPC's growing backoff.
+        deadline = time.monotonic() + 60
+        while not sock.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
         with ExecutorClient(f"unix://{sock}", token=token) as c:
             c.wait_ready(60)
             c.stub.GetStatus(pb.GetStatusRequest(), metadata=[("x-request-id", shown["request_id"]),

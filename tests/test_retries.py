@@ -30,20 +30,31 @@ from executors.paged import PagedAttentionExecutor, PagedExecutorConfig
 
 CUT_AFTER_S = 0.3  # the first attempt's deadline
 FORWARD_S = 1.0  # how long a slowed forward runs: the first attempt is cut off inside it
+# An import has more to do before the step that is slowed (its stream, its checksums, its
+# writes), so its deadline and its slowed step are longer: a busy machine still reaches the
+# slowed step well before the deadline.
+IMPORT_CUT_AFTER_S = 1.0
+IMPORT_COMMIT_S = 3.0
 NAMED = 40  # caches one BatchPrefill, UnifiedDecode or StepSession step creates
 
 
 class Switchable(PagedAttentionExecutor):
-    """The paged executor whose forward sleeps while `slow` is set."""
+    """The paged executor whose forward sleeps while `slow` is set; `slowed_ended` is set once
+    such a forward has returned."""
 
     def __init__(self) -> None:
         super().__init__(PagedExecutorConfig(block_size=4, num_blocks=1024, max_batch_size=64))
         self.slow = threading.Event()
+        self.slowed_ended = threading.Event()
 
     def _forward_step(self, items):
-        if self.slow.is_set():
-            time.sleep(FORWARD_S)
-        return super()._forward_step(items)
+        if not self.slow.is_set():
+            return super()._forward_step(items)
+        time.sleep(FORWARD_S)
+        try:
+            return super()._forward_step(items)
+        finally:
+            self.slowed_ended.set()
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -73,6 +84,13 @@ def live(c: ExecutorClient) -> int:
     return c.status().kv_pool.active_caches
 
 
+def wait_until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
 RPCS = ["Prefill", "BatchPrefill", "UnifiedDecode", "StepSession"]
 
 
@@ -93,8 +111,9 @@ def test_a_retried_call_keeps_what_it_got(served, rpc, retry):
     with pytest.raises(DeadlineExceededError):
         create(c, rpc, ids, timeout=CUT_AFTER_S)
     if retry == "after its clean-up ran":
-        time.sleep(FORWARD_S + 0.5)  # the first attempt finished, and its clean-up ran behind it
-        assert live(c) == 0
+        # The first attempt finished, and its clean-up, queued behind it, released what it made.
+        assert executor.slowed_ended.wait(30)
+        wait_until(lambda: live(c) == 0)
     executor.slow.clear()
     handles = create(c, rpc, ids, timeout=30)  # the retry, identical
     assert [h.cache_id for h in handles] == ids
@@ -168,9 +187,13 @@ class SlowImport(Switchable):
         commit = self.kv.commit
 
         def slow_commit(*args, **kwargs):
-            if self.slow.is_set():
-                time.sleep(FORWARD_S)
-            return commit(*args, **kwargs)
+            if not self.slow.is_set():
+                return commit(*args, **kwargs)
+            time.sleep(IMPORT_COMMIT_S)
+            try:
+                return commit(*args, **kwargs)
+            finally:
+                self.slowed_ended.set()
 
         self.kv.commit = slow_commit
 
@@ -192,11 +215,12 @@ def test_a_retried_import_keeps_what_it_got(make_server, into):
             stream, target = list(c.export_kv("src", start)), "dst"
         executor.slow.set()
         with pytest.raises(DeadlineExceededError):
-            c.import_kv(iter(stream), target, timeout=CUT_AFTER_S)
+            c.import_kv(iter(stream), target, timeout=IMPORT_CUT_AFTER_S)
         executor.slow.clear()
         retry = c.import_kv(iter(stream), target)
         assert retry.replayed and retry.kv_cache.sequence_length == len(tokens)
-        time.sleep(FORWARD_S + 0.5)  # the cut-off attempt's clean-up has run by now
+        assert executor.slowed_ended.wait(30)  # the cut-off attempt ended: its clean-up is queued
+        time.sleep(0.5)  # and has run by now
         step = c.decode(DecodeInput(7, retry.kv_cache))
         assert step.kv_cache.sequence_length == len(tokens) + 1
         for cache in c.list_caches():

@@ -13,6 +13,7 @@ from client import AsyncExecutorClient, DecodeInput, ExecutorClient, LogitsPolic
 from client.errors import OutOfRangeError, ResourceExhaustedError
 from client.router import AsyncExecutorRouter
 from client.scheduler import Scheduler
+from tests.conftest import eventually
 
 ARGMAX = LogitsPolicy.argmax()
 rng = np.random.default_rng(3)
@@ -167,8 +168,7 @@ def test_resource_exhausted_from_another_client_is_waited_out(make_server):
         async with Scheduler(AsyncExecutorClient(server.address), status_refresh_s=3600) as sched:
             hog = hog_client.prefill(PrefillInput(list(range(150))))  # 38 of 40 blocks, unknown to the scheduler
             task = asyncio.gather(*(sched.generate(p, max_tokens=8) for p in PROMPTS[:4]))
-            while sched.stats.refused_steps == 0:
-                await asyncio.sleep(0.01)
+            await eventually(lambda: sched.stats.refused_steps > 0)
             await asyncio.sleep(0.2)
             assert not task.done()
             hog_client.release_cache(hog.kv_cache)
