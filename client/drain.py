@@ -177,16 +177,18 @@ def run_drain_command(args, **client_options: Any) -> bool:
         finally:
             await asyncio.gather(source.close(), *(t.close() for t in targets))
 
+    def print_moved() -> None:
+        for cid, i in report.moved.items():
+            print(f"moved {cid} -> {names[i]}")
+
     try:
         asyncio.run(run())
     except KeyboardInterrupt:  # Ctrl-C: where the caches it moved went, then status 130
-        for cid, i in report.moved.items():
-            print(f"moved {cid} -> {names[i]}")
+        print_moved()
         print(f"interrupted: {len(report.moved)} caches moved; the others are still on the source, which was "
               "left running", file=sys.stderr, flush=True)
         raise
-    for cid, i in report.moved.items():
-        print(f"moved {cid} -> {names[i]}")
+    print_moved()
     for cid, e in report.failed.items():
         print(f"failed {cid}: {e}", file=sys.stderr)
     if report.shut_down:

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -127,6 +128,14 @@ def start_server(config: ServeConfig, executor=None) -> RunningServer:
 
     server = asyncio.run_coroutine_threadsafe(make(), loop).result(60)
     return RunningServer(server, loop, thread)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0, poll: float = 0.05) -> None:
+    """Block until condition() holds: a failure after `timeout` rather than a hang."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"still not true after {timeout} s: {condition}"
+        time.sleep(poll)
 
 
 async def eventually(condition: Callable[[], bool], timeout: float = 60.0, poll: float = 0.005) -> None:

@@ -21,7 +21,7 @@ import pytest
 from client import AsyncExecutorClient, ExecutorClient, PrefillInput
 from client.__main__ import main
 from executors.paged import PagedAttentionExecutor, PagedExecutorConfig
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +81,6 @@ class Slow(PagedAttentionExecutor):
 def active_caches(address: str) -> int:
     with ExecutorClient(address, timeout=10) as c:
         return c.status().kv_pool.active_caches
-
-
-def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 # -- 1. schedule's exit status ------------------------------------------------------------------
@@ -187,7 +180,7 @@ def test_drain_reports_the_moves_when_the_source_refuses_to_shut_down(make_serve
 def interrupted(proc: subprocess.Popen, ready: Callable[[], bool]) -> tuple[str, str]:
     """Ctrl-C (SIGINT) to `proc` once `ready()`; then its (stdout, stderr). It never outlives this."""
     try:
-        wait_for(ready, timeout=20)
+        wait_until(ready, timeout=20, poll=0.02)
         time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
         return proc.communicate(timeout=30)
@@ -217,7 +210,7 @@ def test_ctrl_c_during_schedule_exits_130_quietly_and_releases_the_caches(make_s
     _, err = interrupted(proc, lambda: active_caches(running.address) == 3)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    wait_for(lambda: active_caches(running.address) == 0, timeout=5)
+    wait_until(lambda: active_caches(running.address) == 0, timeout=5, poll=0.02)
 
 
 class SlowImports(PagedAttentionExecutor):

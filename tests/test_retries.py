@@ -27,6 +27,7 @@ from client import (
     UnifiedBatchItem,
 )
 from executors.paged import PagedAttentionExecutor, PagedExecutorConfig
+from tests.conftest import wait_until
 
 CUT_AFTER_S = 0.3  # the first attempt's deadline
 FORWARD_S = 1.0  # how long a slowed forward runs: the first attempt is cut off inside it
@@ -84,13 +85,6 @@ def live(c: ExecutorClient) -> int:
     return c.status().kv_pool.active_caches
 
 
-def wait_until(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
 RPCS = ["Prefill", "BatchPrefill", "UnifiedDecode", "StepSession"]
 
 
@@ -113,7 +107,7 @@ def test_a_retried_call_keeps_what_it_got(served, rpc, retry):
     if retry == "after its clean-up ran":
         # The first attempt finished, and its clean-up, queued behind it, released what it made.
         assert executor.slowed_ended.wait(30)
-        wait_until(lambda: live(c) == 0)
+        wait_until(lambda: live(c) == 0, timeout=30)
     executor.slow.clear()
     handles = create(c, rpc, ids, timeout=30)  # the retry, identical
     assert [h.cache_id for h in handles] == ids

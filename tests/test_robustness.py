@@ -33,18 +33,12 @@ from executors.paged import PagedAttentionExecutor, PagedExecutorConfig
 from executors.types import DecodeInput as DomainDecode
 from executors.types import LogitsPolicy as DomainPolicy
 from executors.types import PrefillInput as DomainPrefill
+from tests.conftest import wait_until
 
 # Asserts wall-clock bounds or orders events by sleeping: `make test` runs it alone (tests/conftest.py).
 pytestmark = pytest.mark.alone
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def pool_is_free(c: ExecutorClient) -> bool:
