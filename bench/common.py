@@ -50,9 +50,10 @@ def machine() -> dict[str, Any]:
 
 
 def executor(dtype: str, num_blocks: int = 2048, device: str = "cpu", model_dir: Path = MODEL_DIR,
-             prefix_caching: bool = False) -> LlmExecutor:
+             prefix_caching: bool = False, quantization: str = "none") -> LlmExecutor:
     return LlmExecutor(LlmExecutorConfig(model_dir=str(model_dir), dtype=dtype, device=device,
-                                         num_blocks=num_blocks, max_batch_size=64, prefix_caching=prefix_caching))
+                                         num_blocks=num_blocks, max_batch_size=64, prefix_caching=prefix_caching,
+                                         quantization=quantization))
 
 
 class Loop:

@@ -11,6 +11,8 @@
   and batch_prefill of 32 x 128 tokens in-process against the machine's fp32 peak, measured
   in the same process right before and after as a 2048-cube sgemm's rate (the better of
   the two: the VM's shared cores vary from minute to minute).
+- Ours, `--quantization int8` (int8 weights, Q8_0's grouping): the same, beside llama.cpp's
+  Q8_0.
 
 Each engine runs in a process of its own (`python -m bench.peers ENGINE` prints its row as
 JSON): runtimes that keep their worker threads spinning after a call (OpenMP's) would
@@ -134,11 +136,12 @@ def bench_ct2(vocab: int) -> dict:
     return row
 
 
-def bench_ours(vocab: int, quick: bool) -> dict:
-    ex = executor("float32", num_blocks=2048)
+def bench_ours(vocab: int, quick: bool, quantization: str = "none") -> dict:
+    ex = executor("float32", num_blocks=2048, quantization=quantization)
     loop = Loop()
     server = serve(loop, ex, unix_socket=tempfile.mktemp(prefix="modelexec-peers-", suffix=".sock"))
-    row: dict = {"engine": "ours fp32 (gRPC, unix socket, ARGMAX)"}
+    weights = "int8" if quantization == "int8" else "fp32"
+    row: dict = {"engine": f"ours {weights} (gRPC, unix socket, ARGMAX)"}
     try:
         loop.run(ex.warmup())
         for b in (1, 32):
@@ -185,7 +188,7 @@ def bench_ours(vocab: int, quick: bool) -> dict:
     return row
 
 
-ENGINES = ("llama-f32", "llama-q8_0", "ct2", "ours")
+ENGINES = ("llama-f32", "llama-q8_0", "ct2", "ours", "ours-int8")
 
 
 def run_engine(engine: str, quick: bool = False) -> dict:
@@ -197,7 +200,7 @@ def run_engine(engine: str, quick: bool = False) -> dict:
     elif engine == "ct2":
         row = bench_ct2(vocab)
     else:
-        row = bench_ours(vocab, quick)
+        row = bench_ours(vocab, quick, "int8" if engine == "ours-int8" else "none")
     return {"what": "engine", **row}
 
 
@@ -236,7 +239,8 @@ def table_lines(rows: list[dict]) -> list[str]:
             by_round.setdefault(r.get("round", 0), {})[r["engine"]] = r
     rounds = [by_round[i] for i in sorted(by_round)]
     names = list(rounds[0])
-    ours = next(n for n in names if n.startswith("ours"))
+    ours = next(n for n in names if n.startswith("ours fp32"))
+    ours_int8 = next((n for n in names if n.startswith("ours int8")), None)
     llama, ct2 = "llama.cpp F32", "CTranslate2 fp32"
     if len(rounds) > 1:
         out.append(f"    medians of {len(rounds)} rounds; each ratio the median of the rounds' own")
@@ -257,6 +261,10 @@ def table_lines(rows: list[dict]) -> list[str]:
     if "decode_ms_b1_stream" in rounds[0][ours]:
         ratio("decode batch 1 on a StepSession stream: {}",
               lambda r: r[ours]["decode_ms_b1_stream"] / r[llama]["decode_ms_b1"], "<= 1.3x", lambda v: v <= 1.3)
+    if ours_int8 is not None and "llama.cpp Q8_0" in rounds[0]:
+        ratio("decode batch 1, int8 weights: {} llama.cpp Q8_0's step",
+              lambda r: r[ours_int8]["decode_ms_b1"] / r["llama.cpp Q8_0"]["decode_ms_b1"], "<= 1.3x",
+              lambda v: v <= 1.3)
     ratio("decode batch 32: {} CTranslate2's tokens/s", lambda r: r[ours]["tok_s_b32"] / r[ct2]["tok_s_b32"],
           ">= 2x", lambda v: v >= 2)
     ratio("prefill of 128 tokens: {} CTranslate2's time", lambda r: r[ours]["prefill_ms"] / r[ct2]["prefill_ms"],

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 from executors.adapters import LoraLimits, LoraRegistry
+from executors.cpu_kernels import kernels_unavailable_reason
+from executors.cpu_kernels.qpanels import QPanels
 from executors.kv_executor import KvCacheExecutor, Rows, StepItem, StepLogits
 from executors.kv_sizing import MemoryProbe, auto_num_blocks, lora_reserve_bytes
 from executors.kv_transfer import digest_tensors
@@ -81,6 +83,10 @@ class LlmExecutorConfig:
     # with the system C compiler once per machine); off, or where they cannot be built, torch's
     # ops (MKL, oneDNN, SDPA) run them.
     cpu_kernels: bool = True
+    # "int8": the CPU kernels' weights as int8 panels with a float32 scale per 32 inputs
+    # (executors/cpu_kernels/qpanels.py); "none": float32. int8 needs a float32 CPU model
+    # with the kernels built.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in TORCH_DTYPES:
@@ -97,6 +103,12 @@ class LlmExecutorConfig:
             raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras}, {self.max_lora_rank}")
         if self.lora_dir is not None and not Path(self.lora_dir).is_dir():
             raise ValueError(f"lora_dir {self.lora_dir!r} is not a directory")
+        if self.quantization not in ("none", "int8"):
+            raise ValueError(f"quantization must be none or int8, got {self.quantization!r}")
+        if self.quantization == "int8" and (self.device != "cpu" or self.torch_dtype != torch.float32
+                                            or not self.cpu_kernels):
+            raise ValueError("quantization int8 runs on the float32 CPU kernels: it needs device cpu, dtype float32 "
+                             "(or auto) and cpu_kernels on")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -168,7 +180,11 @@ class LlmExecutor(KvCacheExecutor):
         self.config = config
         self.reference = reference
         self.model = (model or load_model(config.model_dir, config.torch_dtype, config.device,
-                                          cpu_kernels=config.cpu_kernels)).fuse()
+                                          cpu_kernels=config.cpu_kernels,
+                                          quantize_weights=config.quantization == "int8")).fuse()
+        if config.quantization == "int8" and not isinstance(self.model.head_panels, QPanels):
+            raise ValueError(f"quantization int8 needs the float32 CPU kernels, which cannot run here: "
+                             f"{kernels_unavailable_reason() or 'the model was loaded without int8 weights'}")
         local = self.model.config  # this rank's shard under tensor parallelism, else the model
         mc = self.model_config = served_config or local
         # The reference computation never reads the backend: no kernel check for it.
@@ -315,6 +331,7 @@ class LlmExecutor(KvCacheExecutor):
                       # How steps run here: a GPU check (or a person) can see that the Triton
                       # kernels passed their start-up check and which decode graphs were captured.
                       "attention_backend": self.attention_backend,
+                      "weight_quantization": self.config.quantization,
                       "cuda_graph_buckets": self.graphs.captured if self.graphs is not None else []},
         )
 

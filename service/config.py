@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 EXECUTORS = ("llm", "paged")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
+QUANTIZATIONS = ("none", "int8")
 # Where the set-up (`make model`) converts the embedded SmolLM2-135M-Instruct: in the
 # checkout, whatever directory the server is started from.
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models",
@@ -20,7 +21,8 @@ REFLECTION_MODES = ("on", "off", "authenticated")
 # paged executor would ignore them without a word: given with it, they are refused instead.
 LLM_ONLY_FLAGS = {"model": "--model", "dtype": "--dtype", "device": "--device",
                   "kv_memory_fraction": "--kv-memory-fraction", "attention_backend": "--attention-backend",
-                  "cuda_graphs": "--no-cuda-graphs", "cpu_kernels": "--no-cpu-kernels", "lora_dir": "--lora-dir",
+                  "cuda_graphs": "--no-cuda-graphs", "cpu_kernels": "--no-cpu-kernels",
+                  "quantization": "--quantization", "lora_dir": "--lora-dir",
                   "max_loras": "--max-loras", "max_lora_rank": "--max-lora-rank",
                   "tensor_parallel_size": "--tensor-parallel-size",
                   "tensor_parallel_timeout_s": "--tensor-parallel-timeout-s"}
@@ -52,6 +54,9 @@ class ServeConfig:
     # float32 on a CPU: decode steps through the AVX2 kernels of executors/cpu_kernels (built
     # with the system C compiler once per machine); off, or where they cannot be built, torch's ops.
     cpu_kernels: bool = True
+    # int8: the matmul weights (and a tied embedding) stored as int8 with a float32 scale per
+    # 32 inputs (llama.cpp's Q8_0 grouping), served by the CPU kernels; float32 CPU only.
+    quantization: str = "none"
     # LoRA adapters (executors/adapters.py): every subdirectory of lora_dir holding a PEFT
     # adapter is loaded at start-up under its name; LoadLoraAdapter paths resolve under it.
     lora_dir: str | None = None
@@ -131,6 +136,12 @@ class ServeConfig:
             raise ValueError(f"grace_seconds must be in [0, 3600], got {self.grace_seconds}")
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras must be >= 0 and max_lora_rank >= 1, got {self.max_loras}, {self.max_lora_rank}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization == "int8" and (self.device != "cpu" or self.dtype not in ("auto", "float32")
+                                            or not self.cpu_kernels):
+            raise ValueError("--quantization int8 runs on the float32 CPU kernels: it needs --device cpu, --dtype "
+                             "float32 (or auto) and the CPU kernels (not --no-cpu-kernels)")
         if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
             raise ValueError(f"lora_dir: {self.lora_dir!r} is not a directory")
         self._check_security_and_observability()
@@ -202,6 +213,10 @@ def parse_args(argv: Sequence[str] | None = None) -> ServeConfig:
     p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
                    help="float32 on a CPU: run decode steps on torch's ops (MKL, oneDNN) instead of the "
                         "AVX2 kernels of executors/cpu_kernels (matvecs, norms, paged decode attention)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=defaults.quantization,
+                   help="int8: store the matmul weights as int8 with a float32 scale per 32 inputs (Q8_0's "
+                        "grouping), a quarter of the bytes a decode step streams; float32 CPU only, with the "
+                        "CPU kernels (default %(default)s)")
     p.add_argument("--lora-dir", default=None, metavar="DIR",
                    help="load every PEFT LoRA adapter directory under DIR at start-up (named after its "
                         "directory); LoadLoraAdapter paths resolve under DIR")

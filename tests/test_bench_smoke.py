@@ -115,6 +115,16 @@ def test_the_peers_part_reports_each_target_or_how_to_install_it():
     assert "medians of 3 rounds" in text
     assert "decode batch 1: 1.25x llama.cpp F32's step (rounds: 1.25, 1.25, 1.25)  [target <= 1.3x: met]" in text
     assert "decode batch 32: 2.25x CTranslate2's tokens/s (rounds: 2.25, 2.25, 3.00)  [target >= 2x: met]" in text
+    # With int8 weights beside llama.cpp's Q8_0: their own ratio.
+    quantized = rows + [
+        {"what": "engine", "engine": "llama.cpp Q8_0", "decode_ms_b1": 8.0, "prefill_ms": 260.0},
+        {"what": "engine", "engine": "ours int8 (gRPC, unix socket, ARGMAX)", "decode_ms_b1": 14.0,
+         "decode_ms_b1_stream": 13.5, "tok_s_b32": 520.0, "prefill_ms": 150.0, "fp32_peak_gflops": 180.0,
+         "batched_prefill_gflops": 130.0},
+    ]
+    text = "\n".join(peers.table_lines(quantized))
+    assert "decode batch 1, int8 weights: 1.75x llama.cpp Q8_0's step  [target <= 1.3x: SHORT]" in text
+    assert "1.25x llama.cpp F32's step" in text  # the float32 ratios still compare ours fp32
 
 
 def test_the_grpc_floor_is_a_bare_echo_of_the_same_sizes():

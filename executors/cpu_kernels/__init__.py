@@ -3,7 +3,9 @@
 - weight_panel.c: the projections and the lm_head of steps of every size over weights
   stored in 6-column panels (panels.py, the weights' one copy): decode rows stream them at
   the memory's rate, 16-64 rows at 150-185 GFLOP/s with the weights from memory, prefills
-  near MKL's best sgemm (bench/RESULTS.md runs 11 and 16);
+  near MKL's best sgemm (bench/RESULTS.md runs 11 and 16); or as int8 panels with float32
+  scales (qpanels.py), computing exactly what the float32 panels of their dequantized
+  weights would;
 - pointwise.c: RMSNorm, the rotary embedding and the gated activation without torch's
   per-op set-up;
 - paged_attention.c: the new tokens' K and V stored into the pool, and decode attention
@@ -28,6 +30,7 @@ import torch
 
 from executors.cpu_kernels.build import KernelsUnavailable, build_library, load_library
 from executors.cpu_kernels.panels import PANEL, Panels
+from executors.cpu_kernels.qpanels import QGROUP, SLACK_BYTES, SLACK_FLOATS, QPanels
 from executors.cpu_kernels.step import DecoderSpec, StepSpec
 
 log = logging.getLogger(__name__)
@@ -37,7 +40,7 @@ MAX_ROPE_DIM = 512  # head dimension the rotation takes (pointwise.c's row buffe
 GLU_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 _P, _I, _C, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_F32, _I64, _I32 = torch.float32, torch.int64, torch.int32
+_F32, _I64, _I32, _I8 = torch.float32, torch.int64, torch.int32, torch.int8
 
 
 def _bind(library: ctypes.CDLL, name: str, argtypes: list, restype=None):
@@ -70,6 +73,8 @@ class CpuKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._linear = _bind(library, "me_weight_linear_f32", [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I, _C],
                              ctypes.c_int)
+        self._linear_q8 = _bind(library, "me_weight_linear_q8",
+                                [_P, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I, _C], ctypes.c_int)
         self._rms_norm = _bind(library, "me_rms_norm_f32", [_P, _I, _I, _I, _I, _I, _P, _F, _P, _I, _I, _C])
         self._rope = _bind(library, "me_rope_f32", [_P, _I, _I, _I, _I, _P, _P, _P, _C])
         self._glu = _bind(library, "me_glu_f32", [_P, _I, _I, _I, _C, _P, _C])
@@ -90,22 +95,28 @@ class CpuKernels:
     def attention_accepts(heads: int, kv_heads: int, head_dim: int) -> bool:
         return heads <= MAX_HEADS and heads % kv_heads == 0 and head_dim % 8 == 0
 
-    def linear(self, x: torch.Tensor, w: Panels, bias: torch.Tensor | None = None,
+    def linear(self, x: torch.Tensor, w: Panels | QPanels, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ w.T (+ bias) (+ residual): x [m, k], w [n, k] as panels, bias [n], residual [m, n]."""
+        """x @ w.T (+ bias) (+ residual): x [m, k], w [n, k] as float32 panels (panels.pack) or
+        int8 ones (qpanels.quantize), bias [n], residual [m, n]."""
         if x.dtype is not _F32 or x.ndim != 2 or not x.is_cpu:
             raise _refused("linear", "x", x, "a float32 CPU matrix [m, k]", _F32)
-        if type(w) is not Panels:
-            raise TypeError(f"CpuKernels.linear: w must be Panels (panels.pack), not {type(w).__name__}")
-        data, n = w
-        if data.dtype is not _F32 or data.ndim != 3 or not data.is_cpu or not data.is_contiguous():
-            raise _refused("linear", "w.data", data, "a contiguous float32 CPU tensor [ceil(n / 6), k, 6]", _F32)
+        kind = type(w)
+        if kind is not Panels and kind is not QPanels:
+            raise TypeError(f"CpuKernels.linear: w must be Panels (panels.pack) or QPanels (qpanels.quantize), "
+                            f"not {kind.__name__}")
+        data, n = w.data, w.n
+        dtype = _F32 if kind is Panels else _I8
+        if data.dtype is not dtype or data.ndim != 3 or not data.is_cpu or not data.is_contiguous():
+            raise _refused("linear", "w.data", data, f"a contiguous {dtype} CPU tensor [ceil(n / 6), k, 6]", dtype)
         m, k = x.shape
         count, kw, width = data.shape
         if k != kw:
             raise ValueError(f"CpuKernels.linear: x has {k} columns, the weight {kw}")
         if width != PANEL or count * PANEL < n:
             raise _refused("linear", "w.data", data, f"panels of {PANEL} columns for w.n = {n} rows")
+        if kind is QPanels:
+            _check_int8(w)
         sx = x.stride()
         if sx[1] != 1:
             x = x.contiguous()
@@ -127,14 +138,17 @@ class CpuKernels:
             y = torch.zeros(m, n, dtype=torch.float32)
             return y.add_(bias if bias is not None else 0).add_(residual if residual is not None else 0)
         y = torch.empty(m, n, dtype=torch.float32)
-        if self._linear(x.data_ptr(), m, sx[0], data.data_ptr(), n, k,
-                        None if bias is None else bias.data_ptr(),
-                        None if residual is None else residual.data_ptr(),
-                        ldr, y.data_ptr(), n, torch.get_num_threads()):
-            raise MemoryError("the matmul kernel could not allocate its packed rows of x")
+        tail = (None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(), ldr,
+                y.data_ptr(), n, torch.get_num_threads())
+        if kind is Panels:
+            failed = self._linear(x.data_ptr(), m, sx[0], data.data_ptr(), n, k, *tail)
+        else:
+            failed = self._linear_q8(x.data_ptr(), m, sx[0], data.data_ptr(), w.scales.data_ptr(), n, k, *tail)
+        if failed:
+            raise MemoryError("the matmul kernel could not allocate its scratch (packed rows of x, dequantized panels)")
         return y
 
-    def residual_linear(self, x: torch.Tensor, a: torch.Tensor, w: Panels,
+    def residual_linear(self, x: torch.Tensor, a: torch.Tensor, w: Panels | QPanels,
                         bias: torch.Tensor | None) -> torch.Tensor:
         """x + a @ w.T (+ bias): the residual add in the kernel's store."""
         return self.linear(a, w, bias, residual=x)
@@ -322,6 +336,27 @@ class CpuKernels:
         return status
 
 
+def _slack(t: torch.Tensor) -> int:
+    """Elements of t's storage after t's last one (t contiguous)."""
+    return t.untyped_storage().nbytes() // t.element_size() - t.storage_offset() - t.numel()
+
+
+def _check_int8(w: QPanels) -> None:
+    """What the int8 kernels assume of w's scales and of both buffers' slack (qpanels.py)."""
+    count, k, _ = w.data.shape
+    scales = w.scales
+    if (scales.dtype is not _F32 or scales.shape != (count, -(-k // QGROUP), PANEL) or not scales.is_cpu
+            or not scales.is_contiguous()):
+        raise _refused("linear", "w.scales", scales, f"a contiguous float32 CPU tensor [{count}, ceil(k / {QGROUP}), "
+                       f"{PANEL}] = [{count}, {-(-k // QGROUP)}, {PANEL}]", _F32)
+    if _slack(w.data) < SLACK_BYTES or _slack(scales) < SLACK_FLOATS:
+        raise ValueError(f"CpuKernels.linear: int8 panels need {SLACK_BYTES} bytes and their scales {SLACK_FLOATS} "
+                         "floats of room after them in their storage (qpanels.quantize leaves it)")
+
+
+_unavailable: list[str] = []  # why cpu_kernels() returned None, once it has
+
+
 @functools.cache
 def cpu_kernels() -> CpuKernels | None:
     """The kernels, built or loaded once per process; None (logged) where they cannot be."""
@@ -330,6 +365,12 @@ def cpu_kernels() -> CpuKernels | None:
         kernels = CpuKernels(load_library(path))
     except KernelsUnavailable as e:
         log.warning("float32 CPU kernels unavailable, decode steps stay with torch's ops: %s", e)
+        _unavailable.append(str(e))
         return None
     log.info("float32 CPU kernels loaded from %s", path)
     return kernels
+
+
+def kernels_unavailable_reason() -> str | None:
+    """Why the kernels cannot be built or loaded here (asking builds them once); None where they can."""
+    return None if cpu_kernels() is not None else _unavailable[0]

@@ -9,8 +9,8 @@
  *   RMSNorm | q/k/v matmul | q/k norm, rotation, K/V store | attention from the pool |
  *   o matmul + residual | RMSNorm | gate/up matmul, activation | down matmul + residual
  *
- * The matmuls read the weights as 6-column panels (weight_panel.h), x packed once per
- * matmul into a scratch the team shares. The layers are Llama / Qwen2 / Qwen3 /
+ * The matmuls read the weights as 6-column panels (weight_panel.h), float32 or int8 with
+ * float32 scales, x packed once per matmul into a scratch the team shares. The layers are Llama / Qwen2 / Qwen3 /
  * Mistral shaped: optional q/k/v, o and MLP biases, optional q/k norms, a sliding window and score scale per layer.
  * Steps of up to ME_STEP_MAX_ROWS decode rows (one new token each, at its position, with a
  * cache).
@@ -24,9 +24,10 @@
 
 #define ME_STEP_MAX_ROWS 64
 
-/* Addresses of one layer's tensors, in a [layers, LAYER_FIELDS] int64 table; 0 where absent. */
+/* Addresses of one layer's tensors, in a [layers, LAYER_FIELDS] int64 table; 0 where absent.
+ * A matrix whose *_SCALES entry is set is int8 panels with those scales, else float32 panels. */
 enum { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_Q_NORM, W_K_NORM, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS,
-       W_DOWN, W_DOWN_BIAS, LAYER_FIELDS };
+       W_DOWN, W_DOWN_BIAS, W_QKV_SCALES, W_O_SCALES, W_GATE_UP_SCALES, W_DOWN_SCALES, LAYER_FIELDS };
 
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter;
@@ -61,11 +62,15 @@ static inline const float *field(const me_decoder *m, int64_t layer, int f) {
     return (const float *)(intptr_t)m->weights[layer * LAYER_FIELDS + f];
 }
 
-/* y = x @ w^T (+ bias) (+ residual), w as panels, shared out over the team (x packed into
- * xp where the rows are many); a barrier ends it. */
-static void step_linear(const float *x, int64_t m, int64_t k, const float *w, int64_t n, const float *bias,
-                        const float *residual, float *y, float *xp) {
-    weight_linear_team(x, m, k, w, n, k, bias, residual, n, y, n, xp);
+/* y = x @ w^T (+ bias) (+ residual) for field f of layer l (and its scales, where int8),
+ * shared out over the team (x packed into xp where the rows are many, int8 panels then
+ * dequantized into wq); a barrier ends it. */
+static void step_linear(const me_decoder *m, int64_t l, int f, int scales_field, const float *x, int64_t rows,
+                        int64_t k, int64_t n, const float *bias, const float *residual, float *y, float *xp,
+                        float *wq) {
+    const float *scales = field(m, l, scales_field), *w = field(m, l, f);
+    const q8_weight q = {scales ? (const int8_t *)w : NULL, scales};
+    weight_linear_team(x, rows, k, scales ? NULL : w, q, n, k, bias, residual, n, y, n, xp, wq);
 }
 
 static void step_norm(const float *x, int64_t rows, int64_t hidden, const float *w, float eps, float *y) {
@@ -74,9 +79,10 @@ static void step_norm(const float *x, int64_t rows, int64_t hidden, const float 
 }
 
 /* act(gate) * up for every row: the fused gate/up matmul into gu, then the activation. */
-static void step_glu(const me_decoder *m, const me_step *s, const float *gu_w, const float *gu_b, float *xp) {
+static void step_glu(const me_decoder *m, const me_step *s, int64_t l, float *xp, float *wq) {
     const int64_t rows = s->rows, inter = m->inter;
-    step_linear(s->h, rows, m->hidden, gu_w, 2 * inter, gu_b, NULL, s->gu, xp);
+    step_linear(m, l, W_GATE_UP, W_GATE_UP_SCALES, s->h, rows, m->hidden, 2 * inter, field(m, l, W_GATE_UP_BIAS),
+                NULL, s->gu, xp, wq);
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++)
         glu_row(s->gu + r * 2 * inter, s->gu + r * 2 * inter + inter, inter, m->activation, s->act + r * inter);
@@ -133,8 +139,19 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
         const int64_t floats = wpanel_x_floats(rows, inputs[i]);
         packed = floats > packed ? floats : packed;
     }
+    /* each thread's dequantized int8 panels, where some matrix is int8 and the rows are many */
+    int quantized = 0;
+    for (int64_t l = 0; l < m->layers; l++)
+        for (int f = W_QKV_SCALES; f <= W_DOWN_SCALES; f++) quantized |= field(m, l, f) != NULL;
+    const int64_t widest = hidden > hq ? (hidden > inter ? hidden : inter) : (hq > inter ? hq : inter);
+    const int64_t dequantized = quantized && rows > DOT_ROWS ? threads * q8_scratch_floats(widest) : 0;
     float *xp = packed ? malloc(sizeof(float) * (size_t)packed) : NULL;
-    if (packed && !xp) return -1;
+    float *wq = dequantized ? malloc(sizeof(float) * (size_t)dequantized) : NULL;
+    if ((packed && !xp) || (dequantized && !wq)) {
+        free(xp);
+        free(wq);
+        return -1;
+    }
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
@@ -145,7 +162,8 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
                 float *kpool = s->kpool + l * s->layer_stride, *vpool = s->vpool + l * s->layer_stride;
                 /* q, k, v */
                 step_norm(s->x, rows, hidden, field(m, l, W_INPUT_NORM), m->eps, s->h);
-                step_linear(s->h, rows, hidden, field(m, l, W_QKV), width, field(m, l, W_QKV_BIAS), NULL, s->qkv, xp);
+                step_linear(m, l, W_QKV, W_QKV_SCALES, s->h, rows, hidden, width, field(m, l, W_QKV_BIAS), NULL, s->qkv,
+                            xp, wq);
                 /* q/k norms and rotation, the new K and V into the pool, stale slots cleared */
                 const float *qn = field(m, l, W_Q_NORM), *kn = field(m, l, W_K_NORM);
                 #pragma omp for schedule(static)
@@ -177,15 +195,18 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
                                s->attn + r * hq);
                 }
                 /* x += attn @ o^T; the MLP */
-                step_linear(s->attn, rows, hq, field(m, l, W_O), hidden, field(m, l, W_O_BIAS), s->x, s->x, xp);
+                step_linear(m, l, W_O, W_O_SCALES, s->attn, rows, hq, hidden, field(m, l, W_O_BIAS), s->x, s->x, xp,
+                            wq);
                 step_norm(s->x, rows, hidden, field(m, l, W_POST_NORM), m->eps, s->h);
-                step_glu(m, s, field(m, l, W_GATE_UP), field(m, l, W_GATE_UP_BIAS), xp);
-                step_linear(s->act, rows, inter, field(m, l, W_DOWN), hidden, field(m, l, W_DOWN_BIAS), s->x, s->x, xp);
+                step_glu(m, s, l, xp, wq);
+                step_linear(m, l, W_DOWN, W_DOWN_SCALES, s->act, rows, inter, hidden, field(m, l, W_DOWN_BIAS), s->x,
+                            s->x, xp, wq);
             }
             step_norm(s->x, rows, hidden, m->final_norm, m->eps, s->x);
         }
         free(scores);
     }
     free(xp);
+    free(wq);
     return failed ? -1 : 0;
 }

@@ -6,9 +6,11 @@ import ctypes
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
-# The columns of the per-layer address table, in decode_step.c's order.
+# The columns of the per-layer address table, in decode_step.c's order: a FusedLayer's
+# fields, then the scales of its int8 matrices (0 for float32 panels).
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "q_norm", "k_norm", "post_norm", "gate_up",
-                "gate_up_bias", "down", "down_bias")
+                "gate_up_bias", "down", "down_bias", "qkv_scales", "o_scales", "gate_up_scales", "down_scales")
+SCALES_SUFFIX = "_scales"
 MAX_STEP_ROWS = 64  # ME_STEP_MAX_ROWS
 UNSUPPORTED, OUT_OF_RANGE = -2, -3  # the kernel's refusals (the caller falls back to the op-by-op path)
 

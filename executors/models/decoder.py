@@ -41,6 +41,7 @@ from torch import nn
 
 from executors.cpu_kernels import CpuKernels, cpu_kernels
 from executors.cpu_kernels.panels import Panels
+from executors.cpu_kernels.qpanels import QPanels
 from executors.models import cpu_layout, fast_forward, panel_modules, step_ops
 from executors.models.attention import LayerAttention, StepContext
 from executors.models.config import DecoderConfig
@@ -79,8 +80,10 @@ class DecoderLM(nn.Module):
         # float32 on a CPU: the AVX2 kernels (step_ops.py), when use_cpu_kernels allows and
         # they build here; the matmul weights are then stored as their panels (panel_modules.py).
         self.use_cpu_kernels = True
+        # With the kernels: the panels as int8 with float32 scales (--quantization int8).
+        self.quantize_weights = False
         self.cpu_kernels: CpuKernels | None = None
-        self.head_panels: Panels | None = None  # the lm_head as panels, with the kernels
+        self.head_panels: Panels | QPanels | None = None  # the lm_head as panels, with the kernels
         self.head_copy = False  # head_panels is a copy (a TP rank's slice of a tied embedding), not the storage
         self.fused_decode: FusedDecode | None = None  # with the kernels: decode steps in one call
 
@@ -121,7 +124,7 @@ class DecoderLM(nn.Module):
                 self.cpu_kernels = None
                 cpu_layout.relayout(self)  # MKL's one-row matmuls: each kind of weight in its faster layout
             else:
-                panel_modules.pack_model(self)  # the kernels' layout, the weights' one copy
+                panel_modules.pack_model(self, self.quantize_weights)  # the kernels' layout, the weights' one copy
             self.fused_decode = FusedDecode.build(self)
             fused = self.fused
         if self.head_panels is not None:

@@ -23,7 +23,8 @@ import torch
 
 from executors.cpu_kernels import GLU_ACTIVATIONS, MAX_HEADS, MAX_ROPE_DIM, CpuKernels
 from executors.cpu_kernels.panels import Panels
-from executors.cpu_kernels.step import LAYER_FIELDS, MAX_STEP_ROWS, OUT_OF_RANGE, DecoderSpec, StepSpec
+from executors.cpu_kernels.qpanels import QPanels
+from executors.cpu_kernels.step import LAYER_FIELDS, MAX_STEP_ROWS, OUT_OF_RANGE, SCALES_SUFFIX, DecoderSpec, StepSpec
 from executors.models.attention import StepContext
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ class FusedDecode:
         fused = model.fused
         self.hidden, self.inter, self.width = c.hidden_size, c.intermediate_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         self.hq = c.num_heads * c.head_dim
-        self.weights = torch.tensor([[_address(getattr(w, f)) for f in LAYER_FIELDS] for w in fused], dtype=torch.int64)
+        self.weights = torch.tensor([[_address(w, f) for f in LAYER_FIELDS] for w in fused], dtype=torch.int64)
         self.windows = torch.tensor([c.window(i) or 0 for i in range(c.num_layers)], dtype=torch.int32)
         self.scales = torch.tensor([c.attn_scale or c.head_dim ** -0.5] * c.num_layers, dtype=torch.float32)
         self.final_norm = model.model.norm.fused_weight().contiguous()
@@ -127,17 +128,30 @@ def unsupported(model: DecoderLM) -> str | None:
     for w in model.fused:
         if w.gate_up is None or w.pre_ff_norm is not None or w.moe is not None:
             return "experts or sandwich norms"
-        for name in LAYER_FIELDS:
+        for name in w._fields:
             t = getattr(w, name)
-            if name in MATMUL_FIELDS and not isinstance(t, Panels):
+            if name in MATMUL_FIELDS and not isinstance(t, (Panels, QPanels)):
                 return f"{name} not stored as panels"
-            t = t.data if isinstance(t, Panels) else t
-            if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()):
-                return f"{name} not a contiguous float32 CPU tensor"
+            if isinstance(t, QPanels):  # what the kernels' wrapper checks (CpuKernels.linear)
+                tensors = ((t.data, torch.int8), (t.scales, torch.float32))
+            elif name in LAYER_FIELDS:
+                tensors = ((t.data if isinstance(t, Panels) else t, torch.float32),)
+            else:
+                continue
+            for tensor, dtype in tensors:
+                if tensor is not None and (tensor.device.type != "cpu" or tensor.dtype != dtype
+                                           or not tensor.is_contiguous()):
+                    return f"{name} not a contiguous {dtype} CPU tensor"
     return None
 
 
-def _address(t: torch.Tensor | Panels | None) -> int:
-    if isinstance(t, Panels):
+def _address(w, field: str) -> int:
+    """The address of a FusedLayer's field `field` in the kernel's table: an int8 matrix's
+    scales under its name + SCALES_SUFFIX; 0 where absent."""
+    if field.endswith(SCALES_SUFFIX):
+        t = getattr(w, field.removesuffix(SCALES_SUFFIX))
+        return t.scales.data_ptr() if isinstance(t, QPanels) else 0
+    t = getattr(w, field)
+    if isinstance(t, (Panels, QPanels)):
         return t.data.data_ptr()
     return 0 if t is None else t.data_ptr()

@@ -65,11 +65,13 @@ class _Progress:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device,
-               shard: Callable[[DecoderConfig], ShardPlan] | None = None, cpu_kernels: bool = True) -> DecoderLM:
+               shard: Callable[[DecoderConfig], ShardPlan] | None = None, cpu_kernels: bool = True,
+               quantize_weights: bool = False) -> DecoderLM:
     """`shard`: under tensor parallelism, the plan of this rank's slices (given the model's
     config); only those slices are read from the files. `cpu_kernels`: float32 on a CPU, run
     the steps through the AVX2 kernels where they build (executors/cpu_kernels), the matmul
-    weights stored as their panels (panel_modules.py)."""
+    weights stored as their panels (panel_modules.py); `quantize_weights`: those panels as
+    int8 with float32 scales (cpu_kernels/qpanels.py)."""
     model_dir = Path(model_dir)
     config = DecoderConfig.from_dir(model_dir)
     plan = shard(config) if shard is not None else None
@@ -128,6 +130,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     model.reset_buffers(device)  # rotary tables and expert-load counters: built, not loaded
     log.info("fusing %s's q/k/v and gate/up weights for the fast forward", model_dir.name)
     model.use_cpu_kernels = cpu_kernels
+    model.quantize_weights = quantize_weights
     model.fuse()  # the fast forward's fused q/k/v and gate/up weights; the parameters become views
     log.info("loaded %s (%s) in %.1f s", model_dir.name, config.architecture, time.perf_counter() - started)
     return model.eval()

@@ -8,6 +8,10 @@ become PanelLinear, which keep the modules' names, logical shapes and state_dict
 give their [out, in] weight back on request (unpacked, a new tensor) for what reads it
 outside the fast forward: the reference forward, the weights' digest, `unpack_model` before
 the model moves to another device or dtype.
+
+With `quantize` (DecoderLM.quantize_weights, `--quantization int8`), the same weights are
+stored as int8 panels with their float32 scales instead (cpu_kernels/qpanels.py): the
+modules then give the dequantized weights back, which is the model that serves.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executors.cpu_kernels.panels import PANEL, Panels, pack, panels_numel
+from executors.cpu_kernels.qpanels import SLACK_BYTES, SLACK_FLOATS, QPanels, qpanels_numel, quantize
 from kvcache import host_memory
 
 if TYPE_CHECKING:
@@ -35,20 +40,29 @@ class _OverPanels(nn.Module):
                           "fuse(), or call panel_modules.unpack_model() first")
 
 
+def _stored(panels: nn.Parameter, scales: nn.Parameter | None, n: int) -> Panels | QPanels:
+    """The weight a module's parameters hold: float32 panels, or int8 ones with their scales."""
+    if scales is None:
+        return Panels(panels.detach(), n)
+    return QPanels(panels.detach(), scales.detach(), n)
+
+
 class PanelLinear(_OverPanels):
     """nn.Linear over rows [lo, hi) of panels shared with its siblings (q/k/v, gate/up)."""
 
-    def __init__(self, panels: nn.Parameter, n: int, lo: int, hi: int, bias: nn.Parameter | None) -> None:
+    def __init__(self, panels: nn.Parameter, n: int, lo: int, hi: int, bias: nn.Parameter | None,
+                 scales: nn.Parameter | None = None) -> None:
         super().__init__()
         self.panels = panels  # the same Parameter in every sibling: counted once
+        self.scales = scales  # int8 panels' scales (the same Parameter in every sibling), else None
         self.n, self.lo, self.hi = n, lo, hi
         self.bias = bias
         self.in_features, self.out_features = panels.shape[1], hi - lo
 
     @property
     def weight(self) -> torch.Tensor:
-        """The [out, in] weight (unpacked: a new tensor on each access)."""
-        return Panels(self.panels.detach(), self.n).unpack(self.lo, self.hi)
+        """The [out, in] weight (unpacked, dequantized where int8: a new tensor on each access)."""
+        return _stored(self.panels, self.scales, self.n).unpack(self.lo, self.hi)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -62,82 +76,95 @@ class PanelLinear(_OverPanels):
 class PanelEmbedding(_OverPanels):
     """nn.Embedding over a tied embedding stored as the lm_head's panels."""
 
-    def __init__(self, panels: nn.Parameter, n: int) -> None:
+    def __init__(self, panels: nn.Parameter, n: int, scales: nn.Parameter | None = None) -> None:
         super().__init__()
         self.panels = panels
+        self.scales = scales
         self.num_embeddings, self.embedding_dim = n, panels.shape[1]
 
     @property
     def weight(self) -> torch.Tensor:
-        return Panels(self.panels.detach(), self.num_embeddings).unpack()
+        return _stored(self.panels, self.scales, self.num_embeddings).unpack()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             raise IndexError(f"token ids must lie in [0, {self.num_embeddings})")
-        return Panels(self.panels.detach(), self.num_embeddings).embedding(ids)
+        return _stored(self.panels, self.scales, self.num_embeddings).embedding(ids)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self.weight
 
 
-def _parameter(p: Panels) -> nn.Parameter:
-    return nn.Parameter(p.data, requires_grad=False)
+def _parameters(p: Panels | QPanels) -> tuple[nn.Parameter, nn.Parameter | None]:
+    scales = nn.Parameter(p.scales, requires_grad=False) if isinstance(p, QPanels) else None
+    return nn.Parameter(p.data, requires_grad=False), scales
 
 
-def _replace(owner: nn.Module, names: list[str], panels: Panels) -> nn.Parameter:
-    """Owner's Linear children `names`, consecutive row ranges of one weight, as PanelLinear."""
-    shared, row = _parameter(panels), 0
+def _replace(owner: nn.Module, names: list[str], panels: Panels | QPanels) -> Panels | QPanels:
+    """Owner's Linear children `names`, consecutive row ranges of one weight, as PanelLinear;
+    the weight as their shared parameters hold it."""
+    (shared, scales), row = _parameters(panels), 0
     for name in names:
         linear = getattr(owner, name)
         rows = linear.out_features
-        setattr(owner, name, PanelLinear(shared, panels.n, row, row + rows, linear.bias))
+        setattr(owner, name, PanelLinear(shared, panels.n, row, row + rows, linear.bias, scales))
         row += rows
-    return shared
+    return _stored(shared, scales, panels.n)
 
 
 class _Arena:
     """One allocation on huge pages (kvcache.host_memory) that the packed weights are cut
-    from in turn: a step streams them all, and 2 MiB pages stream faster than 4 KiB ones.
-    Its pages are taken as each weight is packed, not before."""
+    from in turn (two where int8: the bytes and the scales, each with the kernels' slack at
+    its end): a step streams them all, and 2 MiB pages stream faster than 4 KiB ones. Its
+    pages are taken as each weight is packed, not before."""
 
-    def __init__(self, shapes: list[tuple[int, int]]) -> None:
-        self.data = host_memory.zeros(sum(panels_numel(n, k) for n, k in shapes), claim=False)
-        self.used = 0
+    def __init__(self, shapes: list[tuple[int, int]], quantized: bool) -> None:
+        self.quantized = quantized
+        if quantized:
+            sizes = [qpanels_numel(n, k) for n, k in shapes]
+            self.data = host_memory.zeros(sum(b for b, _ in sizes) + SLACK_BYTES, dtype=torch.int8, claim=False)
+            self.scales = host_memory.zeros(sum(f for _, f in sizes) + SLACK_FLOATS, claim=False)
+        else:
+            self.data = host_memory.zeros(sum(panels_numel(n, k) for n, k in shapes), claim=False)
+        self.used = self.scales_used = 0
 
-    def pack(self, w: torch.Tensor) -> Panels:
-        size = panels_numel(*w.shape)
-        out = self.data[self.used:self.used + size]
-        self.used += size
-        return pack(w, out)
+    def pack(self, w: torch.Tensor) -> Panels | QPanels:
+        if not self.quantized:
+            size = panels_numel(*w.shape)
+            out = self.data[self.used:self.used + size]
+            self.used += size
+            return pack(w, out)
+        size, floats = qpanels_numel(*w.shape)
+        data_out, scales_out = self.data[self.used:self.used + size], self.scales[self.scales_used:self.scales_used + floats]
+        self.used, self.scales_used = self.used + size, self.scales_used + floats
+        return quantize(w, data_out, scales_out)
 
 
-def pack_model(model: DecoderLM) -> None:
-    """Store model.fused's dense matmul weights and the lm_head as panels, one layer at a
-    time (the peak is one layer's weights above the model), the modules as PanelLinear."""
+def pack_model(model: DecoderLM, quantized: bool = False) -> None:
+    """Store model.fused's dense matmul weights and the lm_head as panels (int8 ones where
+    `quantized`), one layer at a time (the peak is one layer's weights above the model), the
+    modules as PanelLinear."""
     c = model.config
     tied_view = c.tie_word_embeddings and (model.head_rows is None or model.head_rows[0] % PANEL == 0)
     head = (model.model.embed_tokens.weight if tied_view else
             model.lm_head.weight if not c.tie_word_embeddings else model.head_weight())
     arena = _Arena([tuple(t.shape) for w in model.fused for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]
-                   + [tuple(head.shape)])
+                   + [tuple(head.shape)], quantized)
     for i, (layer, w) in enumerate(zip(model.model.layers, model.fused)):
         a, ffn = layer.self_attn, layer.ffn
-        qkv, o = arena.pack(w.qkv), arena.pack(w.o)
-        changes = dict(qkv=Panels(_replace(a, ["q_proj", "k_proj", "v_proj"], qkv).detach(), qkv.n),
-                       o=Panels(_replace(a, ["o_proj"], o).detach(), o.n))
+        changes = dict(qkv=_replace(a, ["q_proj", "k_proj", "v_proj"], arena.pack(w.qkv)),
+                       o=_replace(a, ["o_proj"], arena.pack(w.o)))
         if w.gate_up is not None:
-            gate_up, down = arena.pack(w.gate_up), arena.pack(w.down)
-            changes.update(gate_up=Panels(_replace(ffn, ["gate_proj", "up_proj"], gate_up).detach(), gate_up.n),
-                           down=Panels(_replace(ffn, ["down_proj"], down).detach(), down.n))
+            changes.update(gate_up=_replace(ffn, ["gate_proj", "up_proj"], arena.pack(w.gate_up)),
+                           down=_replace(ffn, ["down_proj"], arena.pack(w.down)))
         model.fused[i] = w._replace(**changes)
     if not c.tie_word_embeddings:
-        packed = arena.pack(head.detach())
-        model.head_panels = Panels(_replace(model, ["lm_head"], packed).detach(), packed.n)
+        model.head_panels = _replace(model, ["lm_head"], arena.pack(head.detach()))
     elif tied_view:
-        table = arena.pack(head.detach())
-        shared = _parameter(table)
-        model.model.embed_tokens = PanelEmbedding(shared, table.n)
-        table = Panels(shared.detach(), table.n)
+        packed = arena.pack(head.detach())
+        shared, scales = _parameters(packed)
+        model.model.embed_tokens = PanelEmbedding(shared, packed.n, scales)
+        table = _stored(shared, scales, packed.n)
         model.head_panels = table if model.head_rows is None else table.rows(*model.head_rows)
     else:  # a tensor-parallel rank's slice of a tied embedding that no panel boundary starts
         model.head_panels = arena.pack(head)
@@ -189,7 +216,7 @@ def logical_numel(model: nn.Module) -> int:
         elif isinstance(module, PanelEmbedding):
             total += module.num_embeddings * module.embedding_dim
         for name, p in module.named_parameters(recurse=False):
-            if name != "panels" and id(p) not in seen:
+            if name not in ("panels", "scales") and id(p) not in seen:
                 seen.add(id(p))
                 total += p.numel()
     return total

@@ -138,7 +138,7 @@ def load_shard(config, group: TpGroup):
         return plans[-1]
 
     model = load_model(config.model_dir, config.torch_dtype, config.device, shard=shard,
-                       cpu_kernels=config.cpu_kernels)
+                       cpu_kernels=config.cpu_kernels, quantize_weights=config.quantization == "int8")
     model.all_reduce = group.all_reduce
     return config, model, plans[0]
 

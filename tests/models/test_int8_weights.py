@@ -1,0 +1,230 @@
+"""int8 weights (`--quantization int8`, executors/cpu_kernels/qpanels.py).
+
+The int8 kernels turn each weight into (float)q * scale as they load it and must then compute
+exactly what the float32 kernels compute over the panels of those dequantized weights, on
+every path (the dot products of up to 6 rows, the dequantized tiles past that), bit for bit.
+A served model must match transformers loaded with the same dequantized weights within 1e-4
+(float32), through a real server and the real client, and the int8 fast path must match the
+reference forward over the same weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from client import DecodeInput, ExecutorClient, PrefillInput
+from executors.cpu_kernels import cpu_kernels
+from executors.cpu_kernels.panels import PANEL
+from executors.cpu_kernels.qpanels import QGROUP, QPanels, quantize, quantize_rows
+from executors.llm import LlmExecutor, LlmExecutorConfig
+from executors.models import fused_decode
+from executors.types import DecodeInput as Decode
+from executors.types import PrefillInput as Prefill
+from service.config import ServeConfig, parse_args
+from tests.conftest import start_server
+from tests.models.test_cpu_paths import BLOCK, VOCAB as TINY_VOCAB, tiny_model
+from tests.models.tiny_models import VOCAB, build
+
+TOL = 1e-4
+kernels = cpu_kernels()
+needs_kernels = pytest.mark.skipif(kernels is None, reason="the CPU kernels cannot be built here")
+rng = np.random.default_rng(29)
+
+
+def test_quantize_gives_a_q8_0_checkpoint_back_exactly():
+    """A Q8_0 GGUF dequantized to float32 (gguf_import) quantizes back to its own q and scales."""
+    torch.manual_seed(0)
+    n, groups = 10, 5
+    q = torch.randint(-127, 128, (n, groups, QGROUP), dtype=torch.int8)
+    q[:, :, 3] = torch.where(torch.rand(n, groups) < 0.5, 127, -127).to(torch.int8)  # llama.cpp: max |q| is 127
+    d = (torch.rand(n, groups) * 0.01 + 1e-4).half().float()
+    q[2, 1] = 0
+    d[2, 1] = 0  # an all-zero group
+    w = (q.float() * d[..., None]).view(n, groups * QGROUP)
+    got_q, got_scales = quantize_rows(w)
+    assert torch.equal(got_q, q.view(n, -1)) and torch.equal(got_scales, d)
+
+
+def test_quantize_error_is_half_a_step_and_non_finite_weights_are_refused():
+    w = torch.randn(17, 70) * torch.logspace(-3, 1, 70)  # groups of very different ranges, k not a multiple of 32
+    p = quantize(w)
+    assert p.data.dtype == torch.int8 and p.data.shape == (3, 70, PANEL) and p.scales.shape == (3, 3, PANEL)
+    step = p.scales.transpose(1, 2).reshape(-1, 3)[:17].repeat_interleave(QGROUP, dim=1)[:, :70]
+    assert ((p.unpack() - w).abs() <= step / 2 * (1 + 1e-6)).all()
+    assert torch.equal(p.embedding(torch.tensor([16, 0, 5, 6])), p.unpack()[[16, 0, 5, 6]])
+    assert torch.equal(p.rows(6, 17).unpack(), p.unpack()[6:])
+    with pytest.raises(ValueError, match="finite"):
+        quantize(torch.tensor([[1.0, float("nan")]]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("n, k", [(13, 50), (49, 576), (7, 33), (1, 1)])
+def test_int8_kernels_compute_exactly_the_float32_kernels_over_the_dequantized_weights(n, k):
+    torch.manual_seed(n * k)
+    w = quantize(torch.randn(n, k))
+    dense = w.dequantized()
+    bias = torch.randn(n)
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33, 64, 130):  # dot products to 6 rows, tiles past
+        x, residual = torch.randn(m, k), torch.randn(m, n)
+        got = kernels.linear(x, w, bias, residual)
+        assert torch.equal(got, kernels.linear(x, dense, bias, residual)), m
+        torch.testing.assert_close(got, x @ w.unpack().T + bias + residual, atol=1e-4, rtol=1e-5)
+    view = w.rows(PANEL, n) if n > PANEL else w
+    x = torch.randn(3, k)
+    assert torch.equal(kernels.linear(x, view), kernels.linear(x, dense.rows(n - view.n, n)))
+
+
+@needs_kernels
+def test_int8_kernels_refuse_weights_they_would_read_past():
+    w = quantize(torch.randn(12, 64))
+    x = torch.randn(2, 64)
+    tight = QPanels(w.data.clone(), w.scales, w.n)  # no slack after the bytes
+    with pytest.raises(ValueError, match="room after them"):
+        kernels.linear(x, tight)
+    with pytest.raises(ValueError, match="w.scales"):
+        kernels.linear(x, QPanels(w.data, w.scales[:, :1], w.n))
+    with pytest.raises(TypeError, match="w.data"):
+        kernels.linear(x, QPanels(w.data.to(torch.uint8), w.scales, w.n))
+
+
+class Pair:
+    """An int8 model's fast executor and its reference (which reads the dequantized weights)."""
+
+    def __init__(self, family: str) -> None:
+        model = tiny_model(family)
+        model.quantize_weights = True
+        cfg = LlmExecutorConfig(model_dir=f"/nonexistent/{family}", block_size=BLOCK, num_blocks=160,
+                                quantization="int8")
+        self.fast = LlmExecutor(cfg, model)
+        self.ref = LlmExecutor(cfg, model, reference=True)
+        self.loop = asyncio.new_event_loop()
+
+    def both(self, method: str, *args):
+        return [self.loop.run_until_complete(getattr(ex, method)(*args)) for ex in (self.fast, self.ref)]
+
+    def close(self) -> None:
+        for ex in (self.fast, self.ref):
+            ex.worker.close()
+        self.loop.close()
+
+
+@needs_kernels
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "op-by-op"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_int8_fast_path_matches_the_reference_over_the_same_weights(family, one_call, monkeypatch):
+    monkeypatch.setattr(fused_decode, "FUSED_DECODE", one_call)
+    p = Pair(family)
+    try:
+        assert p.fast.model.fused_decode is not None
+        tokens = lambda n: rng.integers(0, TINY_VOCAB, size=n).tolist()  # noqa: E731
+        outs = p.both("batch_prefill", [Prefill(input_ids=tokens(n)) for n in (1, 5, 9, 9, 16, 23, 3, 40)])
+        for a, b in zip(*outs):
+            np.testing.assert_allclose(a.logits.logits.array, b.logits.logits.array, atol=TOL, rtol=0)
+        handles = [o.kv_cache for o in outs[0]]
+        for rows in (8, 3, 1):  # 8 rows: the dequantized tiles; fewer: the dot products
+            a, b = p.both("batch_decode", [Decode(token_id=t, kv_cache=h) for t, h in zip(tokens(rows), handles)])
+            for x, y in zip(a, b):
+                np.testing.assert_allclose(x.logits.logits.array, y.logits.logits.array, atol=TOL, rtol=0)
+            handles = [x.kv_cache for x in a] + handles[rows:]
+    finally:
+        p.close()
+
+
+class Served:
+    """A tiny checkpoint served with --quantization int8, and transformers holding the same
+    (dequantized) weights."""
+
+    def __init__(self, family: str, root) -> None:
+        self.oracle = build(family, root / family)
+        self.running = start_server(ServeConfig(port=0, model=str(root / family), quantization="int8",
+                                                block_size=4, num_blocks=256))
+        self.executor = self.running.server.executor
+        weights = dict(self.executor.model.logical_parameters())
+        missing, unexpected = self.oracle.load_state_dict(weights, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+        self.client = ExecutorClient(self.running.address, timeout=60)
+
+    @torch.no_grad()
+    def logits(self, tokens: list[int]) -> np.ndarray:
+        return self.oracle(torch.tensor([tokens])).logits[0].float().numpy()
+
+    def close(self) -> None:
+        self.client.close()
+        self.running.stop()
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama", "qwen2"])
+def served(request, tmp_path_factory):
+    if kernels is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    s = Served(request.param, tmp_path_factory.mktemp("int8"))
+    yield s
+    s.close()
+
+
+def test_served_int8_model_matches_transformers_on_the_dequantized_weights(served):
+    info = served.client.info()
+    assert info.metadata["weight_quantization"].string_value == "int8"
+    seqs = [rng.integers(0, VOCAB, size=n).tolist() for n in (5, 12, 7, 9, 3, 11, 6, 8)]
+    outs = served.client.batch_prefill([PrefillInput(input_ids=s) for s in seqs])
+    handles = []
+    for seq, out in zip(seqs, outs):
+        np.testing.assert_allclose(out.logits.logits, served.logits(seq)[-1], atol=TOL, rtol=0)
+        handles.append(out.kv_cache)
+    for step in range(3):  # 8 rows (the dequantized tiles), then one row (the dot products)
+        rows = handles if step < 2 else handles[:1]
+        nexts = rng.integers(0, VOCAB, size=len(rows)).tolist()
+        outs = served.client.batch_decode([DecodeInput(token_id=t, kv_cache=h) for t, h in zip(nexts, rows)])
+        for i, (t, out) in enumerate(zip(nexts, outs)):
+            seqs[i] = seqs[i] + [t]
+            np.testing.assert_allclose(out.logits.logits, served.logits(seqs[i])[-1], atol=TOL, rtol=0)
+            handles[i] = out.kv_cache
+    for h in handles:
+        served.client.release_cache(h.cache_id)
+
+
+def test_int8_weights_take_about_a_quarter_of_the_memory(served):
+    quantized = served.executor._param_bytes
+    plain = sum(p.numel() * 4 for _, p in served.executor.model.logical_parameters())
+    embedding = served.executor.model.model.embed_tokens
+    untied = embedding.weight.numel() * 4 if not served.executor.model_config.tie_word_embeddings else 0
+    assert quantized < 0.32 * (plain - untied) + untied, (quantized, plain)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--quantization", "int8", "--dtype", "bfloat16"], "--dtype float32"),
+    (["--quantization", "int8", "--device", "cuda"], "--device cpu"),
+    (["--quantization", "int8", "--no-cpu-kernels"], "CPU kernels"),
+    (["--quantization", "int4"], "invalid choice"),
+])
+def test_int8_is_refused_where_it_cannot_run(flags, words, capsys):
+    with pytest.raises((ValueError, SystemExit)) as raised:
+        parse_args(flags)
+    message = str(raised.value) if raised.type is ValueError else capsys.readouterr().err
+    assert words in message, message
+
+
+@needs_kernels
+def test_k_and_v_never_move_between_int8_and_float32_executors():
+    """Their logits differ, so their K and V do: the weights' digest (of the dequantized
+    weights) tells them apart, and an import names it."""
+    loop = asyncio.new_event_loop()
+    executors = []
+    try:
+        for quantized in (False, True):
+            model = tiny_model("llama")
+            model.quantize_weights = quantized
+            executors.append(LlmExecutor(LlmExecutorConfig(
+                model_dir="/nonexistent/llama", block_size=BLOCK, num_blocks=32,
+                quantization="int8" if quantized else "none"), model))
+        plain, int8 = (loop.run_until_complete(ex.kv_fingerprint()) for ex in executors)
+        assert plain.model_id == int8.model_id and plain.weights_digest != int8.weights_digest
+        assert "weights_digest" in int8.mismatch(plain)
+    finally:
+        for ex in executors:
+            ex.worker.close()
+        loop.close()
