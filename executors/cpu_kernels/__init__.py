@@ -3,9 +3,9 @@
 - weight_panel.c: the projections and the lm_head of steps of every size over weights
   stored in 6-column panels (panels.py, the weights' one copy): decode rows stream them at
   the memory's rate, 16-64 rows at 150-185 GFLOP/s with the weights from memory, prefills
-  near MKL's best sgemm (bench/RESULTS.md runs 11 and 16); or as int8 panels with float32
-  scales (qpanels.py), computing exactly what the float32 panels of their dequantized
-  weights would;
+  near MKL's best sgemm (bench/RESULTS.md runs 11 and 16); or as int8 16-column panels with
+  float32 scales (qpanels.py, weight_q8.h), computing exactly what the float32 panels of
+  their dequantized weights would;
 - pointwise.c: RMSNorm, the rotary embedding and the gated activation without torch's
   per-op set-up;
 - paged_attention.c: the new tokens' K and V stored into the pool, and decode attention
@@ -30,7 +30,7 @@ import torch
 
 from executors.cpu_kernels.build import KernelsUnavailable, build_library, load_library
 from executors.cpu_kernels.panels import PANEL, Panels
-from executors.cpu_kernels.qpanels import QGROUP, SLACK_BYTES, SLACK_FLOATS, QPanels
+from executors.cpu_kernels.qpanels import Q8PANEL, QGROUP, QPanels
 from executors.cpu_kernels.step import DecoderSpec, StepSpec
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class CpuKernels:
                              ctypes.c_int)
         self._linear_q8 = _bind(library, "me_weight_linear_q8",
                                 [_P, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I, _C], ctypes.c_int)
+        self._q8_isa = _bind(library, "me_q8_isa", [_C], ctypes.c_int)
         self._rms_norm = _bind(library, "me_rms_norm_f32", [_P, _I, _I, _I, _I, _I, _P, _F, _P, _I, _I, _C])
         self._rope = _bind(library, "me_rope_f32", [_P, _I, _I, _I, _I, _P, _P, _P, _C])
         self._glu = _bind(library, "me_glu_f32", [_P, _I, _I, _I, _C, _P, _C])
@@ -106,15 +107,16 @@ class CpuKernels:
             raise TypeError(f"CpuKernels.linear: w must be Panels (panels.pack) or QPanels (qpanels.quantize), "
                             f"not {kind.__name__}")
         data, n = w.data, w.n
-        dtype = _F32 if kind is Panels else _I8
+        dtype, panel = (_F32, PANEL) if kind is Panels else (_I8, Q8PANEL)
         if data.dtype is not dtype or data.ndim != 3 or not data.is_cpu or not data.is_contiguous():
-            raise _refused("linear", "w.data", data, f"a contiguous {dtype} CPU tensor [ceil(n / 6), k, 6]", dtype)
+            raise _refused("linear", "w.data", data, f"a contiguous {dtype} CPU tensor [ceil(n / {panel}), k, "
+                           f"{panel}]", dtype)
         m, k = x.shape
         count, kw, width = data.shape
         if k != kw:
             raise ValueError(f"CpuKernels.linear: x has {k} columns, the weight {kw}")
-        if width != PANEL or count * PANEL < n:
-            raise _refused("linear", "w.data", data, f"panels of {PANEL} columns for w.n = {n} rows")
+        if width != panel or count * panel < n:
+            raise _refused("linear", "w.data", data, f"panels of {panel} columns for w.n = {n} rows")
         if kind is QPanels:
             _check_int8(w)
         sx = x.stride()
@@ -322,6 +324,12 @@ class CpuKernels:
         if status:
             raise MemoryError("the prefill attention kernel could not allocate its scratch")
 
+    def int8_isa(self, avx512: bool | None = None) -> str:
+        """The instructions of the int8 dot products: "avx512" where the CPU has AVX-512, else
+        "avx2"; avx512=False asks for AVX2 from now on (tests compare the two), True for
+        AVX-512 again where the CPU has it."""
+        return "avx512" if self._q8_isa(-1 if avx512 is None else int(avx512)) else "avx2"
+
     def decode_step(self, model: DecoderSpec, step: StepSpec) -> int:
         """me_decode_step_f32 (step.py's DecoderSpec and StepSpec): 0, or step.OUT_OF_RANGE
         when an index was out of range (nothing written); raises on the other failures."""
@@ -336,22 +344,14 @@ class CpuKernels:
         return status
 
 
-def _slack(t: torch.Tensor) -> int:
-    """Elements of t's storage after t's last one (t contiguous)."""
-    return t.untyped_storage().nbytes() // t.element_size() - t.storage_offset() - t.numel()
-
-
 def _check_int8(w: QPanels) -> None:
-    """What the int8 kernels assume of w's scales and of both buffers' slack (qpanels.py)."""
+    """What the int8 kernels assume of w's scales (qpanels.py)."""
     count, k, _ = w.data.shape
-    scales = w.scales
-    if (scales.dtype is not _F32 or scales.shape != (count, -(-k // QGROUP), PANEL) or not scales.is_cpu
+    scales, groups = w.scales, -(-k // QGROUP)
+    if (scales.dtype is not _F32 or scales.shape != (count, groups, Q8PANEL) or not scales.is_cpu
             or not scales.is_contiguous()):
         raise _refused("linear", "w.scales", scales, f"a contiguous float32 CPU tensor [{count}, ceil(k / {QGROUP}), "
-                       f"{PANEL}] = [{count}, {-(-k // QGROUP)}, {PANEL}]", _F32)
-    if _slack(w.data) < SLACK_BYTES or _slack(scales) < SLACK_FLOATS:
-        raise ValueError(f"CpuKernels.linear: int8 panels need {SLACK_BYTES} bytes and their scales {SLACK_FLOATS} "
-                         "floats of room after them in their storage (qpanels.quantize leaves it)")
+                       f"{Q8PANEL}] = [{count}, {groups}, {Q8PANEL}]", _F32)
 
 
 _unavailable: list[str] = []  # why cpu_kernels() returned None, once it has

@@ -9,8 +9,9 @@
  *   RMSNorm | q/k/v matmul | q/k norm, rotation, K/V store | attention from the pool |
  *   o matmul + residual | RMSNorm | gate/up matmul, activation | down matmul + residual
  *
- * The matmuls read the weights as 6-column panels (weight_panel.h), float32 or int8 with
- * float32 scales, x packed once per matmul into a scratch the team shares. The layers are Llama / Qwen2 / Qwen3 /
+ * The matmuls read the weights as float32 6-column panels (weight_panel.h) or int8 16-column
+ * ones with float32 scales (weight_q8.h), x packed once per matmul into a scratch the team
+ * shares. The layers are Llama / Qwen2 / Qwen3 /
  * Mistral shaped: optional q/k/v, o and MLP biases, optional q/k norms, a sliding window and score scale per layer.
  * Steps of up to ME_STEP_MAX_ROWS decode rows (one new token each, at its position, with a
  * cache).
@@ -20,7 +21,7 @@
 
 #include "attention_row.h"
 #include "pointwise.h"
-#include "weight_panel.h"
+#include "weight_q8.h"
 
 #define ME_STEP_MAX_ROWS 64
 
@@ -54,8 +55,9 @@ typedef struct {
     int64_t block_size;
     int64_t pool_blocks;         /* blocks of a layer's pool (scratch blocks included) */
     float *x;                    /* [rows, hidden]: the embeddings in, the final normed hidden states out */
-    float *h, *qkv, *attn, *gu, *act;  /* scratch: [rows, hidden], [rows, (heads + 2 kv_heads) head_dim],
-                                        * [rows, heads head_dim], [rows, 2 inter], [rows, inter] */
+    float *h, *qkv, *attn, *gu, *act;  /* scratch: [rows, hidden] (unused: each thread norms into its own),
+                                        * [rows, (heads + 2 kv_heads) head_dim], [rows, heads head_dim],
+                                        * [rows, 2 inter], [rows, inter] */
 } me_step;
 
 static inline const float *field(const me_decoder *m, int64_t layer, int f) {
@@ -69,8 +71,12 @@ static void step_linear(const me_decoder *m, int64_t l, int f, int scales_field,
                         int64_t k, int64_t n, const float *bias, const float *residual, float *y, float *xp,
                         float *wq) {
     const float *scales = field(m, l, scales_field), *w = field(m, l, f);
-    const q8_weight q = {scales ? (const int8_t *)w : NULL, scales};
-    weight_linear_team(x, rows, k, scales ? NULL : w, q, n, k, bias, residual, n, y, n, xp, wq);
+    if (scales) {
+        const q8_weight q = {(const int8_t *)w, scales};
+        q8_linear_team(x, rows, k, q, n, k, bias, residual, n, y, n, xp, wq);
+    } else {
+        weight_linear_team(x, rows, k, w, n, k, bias, residual, n, y, n, xp);
+    }
 }
 
 static void step_norm(const float *x, int64_t rows, int64_t hidden, const float *w, float eps, float *y) {
@@ -78,14 +84,56 @@ static void step_norm(const float *x, int64_t rows, int64_t hidden, const float 
     for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * hidden, hidden, w, eps, y + r * hidden);
 }
 
-/* act(gate) * up for every row: the fused gate/up matmul into gu, then the activation. */
-static void step_glu(const me_decoder *m, const me_step *s, int64_t l, float *xp, float *wq) {
+/* Every row normed by the calling thread alone, into its own h: the matmul after it reads h
+ * (in place, or packing its share of x), so no barrier waits for the other threads' rows. A
+ * thread that has nothing to do in a phase parks at its barrier and wakes late (tens of
+ * microseconds in a VM, bench/RESULTS.md run 19): a norm of a few rows costs less. */
+static void own_norm(const float *x, int64_t rows, int64_t hidden, const float *w, float eps, float *h) {
+    for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * hidden, hidden, w, eps, h + r * hidden);
+}
+
+/* q/k norms and rotation of KV heads [kv0, kv1) of row r and their query heads, and the new
+ * K and V of those heads into the pool. */
+static void rotate_and_store(const me_decoder *m, const me_step *s, int64_t l, int64_t r, int64_t kv0, int64_t kv1,
+                             float *kpool, float *vpool) {
+    const int64_t d = m->head_dim, heads = m->heads, kvh = m->kv_heads, group = heads / kvh;
+    const int64_t hq = heads * d, hk = kvh * d, width = hq + 2 * hk;
+    const float *qn = field(m, l, W_Q_NORM), *kn = field(m, l, W_K_NORM);
+    const float *cos = m->cos + s->positions[r] * d, *sin = m->signed_sin + s->positions[r] * d;
+    float *row = s->qkv + r * width;
+    for (int64_t kv = kv0; kv < kv1; kv++) {
+        for (int64_t head = kv * group; head < (kv + 1) * group; head++) {
+            float *q = row + head * d;
+            if (qn) rms_norm_row(q, d, qn, m->eps, q);
+            rope_head(q, d, cos, sin);
+        }
+        float *k = row + hq + kv * d;
+        if (kn) rms_norm_row(k, d, kn, m->eps, k);
+        rope_head(k, d, cos, sin);
+        const int64_t at = s->slots[r] * hk + kv * d;
+        memcpy(kpool + at, k, sizeof(float) * (size_t)d);
+        memcpy(vpool + at, row + hq + hk + kv * d, sizeof(float) * (size_t)d);
+    }
+}
+
+/* act(gate) * up for every row: the fused gate/up matmul into gu, then the activation, into
+ * own (this thread's, every row: the down matmul of at most DOT_ROWS rows reads it in place,
+ * with no barrier between) where given, else into s->act shared out over the team. Returns
+ * where the activations are. */
+static const float *step_glu(const me_decoder *m, const me_step *s, int64_t l, const float *h, float *xp, float *wq,
+                             float *own) {
     const int64_t rows = s->rows, inter = m->inter;
-    step_linear(m, l, W_GATE_UP, W_GATE_UP_SCALES, s->h, rows, m->hidden, 2 * inter, field(m, l, W_GATE_UP_BIAS),
+    step_linear(m, l, W_GATE_UP, W_GATE_UP_SCALES, h, rows, m->hidden, 2 * inter, field(m, l, W_GATE_UP_BIAS),
                 NULL, s->gu, xp, wq);
+    if (own) {
+        for (int64_t r = 0; r < rows; r++)
+            glu_row(s->gu + r * 2 * inter, s->gu + r * 2 * inter + inter, inter, m->activation, own + r * inter);
+        return own;
+    }
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++)
         glu_row(s->gu + r * 2 * inter, s->gu + r * 2 * inter + inter, inter, m->activation, s->act + r * inter);
+    return s->act;
 }
 
 /* Keys a query sees in every layer: the widest window, 0 where some layer sees them all. */
@@ -152,59 +200,57 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
         free(wq);
         return -1;
     }
+    q8_avx512();  /* asked before the region, not by its threads at once */
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
         float *scores = thread_scratch(heads * (longest + 8), &failed);
+        float *h = thread_scratch(rows * hidden, &failed);  /* this thread's normed rows */
+        float *act = rows <= DOT_ROWS ? thread_scratch(rows * inter, &failed) : NULL;  /* its activations */
         #pragma omp barrier
         if (!failed) {
             for (int64_t l = 0; l < m->layers; l++) {
                 float *kpool = s->kpool + l * s->layer_stride, *vpool = s->vpool + l * s->layer_stride;
                 /* q, k, v */
-                step_norm(s->x, rows, hidden, field(m, l, W_INPUT_NORM), m->eps, s->h);
-                step_linear(m, l, W_QKV, W_QKV_SCALES, s->h, rows, hidden, width, field(m, l, W_QKV_BIAS), NULL, s->qkv,
+                own_norm(s->x, rows, hidden, field(m, l, W_INPUT_NORM), m->eps, h);
+                step_linear(m, l, W_QKV, W_QKV_SCALES, h, rows, hidden, width, field(m, l, W_QKV_BIAS), NULL, s->qkv,
                             xp, wq);
-                /* q/k norms and rotation, the new K and V into the pool, stale slots cleared */
-                const float *qn = field(m, l, W_Q_NORM), *kn = field(m, l, W_K_NORM);
-                #pragma omp for schedule(static)
-                for (int64_t task = 0; task < rows * (heads + kvh); task++) {
-                    const int64_t r = task / (heads + kvh), head = task % (heads + kvh);
-                    float *x = s->qkv + r * width + head * d;
-                    const float *norm = head < heads ? qn : kn;
-                    if (norm) rms_norm_row(x, d, norm, m->eps, x);
-                    rope_head(x, d, m->cos + s->positions[r] * d, m->signed_sin + s->positions[r] * d);
-                    if (head >= heads) {
-                        const int64_t kv = head - heads, at = s->slots[r] * hk + kv * d;
-                        memcpy(kpool + at, x, sizeof(float) * (size_t)d);
-                        memcpy(vpool + at, s->qkv + r * width + hq + hk + kv * d, sizeof(float) * (size_t)d);
+                /* q/k norms and rotation, the new K and V into the pool, attention. A task's rows
+                 * and KV heads read only K and V they stored themselves or older steps did: one
+                 * phase, unless stale slots are to be cleared first (in every layer, before any
+                 * attention reads the blocks). */
+                const int64_t window = m->windows[l];
+                if (s->zero_count) {
+                    #pragma omp for schedule(static)
+                    for (int64_t task = 0; task < rows * kvh; task++)
+                        rotate_and_store(m, s, l, task / kvh, task % kvh, task % kvh + 1, kpool, vpool);
+                    #pragma omp for schedule(static)
+                    for (int64_t z = 0; z < s->zero_count; z++) {
+                        memset(kpool + s->zero_slots[z] * hk, 0, sizeof(float) * (size_t)hk);
+                        memset(vpool + s->zero_slots[z] * hk, 0, sizeof(float) * (size_t)hk);
                     }
                 }
-                #pragma omp for schedule(static)
-                for (int64_t z = 0; z < s->zero_count; z++) {
-                    memset(kpool + s->zero_slots[z] * hk, 0, sizeof(float) * (size_t)hk);
-                    memset(vpool + s->zero_slots[z] * hk, 0, sizeof(float) * (size_t)hk);
-                }
-                /* attention */
-                const int64_t window = m->windows[l];
                 #pragma omp for schedule(dynamic, 1)
                 for (int64_t task = 0; task < rows * split; task++) {
-                    const int64_t r = task / split, kv0 = split == 1 ? 0 : task % split;
+                    const int64_t r = task / split, kv0 = split == 1 ? 0 : task % split, kv1 = split == 1 ? kvh : kv0 + 1;
                     const int64_t hi = s->positions[r] + 1, lo = window > 0 && hi > window ? hi - window : 0;
-                    attend_row(s->qkv + r * width, group, d, kpool, vpool, s->block_size, kvh, kv0,
-                               split == 1 ? kvh : kv0 + 1, s->tables + r * s->ldt, lo, hi, m->scales[l], scores,
-                               s->attn + r * hq);
+                    if (!s->zero_count) rotate_and_store(m, s, l, r, kv0, kv1, kpool, vpool);
+                    attend_row(s->qkv + r * width, group, d, kpool, vpool, s->block_size, kvh, kv0, kv1,
+                               s->tables + r * s->ldt, lo, hi, m->scales[l], scores, s->attn + r * hq);
                 }
                 /* x += attn @ o^T; the MLP */
                 step_linear(m, l, W_O, W_O_SCALES, s->attn, rows, hq, hidden, field(m, l, W_O_BIAS), s->x, s->x, xp,
                             wq);
-                step_norm(s->x, rows, hidden, field(m, l, W_POST_NORM), m->eps, s->h);
-                step_glu(m, s, l, xp, wq);
-                step_linear(m, l, W_DOWN, W_DOWN_SCALES, s->act, rows, inter, hidden, field(m, l, W_DOWN_BIAS), s->x,
-                            s->x, xp, wq);
+                own_norm(s->x, rows, hidden, field(m, l, W_POST_NORM), m->eps, h);
+                const float *a = step_glu(m, s, l, h, xp, wq, act);
+                step_linear(m, l, W_DOWN, W_DOWN_SCALES, a, rows, inter, hidden, field(m, l, W_DOWN_BIAS), s->x, s->x,
+                            xp, wq);
             }
             step_norm(s->x, rows, hidden, m->final_norm, m->eps, s->x);
         }
         free(scores);
+        free(h);
+        free(act);
     }
     free(xp);
     free(wq);

@@ -50,21 +50,22 @@ class Panels(NamedTuple):
         return self.data[ids // PANEL, :, ids % PANEL]
 
 
-def panels_numel(n: int, k: int) -> int:
-    """Elements of a weight [n, k] as panels."""
-    return -(-n // PANEL) * k * PANEL
+def panels_numel(n: int, k: int, width: int = PANEL) -> int:
+    """Elements of a weight [n, k] as panels of `width` columns."""
+    return -(-n // width) * k * width
 
 
-def pack(w: torch.Tensor, out: torch.Tensor | None = None) -> Panels:
-    """w [n, k] (any strides) as panels: a copy, into `out` (panels_numel(n, k) contiguous
-    elements, e.g. a slice of an arena) where given."""
+def pack(w: torch.Tensor, out: torch.Tensor | None = None, width: int = PANEL) -> Panels:
+    """w [n, k] (any strides) as panels of `width` columns (the int8 weights' are 16 wide,
+    qpanels.py): a copy, into `out` (panels_numel(n, k, width) contiguous elements, e.g. a
+    slice of an arena) where given."""
     n, k = w.shape
-    count, full = -(-n // PANEL), n // PANEL
+    count, full = -(-n // width), n // width
     if out is None:
-        out = torch.empty(count * k * PANEL, dtype=w.dtype, device=w.device)
-    data = out.view(count, k, PANEL)
-    data[:full].copy_(w[:full * PANEL].reshape(full, PANEL, k).transpose(1, 2))
+        out = torch.empty(count * k * width, dtype=w.dtype, device=w.device)
+    data = out.view(count, k, width)
+    data[:full].copy_(w[:full * width].reshape(full, width, k).transpose(1, 2))
     if full < count:  # the last panel, zero-padded past n
         data[full].zero_()
-        data[full, :, :n - full * PANEL].copy_(w[full * PANEL:].T)
+        data[full, :, :n - full * width].copy_(w[full * width:].T)
     return Panels(data, n)

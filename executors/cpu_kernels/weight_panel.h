@@ -19,18 +19,10 @@
  * depend on its batch mates, and matches the 16-column panels' bit for bit. The tiles'
  * outputs come out as columns of rows; an in-register 8 x 8 transpose turns them into rows
  * of six for the store, the bias and the residual.
- *
- * int8 weights (the same panels, a byte a weight, and a float32 scale per QGROUP inputs of
- * each column, llama.cpp's Q8_0 grouping; qpanels.py): each weight becomes the float
- * (float)q * scale as it is loaded, so every path computes exactly what the float32 panels
- * of those dequantized weights would, bit for bit. The dot products convert in registers (a
- * decode row streams a quarter of the bytes); the tiles dequantize one or two panels into a
- * thread's scratch first, which many rows then read from the L1/L2.
  */
 #ifndef MODELEXEC_WEIGHT_PANEL_H
 #define MODELEXEC_WEIGHT_PANEL_H
 
-#include <omp.h>
 #include <string.h>
 
 #include "simd.h"
@@ -40,45 +32,6 @@
 #define DOT_ROWS 6         /* steps of up to this many rows read x in place, with no packing */
 #define DOT_WIDE_ROWS 4    /* ... three weight panels at a time up to this many, two past it */
 #define X_CHUNK_FLOATS (96 * 1024)  /* packed rows of x the threads share per chunk: 384 KiB, in the L2 */
-#define QGROUP 32          /* inputs (k) that share an int8 weight's scale */
-/* The int8 loads read a whole vector: 2 bytes past an int8 matrix's last panel and 2 floats
- * past its scales' last group (their lanes are discarded), so both buffers end with slack. */
-#define Q8_SLACK_BYTES 8
-#define Q8_SLACK_FLOATS 8
-
-/* An int8 weight: panels [ceil(n / 6), k, 6] of bytes, scales [ceil(n / 6), ceil(k / QGROUP), 6]. */
-typedef struct {
-    const int8_t *q;
-    const float *scales;
-} q8_weight;
-
-/* Eight bytes at p (six of a panel's k-step, two of the next) as floats times scale: lanes
- * 0..5 are that k-step's dequantized weights, exactly (float)q * scale. */
-static inline __m256 q8_load(const int8_t *p, __m256 scale) {
-    int64_t eight;
-    memcpy(&eight, p, sizeof eight);
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(eight))), scale);
-}
-
-/* Floats of scratch per thread that the int8 tiles need for inner dimension k (two panels). */
-static inline int64_t q8_scratch_floats(int64_t k) { return 2 * k * WPANEL + Q8_SLACK_FLOATS; }
-
-/* Panels [p, p + count) of an int8 weight as float32 panels into out (count * k * 6 floats,
- * plus 2 of slack). */
-static inline void q8_dequantize(q8_weight w, int64_t k, int64_t p, int64_t count, float *out) {
-    const int64_t groups = (k + QGROUP - 1) / QGROUP;
-    for (int64_t i = 0; i < count; i++) {
-        const int8_t *q = w.q + (p + i) * k * WPANEL;
-        const float *scales = w.scales + (p + i) * groups * WPANEL;
-        float *o = out + i * k * WPANEL;
-        for (int64_t g = 0; g < groups; g++) {
-            const __m256 s = _mm256_loadu_ps(scales + g * WPANEL);
-            const int64_t end = (g + 1) * QGROUP < k ? (g + 1) * QGROUP : k;
-            /* eight lanes a step, six of them this k-step's: the next step overwrites the two */
-            for (int64_t c = g * QGROUP; c < end; c++) _mm256_storeu_ps(o + c * WPANEL, q8_load(q + c * WPANEL, s));
-        }
-    }
-}
 
 /* Rows of x packed per chunk for inner dimension k: a multiple of 2 x panels, at least one tile. */
 static inline int64_t wpanel_chunk_rows(int64_t m, int64_t k) {
@@ -228,17 +181,15 @@ static inline __attribute__((always_inline)) void weight_tile(const float *wa, c
                       residual ? residual + WPANEL : NULL, ldr, y + WPANEL, ldy);
 }
 
-/* Up to three weight panels (np, at w, w + k 6, w + 2 k 6; or of the int8 weight qw, where
- * quant) against mr rows of x (1..6, read in place, rows ldx apart): per k, one load of each
- * panel's six weights (eight lanes, two ignored) and a broadcast of each row's x, each output
- * one FMA chain over k as in the tiles; the accumulators are named registers (an array of
- * them spills). The float32 path's last k-step loads six lanes only, so that no read passes
- * the weights' end; the int8 path reads into the buffers' slack instead. */
-static inline __attribute__((always_inline)) void weight_dot(const float *w, q8_weight qw, const int quant,
-                                                             const int np, const float *x, int64_t ldx,
-                                                             const int mr, int64_t k, int cols, const float *bias,
-                                                             const float *residual, int64_t ldr, float *y,
-                                                             int64_t ldy) {
+/* Up to three weight panels (np, at w, w + k 6, w + 2 k 6) against mr rows of x (1..6, read
+ * in place, rows ldx apart): per k, one load of each panel's six floats (eight lanes, two
+ * ignored) and a broadcast of each row's x, each output one FMA chain over k as in the
+ * tiles; the accumulators are named registers (an array of them spills). The last k-step
+ * loads six lanes only, so that no read passes the weights' end. */
+static inline __attribute__((always_inline)) void weight_dot(const float *w, const int np, const float *x,
+                                                             int64_t ldx, const int mr, int64_t k, int cols,
+                                                             const float *bias, const float *residual,
+                                                             int64_t ldr, float *y, int64_t ldy) {
     const int64_t stride = k * WPANEL;
     const __m256 z = _mm256_setzero_ps();
     __m256 c00 = z, c01 = z, c02 = z, c10 = z, c11 = z, c12 = z, c20 = z, c21 = z, c22 = z, c30 = z, c31 = z,
@@ -251,28 +202,17 @@ static inline __attribute__((always_inline)) void weight_dot(const float *w, q8_
         if (np > 1) c##i##1 = _mm256_fmadd_ps(w1, s, c##i##1);         \
         if (np > 2) c##i##2 = _mm256_fmadd_ps(w2, s, c##i##2);         \
     }
-#define DOT_STEP(step, LOAD)                                                                    \
-    {                                                                                           \
-        const __m256 w0 = LOAD(0, step), w1 = np > 1 ? LOAD(1, step) : z, w2 = np > 2 ? LOAD(2, step) : z; \
+#define DOT_STEP(step, LOAD)                                                           \
+    {                                                                                  \
+        const float *at = w + (step) * WPANEL;                                         \
+        const __m256 w0 = LOAD(at), w1 = np > 1 ? LOAD(at + stride) : z,               \
+                     w2 = np > 2 ? LOAD(at + 2 * stride) : z;                          \
         DOT_ROW(0, step) DOT_ROW(1, step) DOT_ROW(2, step) DOT_ROW(3, step) DOT_ROW(4, step) DOT_ROW(5, step) \
     }
-#define LOAD8(i, step) _mm256_loadu_ps(w + (i) * stride + (step) * WPANEL)
-#define LOAD6(i, step) _mm256_maskload_ps(w + (i) * stride + (step) * WPANEL, six)
-#define LOADQ(i, step) q8_load(qw.q + (i) * stride + (step) * WPANEL, s##i)
-    if (quant) {
-        const int64_t groups = (k + QGROUP - 1) / QGROUP;
-        for (int64_t g = 0; g < groups; g++) {
-            const float *at = qw.scales + g * WPANEL;
-            const __m256 s0 = _mm256_loadu_ps(at), s1 = np > 1 ? _mm256_loadu_ps(at + groups * WPANEL) : z,
-                         s2 = np > 2 ? _mm256_loadu_ps(at + 2 * groups * WPANEL) : z;
-            const int64_t end = (g + 1) * QGROUP < k ? (g + 1) * QGROUP : k;
-            for (int64_t c = g * QGROUP; c < end; c++) DOT_STEP(c, LOADQ)
-        }
-    } else {
-        for (int64_t c = 0; c + 1 < k; c++) DOT_STEP(c, LOAD8)
-        DOT_STEP(k - 1, LOAD6)
-    }
-#undef LOADQ
+#define LOAD8(at) _mm256_loadu_ps(at)
+#define LOAD6(at) _mm256_maskload_ps(at, six)
+    for (int64_t c = 0; c + 1 < k; c++) DOT_STEP(c, LOAD8)
+    DOT_STEP(k - 1, LOAD6)
 #undef LOAD6
 #undef LOAD8
 #undef DOT_STEP
@@ -292,42 +232,32 @@ static inline __attribute__((always_inline)) void weight_dot(const float *w, q8_
     }
 }
 
-/* Weight panels a dot call takes for mr rows: as many as the sixteen registers hold (int8
- * weights keep a scale per panel in a register too). */
-static inline int64_t dot_group(int64_t mr, int quant) {
-    return mr <= (quant ? 2 : DOT_WIDE_ROWS) ? 3 : 2;
-}
+/* Weight panels a dot call takes for mr rows: as many as the sixteen registers hold. */
+static inline int64_t dot_group(int64_t mr) { return mr <= DOT_WIDE_ROWS ? 3 : 2; }
 
-/* Group g of dot_group(mr) weight panels (float32 panels, or qw where quant) against the mr
- * (<= DOT_ROWS) rows of x. */
-static inline void weight_dot_group(const float *x, int64_t ldx, int64_t mr, const float *panels, q8_weight qw,
-                                    const int quant, int64_t n, int64_t k, const float *bias, const float *residual,
-                                    int64_t ldr, float *y, int64_t ldy, int64_t g) {
-    const int64_t group = dot_group(mr, quant), col = g * group * WPANEL;
-    const int64_t count = (n + WPANEL - 1) / WPANEL - g * group;
+/* Group g of dot_group(mr) weight panels against the mr (<= DOT_ROWS) rows of x. */
+static inline void weight_dot_group(const float *x, int64_t ldx, int64_t mr, const float *panels, int64_t n,
+                                    int64_t k, const float *bias, const float *residual, int64_t ldr, float *y,
+                                    int64_t ldy, int64_t g) {
+    const int64_t group = dot_group(mr), col = g * group * WPANEL, count = (n + WPANEL - 1) / WPANEL - g * group;
     const int np = count < group ? (int)count : (int)group;
     const int cols = (int)(n - col < group * WPANEL ? n - col : group * WPANEL);
-    const int64_t first = g * group;
-    const float *w = quant ? NULL : panels + first * k * WPANEL, *b = bias ? bias + col : NULL;
-    const q8_weight q = {quant ? qw.q + first * k * WPANEL : NULL,
-                         quant ? qw.scales + first * ((k + QGROUP - 1) / QGROUP) * WPANEL : NULL};
+    const float *w = panels + g * group * k * WPANEL, *b = bias ? bias + col : NULL;
     const float *r = residual ? residual + col : NULL;
-#define DOT_CALL(rows, quantized)                                                                     \
-    if (np == 3) weight_dot(w, q, quantized, 3, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);          \
-    else if (np == 2) weight_dot(w, q, quantized, 2, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);     \
-    else weight_dot(w, q, quantized, 1, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);
-#define DOT_CASE(rows)                                  \
-    case rows:                                          \
-        if (quant) { DOT_CALL(rows, 1) } else { DOT_CALL(rows, 0) } \
+#define DOT_CASE(rows)                                                                         \
+    case rows:                                                                                 \
+        if (np == 3) weight_dot(w, 3, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);        \
+        else if (np == 2) weight_dot(w, 2, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);   \
+        else weight_dot(w, 1, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);                \
         break;
     switch (mr) { DOT_CASE(6) DOT_CASE(5) DOT_CASE(4) DOT_CASE(3) DOT_CASE(2) default: DOT_CASE(1) }
 #undef DOT_CASE
-#undef DOT_CALL
 }
 
-/* A packed chunk of `rows` rows against the weight panel at w (output columns col.. of y)
- * and the one after it where rows <= 8 (one x panel: 8 x 12 tiles, 8 x 6 for a last odd
- * panel), or against that panel alone where more (16-row tiles, an 8-row one to end). */
+/* A packed chunk of `rows` rows against the weight panel at w, output columns col.. of y
+ * (up to n), and the panel after it where rows <= 8 (one x panel: 8 x 12 tiles, 8 x 6 for a
+ * last odd panel), or against that panel alone where more (16-row tiles, an 8-row one to
+ * end). The int8 tiles (weight_q8.h) pass panels they dequantized. */
 static inline void weight_panel_rows(const float *xp, int64_t rows, const float *w, int64_t col, int64_t n,
                                      int64_t k, const float *bias, const float *residual, int64_t ldr, float *y,
                                      int64_t ldy) {
@@ -350,38 +280,28 @@ static inline void weight_panel_rows(const float *xp, int64_t rows, const float 
     }
 }
 
-/* y[:m, :n] = x @ w^T (+ bias) (+ residual) over the calling team, w as float32 panels, or
- * where panels is NULL the int8 weight qw. Up to DOT_ROWS rows read x in place; more are
- * packed chunk by chunk into xp (wpanel_x_floats(m, k) floats, shared by the team), and the
- * int8 panels dequantized into wq (q8_scratch_floats(k) floats for each thread of the team,
- * by thread number; unused for float32 panels). Ends with a barrier: the caller may read y
- * and reuse xp at once. */
-static inline void weight_linear_team(const float *x, int64_t m, int64_t ldx, const float *panels, q8_weight qw,
-                                      int64_t n, int64_t k, const float *bias, const float *residual, int64_t ldr,
-                                      float *y, int64_t ldy, float *xp, float *wq) {
+/* y[:m, :n] = x @ w^T (+ bias) (+ residual) over the calling team. Up to DOT_ROWS rows read
+ * x in place; more are packed chunk by chunk into xp (wpanel_x_floats(m, k) floats, shared
+ * by the team). Ends with a barrier: the caller may read y and reuse xp at once. */
+static inline void weight_linear_team(const float *x, int64_t m, int64_t ldx, const float *panels, int64_t n,
+                                      int64_t k, const float *bias, const float *residual, int64_t ldr, float *y,
+                                      int64_t ldy, float *xp) {
     const int64_t count = (n + WPANEL - 1) / WPANEL;
-    const int quant = panels == NULL;
     if (m <= 0 || k <= 0) return;  /* the whole team returns (the caller handles k = 0) */
     if (m <= DOT_ROWS) {
-        const int64_t group = dot_group(m, quant);
         #pragma omp for schedule(static)
-        for (int64_t g = 0; g < (count + group - 1) / group; g++)
-            weight_dot_group(x, ldx, m, panels, qw, quant, n, k, bias, residual, ldr, y, ldy, g);
+        for (int64_t g = 0; g < (count + dot_group(m) - 1) / dot_group(m); g++)
+            weight_dot_group(x, ldx, m, panels, n, k, bias, residual, ldr, y, ldy, g);
         return;
     }
-    float *mine = quant ? wq + omp_get_thread_num() * q8_scratch_floats(k) : NULL;
     const int64_t chunk = wpanel_chunk_rows(m, k);
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
         const int64_t rows = m - m0 < chunk ? m - m0 : chunk, step = rows <= XPANEL ? 2 : 1;
         pack_x_team(x + m0 * ldx, rows, ldx, k, xp);
         const float *r = residual ? residual + m0 * ldr : NULL;
         #pragma omp for schedule(static)
-        for (int64_t p = 0; p < count; p += step) {
-            /* a chunk of rows past DOT_ROWS re-reads each weight: int8 panels dequantized once */
-            if (quant) q8_dequantize(qw, k, p, count - p < step ? count - p : step, mine);
-            const float *w = quant ? mine : panels + p * k * WPANEL;
-            weight_panel_rows(xp, rows, w, p * WPANEL, n, k, bias, r, ldr, y + m0 * ldy, ldy);
-        }
+        for (int64_t p = 0; p < count; p += step)
+            weight_panel_rows(xp, rows, panels + p * k * WPANEL, p * WPANEL, n, k, bias, r, ldr, y + m0 * ldy, ldy);
     }
 }
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executors.cpu_kernels.panels import PANEL, Panels, pack, panels_numel
-from executors.cpu_kernels.qpanels import SLACK_BYTES, SLACK_FLOATS, QPanels, qpanels_numel, quantize
+from executors.cpu_kernels.qpanels import Q8PANEL, QPanels, qpanels_numel, quantize
 from kvcache import host_memory
 
 if TYPE_CHECKING:
@@ -114,16 +114,16 @@ def _replace(owner: nn.Module, names: list[str], panels: Panels | QPanels) -> Pa
 
 class _Arena:
     """One allocation on huge pages (kvcache.host_memory) that the packed weights are cut
-    from in turn (two where int8: the bytes and the scales, each with the kernels' slack at
-    its end): a step streams them all, and 2 MiB pages stream faster than 4 KiB ones. Its
-    pages are taken as each weight is packed, not before."""
+    from in turn (two where int8: the bytes and the scales): a step streams them all, and
+    2 MiB pages stream faster than 4 KiB ones. Its pages are taken as each weight is packed,
+    not before."""
 
     def __init__(self, shapes: list[tuple[int, int]], quantized: bool) -> None:
         self.quantized = quantized
         if quantized:
             sizes = [qpanels_numel(n, k) for n, k in shapes]
-            self.data = host_memory.zeros(sum(b for b, _ in sizes) + SLACK_BYTES, dtype=torch.int8, claim=False)
-            self.scales = host_memory.zeros(sum(f for _, f in sizes) + SLACK_FLOATS, claim=False)
+            self.data = host_memory.zeros(sum(b for b, _ in sizes), dtype=torch.int8, claim=False)
+            self.scales = host_memory.zeros(sum(f for _, f in sizes), claim=False)
         else:
             self.data = host_memory.zeros(sum(panels_numel(n, k) for n, k in shapes), claim=False)
         self.used = self.scales_used = 0
@@ -145,7 +145,8 @@ def pack_model(model: DecoderLM, quantized: bool = False) -> None:
     `quantized`), one layer at a time (the peak is one layer's weights above the model), the
     modules as PanelLinear."""
     c = model.config
-    tied_view = c.tie_word_embeddings and (model.head_rows is None or model.head_rows[0] % PANEL == 0)
+    width = Q8PANEL if quantized else PANEL  # a panel view of the tied embedding starts at a panel
+    tied_view = c.tie_word_embeddings and (model.head_rows is None or model.head_rows[0] % width == 0)
     head = (model.model.embed_tokens.weight if tied_view else
             model.lm_head.weight if not c.tie_word_embeddings else model.head_weight())
     arena = _Arena([tuple(t.shape) for w in model.fused for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]

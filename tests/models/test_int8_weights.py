@@ -2,7 +2,8 @@
 
 The int8 kernels turn each weight into (float)q * scale as they load it and must then compute
 exactly what the float32 kernels compute over the panels of those dequantized weights, on
-every path (the dot products of up to 6 rows, the dequantized tiles past that), bit for bit.
+every path (the dot products of up to 6 rows, with AVX2 and with AVX-512 where the CPU has
+it, and the dequantized tiles past that), bit for bit.
 A served model must match transformers loaded with the same dequantized weights within 1e-4
 (float32), through a real server and the real client, and the int8 fast path must match the
 reference forward over the same weights.
@@ -18,8 +19,8 @@ import torch
 
 from client import DecodeInput, ExecutorClient, PrefillInput
 from executors.cpu_kernels import cpu_kernels
-from executors.cpu_kernels.panels import PANEL
-from executors.cpu_kernels.qpanels import QGROUP, QPanels, quantize, quantize_rows
+from executors.cpu_kernels.panels import pack
+from executors.cpu_kernels.qpanels import Q8PANEL, QGROUP, QPanels, quantize, quantize_rows
 from executors.llm import LlmExecutor, LlmExecutorConfig
 from executors.models import fused_decode
 from executors.types import DecodeInput as Decode
@@ -52,43 +53,56 @@ def test_quantize_gives_a_q8_0_checkpoint_back_exactly():
 def test_quantize_error_is_half_a_step_and_non_finite_weights_are_refused():
     w = torch.randn(17, 70) * torch.logspace(-3, 1, 70)  # groups of very different ranges, k not a multiple of 32
     p = quantize(w)
-    assert p.data.dtype == torch.int8 and p.data.shape == (3, 70, PANEL) and p.scales.shape == (3, 3, PANEL)
+    assert p.data.dtype == torch.int8 and p.data.shape == (2, 70, Q8PANEL) and p.scales.shape == (2, 3, Q8PANEL)
     step = p.scales.transpose(1, 2).reshape(-1, 3)[:17].repeat_interleave(QGROUP, dim=1)[:, :70]
     assert ((p.unpack() - w).abs() <= step / 2 * (1 + 1e-6)).all()
     assert torch.equal(p.embedding(torch.tensor([16, 0, 5, 6])), p.unpack()[[16, 0, 5, 6]])
-    assert torch.equal(p.rows(6, 17).unpack(), p.unpack()[6:])
+    assert torch.equal(p.rows(16, 17).unpack(), p.unpack()[16:])
+    assert torch.equal(p.unpack(3, 12), p.unpack()[3:12])
     with pytest.raises(ValueError, match="finite"):
         quantize(torch.tensor([[1.0, float("nan")]]))
 
 
-@needs_kernels
-@pytest.mark.parametrize("n, k", [(13, 50), (49, 576), (7, 33), (1, 1)])
-def test_int8_kernels_compute_exactly_the_float32_kernels_over_the_dequantized_weights(n, k):
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request):
+    """The int8 dot products' instructions; AVX-512 where this CPU has it."""
+    if kernels is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    if request.param == "avx512" and kernels.int8_isa(True) != "avx512":
+        pytest.skip("this CPU has no AVX-512")
+    assert kernels.int8_isa(request.param == "avx512") == request.param
+    yield request.param
+    kernels.int8_isa(True)  # back to the CPU's best
+
+
+@pytest.mark.parametrize("n, k", [(13, 50), (49, 576), (40, 33), (1, 1), (112, 96)])
+def test_int8_kernels_compute_exactly_the_float32_kernels_over_the_dequantized_weights(n, k, isa):
     torch.manual_seed(n * k)
     w = quantize(torch.randn(n, k))
     dense = w.dequantized()
     bias = torch.randn(n)
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33, 64, 130):  # dot products to 6 rows, tiles past
         x, residual = torch.randn(m, k), torch.randn(m, n)
-        got = kernels.linear(x, w, bias, residual)
-        assert torch.equal(got, kernels.linear(x, dense, bias, residual)), m
-        torch.testing.assert_close(got, x @ w.unpack().T + bias + residual, atol=1e-4, rtol=1e-5)
-    view = w.rows(PANEL, n) if n > PANEL else w
+        for b, r in ((bias, residual), (None, None)):
+            got = kernels.linear(x, w, b, r)
+            assert torch.equal(got, kernels.linear(x, dense, b, r)), (m, b is None)
+        torch.testing.assert_close(got, x @ w.unpack().T, atol=1e-4, rtol=1e-5)
+    view = w.rows(Q8PANEL, n) if n > Q8PANEL else w
     x = torch.randn(3, k)
-    assert torch.equal(kernels.linear(x, view), kernels.linear(x, dense.rows(n - view.n, n)))
+    assert torch.equal(kernels.linear(x, view), kernels.linear(x, pack(w.unpack()[n - view.n:])))
 
 
 @needs_kernels
-def test_int8_kernels_refuse_weights_they_would_read_past():
+def test_int8_kernels_refuse_weights_not_laid_out_as_they_read_them():
     w = quantize(torch.randn(12, 64))
     x = torch.randn(2, 64)
-    tight = QPanels(w.data.clone(), w.scales, w.n)  # no slack after the bytes
-    with pytest.raises(ValueError, match="room after them"):
-        kernels.linear(x, tight)
     with pytest.raises(ValueError, match="w.scales"):
         kernels.linear(x, QPanels(w.data, w.scales[:, :1], w.n))
     with pytest.raises(TypeError, match="w.data"):
         kernels.linear(x, QPanels(w.data.to(torch.uint8), w.scales, w.n))
+    six = pack(torch.zeros(12, 64, dtype=torch.int8)).data  # the float32 kernels' 6-column layout
+    with pytest.raises(ValueError, match="panels of 16 columns"):
+        kernels.linear(x, QPanels(six, w.scales, w.n))
 
 
 class Pair:
@@ -112,10 +126,9 @@ class Pair:
         self.loop.close()
 
 
-@needs_kernels
 @pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "op-by-op"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_int8_fast_path_matches_the_reference_over_the_same_weights(family, one_call, monkeypatch):
+def test_int8_fast_path_matches_the_reference_over_the_same_weights(family, one_call, isa, monkeypatch):
     monkeypatch.setattr(fused_decode, "FUSED_DECODE", one_call)
     p = Pair(family)
     try:
