@@ -30,10 +30,10 @@ from bench.common import ARGMAX, MODEL_DIR, PROMPT_LEN, executor, machine, promp
 from executors.types import DecodeInput, DType, ForwardKind, LogitsPolicy, PrefillInput
 
 PASSAGES = (
-    "The river rose overnight, and by morning the low fields were a single sheet of brown water. "
-    "Farmers stood at the edge of the road and counted what they had lost.",
-    "To compute the area of a circle, square its radius and multiply the result by pi. A circle of "
-    "radius three has an area of about twenty-eight square units.",
+    ("The river rose overnight, and by morning the low fields were a single sheet of brown water. "
+     "Farmers stood at the edge of the road and counted what they had lost."),
+    ("To compute the area of a circle, square its radius and multiply the result by pi. A circle of "
+     "radius three has an area of about twenty-eight square units."),
     "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
     "Paris is the capital of France. Berlin is the capital of Germany. Madrid is the capital of Spain.",
 )

@@ -124,6 +124,7 @@ def test_the_peers_part_reports_each_target_or_how_to_install_it():
     ]
     text = "\n".join(peers.table_lines(quantized))
     assert "decode batch 1, int8 weights: 1.75x llama.cpp Q8_0's step  [target <= 1.3x: SHORT]" in text
+    assert "decode batch 1, int8 weights, on a StepSession stream: 1.69x  [target <= 1.3x: SHORT]" in text
     assert "1.25x llama.cpp F32's step" in text  # the float32 ratios still compare ours fp32
 
 

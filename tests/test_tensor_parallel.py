@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2
 
 from bench.service_process import launch, session_members, stop, wait_ready, wait_session_gone
 from client import DecodeInput, ExecutorClient, ExecutorError, LogitsPolicy, PrefillInput, UnifiedBatchItem
+from executors.cpu_kernels import cpu_kernels
 from executors.llm import LlmExecutor, LlmExecutorConfig
 from service.config import ServeConfig
 from tests.conftest import start_server
@@ -68,10 +69,11 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return dirs
 
 
-def single(model_dir: Path):
+def single(model_dir: Path, quantization: str = "none"):
     """The single-process server the two ranks must match."""
-    executor = LlmExecutor(LlmExecutorConfig(model_dir=str(model_dir), block_size=BLOCK, num_blocks=128))
-    return start_server(ServeConfig(port=0, model=str(model_dir)), executor)
+    executor = LlmExecutor(LlmExecutorConfig(model_dir=str(model_dir), block_size=BLOCK, num_blocks=128,
+                                             quantization=quantization))
+    return start_server(ServeConfig(port=0, model=str(model_dir), quantization=quantization), executor)
 
 
 def scenario(c: ExecutorClient) -> dict:
@@ -182,6 +184,26 @@ def test_two_ranks_answer_every_rpc_as_one_process(name, models, references):
             ranks = c.status().ranks
             assert [r.rank for r in ranks] == [0, 1] and all(r.parameter_bytes > 0 and r.kv_pool_bytes > 0
                                                                for r in ranks)
+    finally:
+        stop_and_check(server)
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="int8 weights run on the CPU kernels, which cannot be built here")
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_two_ranks_with_int8_weights_answer_as_one_int8_process(name, models):
+    """Each rank quantizes its shard: the groups of 32 inputs are the whole model's where a
+    shard's inputs start at a multiple of 32 (here), so the ranks serve the same weights."""
+    running = single(models[name], "int8")
+    try:
+        with ExecutorClient(running.address, timeout=60) as c:
+            reference = scenario(c)
+    finally:
+        running.stop()
+    server = serve_tp(models[name], "--quantization", "int8")
+    try:
+        with ExecutorClient(server.address, timeout=60) as c:
+            assert c.info().metadata["weight_quantization"].string_value == "int8"
+            same(scenario(c), reference)
     finally:
         stop_and_check(server)
 
@@ -330,6 +352,11 @@ def test_start_up_refusals(models):
     assert server.proc.wait(120) != 0
     assert "a world of 2 processes (from torchrun), but --tensor-parallel-size is 3" in server.output()
     stop_and_check(server)
+    if cpu_kernels() is not None:  # int8 groups a shard would cut: mqa's 96 MLP inputs split in two
+        server = launch("tcp", ["--model", str(models["mqa"]), "--tensor-parallel-size", "2", "--quantization", "int8"])
+        assert server.proc.wait(120) != 0
+        assert "each rank's MLP down inputs to be a multiple of 32; this split gives each rank 48" in server.output()
+        stop_and_check(server)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2

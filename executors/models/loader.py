@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from executors.cpu_kernels.qpanels import QGROUP
 from executors.models.config import DecoderConfig, UnsupportedModel
 from executors.models.decoder import DecoderLM
 
@@ -75,6 +76,15 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     model_dir = Path(model_dir)
     config = DecoderConfig.from_dir(model_dir)
     plan = shard(config) if shard is not None else None
+    if plan is not None and quantize_weights:
+        # A rank's row-parallel matmuls (o, down) take a slice of the inputs: int8 groups of
+        # 32 inputs match the whole model's only where every slice starts at a multiple of 32.
+        local = plan.local_config()
+        for name, inputs in (("attention output", local.num_heads * local.head_dim),
+                             ("MLP down", local.intermediate_size)):
+            if inputs % QGROUP:
+                raise UnsupportedModel(f"int8 weights under tensor parallelism need each rank's {name} inputs to be a "
+                                       f"multiple of {QGROUP}; this split gives each rank {inputs}")
     with torch.device("meta"):
         model = DecoderLM(config) if plan is None else DecoderLM(plan.local_config(), plan.head_rows)
         full = model if plan is None else DecoderLM(config)

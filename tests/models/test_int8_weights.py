@@ -27,7 +27,8 @@ from executors.types import DecodeInput as Decode
 from executors.types import PrefillInput as Prefill
 from service.config import ServeConfig, parse_args
 from tests.conftest import start_server
-from tests.models.test_cpu_paths import BLOCK, VOCAB as TINY_VOCAB, tiny_model
+from tests.models.test_cpu_paths import BLOCK, tiny_model
+from tests.models.test_cpu_paths import VOCAB as TINY_VOCAB
 from tests.models.tiny_models import VOCAB, build
 
 TOL = 1e-4
@@ -133,7 +134,7 @@ def test_int8_fast_path_matches_the_reference_over_the_same_weights(family, one_
     p = Pair(family)
     try:
         assert p.fast.model.fused_decode is not None
-        tokens = lambda n: rng.integers(0, TINY_VOCAB, size=n).tolist()  # noqa: E731
+        tokens = lambda n: rng.integers(0, TINY_VOCAB, size=n).tolist()
         outs = p.both("batch_prefill", [Prefill(input_ids=tokens(n)) for n in (1, 5, 9, 9, 16, 23, 3, 40)])
         for a, b in zip(*outs):
             np.testing.assert_allclose(a.logits.logits.array, b.logits.logits.array, atol=TOL, rtol=0)
@@ -213,6 +214,7 @@ def test_int8_weights_take_about_a_quarter_of_the_memory(served):
     (["--quantization", "int8", "--device", "cuda"], "--device cpu"),
     (["--quantization", "int8", "--no-cpu-kernels"], "CPU kernels"),
     (["--quantization", "int4"], "invalid choice"),
+    (["--executor", "paged", "--quantization", "int8"], "--quantization is a flag of --executor llm"),
 ])
 def test_int8_is_refused_where_it_cannot_run(flags, words, capsys):
     with pytest.raises((ValueError, SystemExit)) as raised:
