@@ -131,21 +131,25 @@ static inline Q8_AVX512 void store_row16(__m512 v, int cols, const float *bias, 
     _mm512_mask_storeu_ps(out, mask, v);
 }
 
-/* q8_dot with AVX-512: np (1..3) panels, one 16-lane vector each, accumulators c<row><panel>. */
+/* q8_dot with AVX-512 for up to Q8_ROWS512 rows: np (1..3) panels, one 16-lane vector each,
+ * against mr rows of x read in place, accumulators a<row>_<panel> (32 zmm registers hold
+ * 3 panels x 4 rows, 2 x 8 or 1 x 16, with the weights, their scales and a broadcast). Past
+ * DOT_ROWS rows this is what the AVX2 path packs and tiles for: here the weights convert in
+ * registers for every 16 rows, with no scratch. */
+#define Q8_ROWS512 16
 static inline Q8_AVX512 __attribute__((always_inline)) void q8_dot512(q8_weight w, const int np, const float *x,
                                                                       int64_t ldx, const int mr, int64_t k, int cols,
                                                                       const float *bias, const float *residual,
                                                                       int64_t ldr, float *y, int64_t ldy) {
     const int64_t stride = k * Q8PANEL, groups = q8_groups(k), sstride = groups * Q8PANEL;
     const __m512 z = _mm512_setzero_ps();
-    __m512 c00 = z, c01 = z, c02 = z, c10 = z, c11 = z, c12 = z, c20 = z, c21 = z, c22 = z, c30 = z, c31 = z,
-           c32 = z, c40 = z, c41 = z, c42 = z, c50 = z, c51 = z, c52 = z;
+    __m512 a0_0 = z, a0_1 = z, a0_2 = z, a1_0 = z, a1_1 = z, a1_2 = z, a2_0 = z, a2_1 = z, a2_2 = z, a3_0 = z, a3_1 = z, a3_2 = z, a4_0 = z, a4_1 = z, a4_2 = z, a5_0 = z, a5_1 = z, a5_2 = z, a6_0 = z, a6_1 = z, a6_2 = z, a7_0 = z, a7_1 = z, a7_2 = z, a8_0 = z, a8_1 = z, a8_2 = z, a9_0 = z, a9_1 = z, a9_2 = z, a10_0 = z, a10_1 = z, a10_2 = z, a11_0 = z, a11_1 = z, a11_2 = z, a12_0 = z, a12_1 = z, a12_2 = z, a13_0 = z, a13_1 = z, a13_2 = z, a14_0 = z, a14_1 = z, a14_2 = z, a15_0 = z, a15_1 = z, a15_2 = z;
 #define Q8_ROW(i, step)                                                         \
     if (mr > i) {                                                              \
         const __m512 s = _mm512_set1_ps(x[i * ldx + (step)]);                  \
-        c##i##0 = _mm512_fmadd_ps(w0, s, c##i##0);                             \
-        if (np > 1) c##i##1 = _mm512_fmadd_ps(w1, s, c##i##1);                 \
-        if (np > 2) c##i##2 = _mm512_fmadd_ps(w2, s, c##i##2);                 \
+        a##i##_0 = _mm512_fmadd_ps(w0, s, a##i##_0);                           \
+        if (np > 1) a##i##_1 = _mm512_fmadd_ps(w1, s, a##i##_1);               \
+        if (np > 2) a##i##_2 = _mm512_fmadd_ps(w2, s, a##i##_2);               \
     }
     for (int64_t g = 0; g < groups; g++) {
         const float *sg = w.scales + g * Q8PANEL;
@@ -156,7 +160,9 @@ static inline Q8_AVX512 __attribute__((always_inline)) void q8_dot512(q8_weight 
             const int8_t *at = w.q + c * Q8PANEL;
             const __m512 w0 = q8_load16(at, s0), w1 = np > 1 ? q8_load16(at + stride, s1) : z,
                          w2 = np > 2 ? q8_load16(at + 2 * stride, s2) : z;
-            Q8_ROW(0, c) Q8_ROW(1, c) Q8_ROW(2, c) Q8_ROW(3, c) Q8_ROW(4, c) Q8_ROW(5, c)
+            Q8_ROW(0, c) Q8_ROW(1, c) Q8_ROW(2, c) Q8_ROW(3, c) Q8_ROW(4, c) Q8_ROW(5, c) Q8_ROW(6, c) Q8_ROW(7, c)
+            Q8_ROW(8, c) Q8_ROW(9, c) Q8_ROW(10, c) Q8_ROW(11, c) Q8_ROW(12, c) Q8_ROW(13, c) Q8_ROW(14, c)
+            Q8_ROW(15, c)
         }
     }
 #undef Q8_ROW
@@ -166,56 +172,71 @@ static inline Q8_AVX512 __attribute__((always_inline)) void q8_dot512(q8_weight 
         const float *b = bias ? bias + p * Q8PANEL : NULL;
 #define Q8_OUT(i)                                                                                         \
     if (mr > i)                                                                                           \
-        store_row16(p == 0 ? c##i##0 : p == 1 ? c##i##1 : c##i##2, valid, b,                             \
+        store_row16(p == 0 ? a##i##_0 : p == 1 ? a##i##_1 : a##i##_2, valid, b,                          \
                     residual ? residual + i * ldr + p * Q8PANEL : NULL, y + i * ldy + p * Q8PANEL);
-        Q8_OUT(0) Q8_OUT(1) Q8_OUT(2) Q8_OUT(3) Q8_OUT(4) Q8_OUT(5)
+        Q8_OUT(0) Q8_OUT(1) Q8_OUT(2) Q8_OUT(3) Q8_OUT(4) Q8_OUT(5) Q8_OUT(6) Q8_OUT(7) Q8_OUT(8) Q8_OUT(9)
+        Q8_OUT(10) Q8_OUT(11) Q8_OUT(12) Q8_OUT(13) Q8_OUT(14) Q8_OUT(15)
 #undef Q8_OUT
     }
 }
 
 /* Panels a dot call takes for mr rows: as many as the registers hold (16 ymm, 32 zmm). */
-static inline int64_t q8_dot_group(int64_t mr, int avx512) { return avx512 ? (mr <= 4 ? 3 : 2) : (mr <= 2 ? 2 : 1); }
+static inline int64_t q8_dot_group(int64_t mr, int avx512) {
+    return avx512 ? (mr <= 4 ? 3 : mr <= 8 ? 2 : 1) : (mr <= 2 ? 2 : 1);
+}
 
-/* Group g of q8_dot_group(mr) panels against the mr (<= DOT_ROWS) rows of x; one copy a row
- * count and panel count, the AVX-512 ones in a function of that target. */
-#define Q8_CALLS(DOT)                                                                                          \
-    switch (mr) {                                                                                              \
-    Q8_CASE(DOT, 6) Q8_CASE(DOT, 5) Q8_CASE(DOT, 4) Q8_CASE(DOT, 3) Q8_CASE(DOT, 2) default: Q8_CASE(DOT, 1) \
-    }
-#define Q8_CASE(DOT, rows)                                                                   \
-    case rows:                                                                               \
-        if (np == 3) DOT(q, 3, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);              \
-        else if (np == 2) DOT(q, 2, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);         \
-        else DOT(q, 1, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);                      \
-        break;
-#define Q8_GROUP_PROLOGUE                                                                                 \
+/* Group g of q8_dot_group(mr) panels against the mr rows of x (up to DOT_ROWS with AVX2,
+ * Q8_ROWS512 with AVX-512); one inlined copy a row count and panel count, the AVX-512 ones in
+ * a function of that target. */
+#define Q8_GROUP_PROLOGUE(AVX512)                                                                         \
     const int64_t group = q8_dot_group(mr, AVX512), col = g * group * Q8PANEL;                           \
     const int64_t count = (n + Q8PANEL - 1) / Q8PANEL - g * group;                                       \
     const int np = count < group ? (int)count : (int)group;                                              \
     const int cols = (int)(n - col < group * Q8PANEL ? n - col : group * Q8PANEL);                       \
     const q8_weight q = {w.q + g * group * k * Q8PANEL, w.scales + g * group * q8_groups(k) * Q8PANEL};  \
     const float *b = bias ? bias + col : NULL, *r = residual ? residual + col : NULL;
+#define Q8_NP3(DOT, rows)                                                                    \
+    case rows:                                                                               \
+        if (np == 3) DOT(q, 3, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);              \
+        else if (np == 2) DOT(q, 2, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);         \
+        else DOT(q, 1, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);                      \
+        break;
+#define Q8_NP2(DOT, rows)                                                                    \
+    case rows:                                                                               \
+        if (np == 2) DOT(q, 2, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);              \
+        else DOT(q, 1, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);                      \
+        break;
+#define Q8_NP1(DOT, rows)                                                                    \
+    case rows:                                                                               \
+        DOT(q, 1, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);                           \
+        break;
 
 static inline void q8_dot_group_avx2(const float *x, int64_t ldx, int64_t mr, q8_weight w, int64_t n, int64_t k,
                                      const float *bias, const float *residual, int64_t ldr, float *y, int64_t ldy,
                                      int64_t g) {
-#define AVX512 0
-    Q8_GROUP_PROLOGUE
-#undef AVX512
-    Q8_CALLS(q8_dot)
+    Q8_GROUP_PROLOGUE(0)
+    switch (mr) {
+    Q8_NP2(q8_dot, 6) Q8_NP2(q8_dot, 5) Q8_NP2(q8_dot, 4) Q8_NP2(q8_dot, 3) Q8_NP2(q8_dot, 2)
+    default: Q8_NP2(q8_dot, 1)
+    }
 }
 
 static Q8_AVX512 void q8_dot_group_avx512(const float *x, int64_t ldx, int64_t mr, q8_weight w, int64_t n,
                                           int64_t k, const float *bias, const float *residual, int64_t ldr,
                                           float *y, int64_t ldy, int64_t g) {
-#define AVX512 1
-    Q8_GROUP_PROLOGUE
-#undef AVX512
-    Q8_CALLS(q8_dot512)
+    Q8_GROUP_PROLOGUE(1)
+    switch (mr) {
+    Q8_NP1(q8_dot512, 16) Q8_NP1(q8_dot512, 15) Q8_NP1(q8_dot512, 14) Q8_NP1(q8_dot512, 13)
+    Q8_NP1(q8_dot512, 12) Q8_NP1(q8_dot512, 11) Q8_NP1(q8_dot512, 10) Q8_NP1(q8_dot512, 9)
+    Q8_NP2(q8_dot512, 8) Q8_NP2(q8_dot512, 7) Q8_NP2(q8_dot512, 6) Q8_NP2(q8_dot512, 5)
+    Q8_NP3(q8_dot512, 4) Q8_NP3(q8_dot512, 3) Q8_NP3(q8_dot512, 2)
+    default: Q8_NP3(q8_dot512, 1)
+    }
 }
 #undef Q8_GROUP_PROLOGUE
-#undef Q8_CASE
-#undef Q8_CALLS
+#undef Q8_NP3
+#undef Q8_NP2
+#undef Q8_NP1
 
 /* Panel p of w as three float32 6-column panels [k, 6] one after the other at out (columns
  * 0-5, 6-11 and 12-15 of the panel, the last two columns zero), exactly the weights the dot
@@ -259,14 +280,26 @@ static inline void q8_linear_team(const float *x, int64_t m, int64_t ldx, q8_wei
                                   float *xp, float *wq) {
     const int64_t count = (n + Q8PANEL - 1) / Q8PANEL;
     if (m <= 0 || k <= 0) return;  /* the whole team returns (the caller handles k = 0) */
-    if (m <= DOT_ROWS) {
-        const int avx512 = q8_avx512();
-        const int64_t group = q8_dot_group(m, avx512);
+    if (q8_avx512()) {  /* every step through the dot products, Q8_ROWS512 rows at a time */
+        const int64_t blocks = (m + Q8_ROWS512 - 1) / Q8_ROWS512;
+        const int64_t first = m < Q8_ROWS512 ? m : Q8_ROWS512, last = m - (blocks - 1) * Q8_ROWS512;
+        const int64_t groups = (count + q8_dot_group(first, 1) - 1) / q8_dot_group(first, 1);
+        const int64_t last_groups = (count + q8_dot_group(last, 1) - 1) / q8_dot_group(last, 1);
         #pragma omp for schedule(static)
-        for (int64_t g = 0; g < (count + group - 1) / group; g++) {
-            if (avx512) q8_dot_group_avx512(x, ldx, m, w, n, k, bias, residual, ldr, y, ldy, g);
-            else q8_dot_group_avx2(x, ldx, m, w, n, k, bias, residual, ldr, y, ldy, g);
+        for (int64_t task = 0; task < (blocks - 1) * groups + last_groups; task++) {
+            const int64_t block = task / groups < blocks - 1 ? task / groups : blocks - 1;
+            const int64_t g = block < blocks - 1 ? task % groups : task - (blocks - 1) * groups;
+            const int64_t r0 = block * Q8_ROWS512, rows = block < blocks - 1 ? Q8_ROWS512 : last;
+            q8_dot_group_avx512(x + r0 * ldx, ldx, rows, w, n, k, bias, residual ? residual + r0 * ldr : NULL, ldr,
+                                y + r0 * ldy, ldy, g);
         }
+        return;
+    }
+    if (m <= DOT_ROWS) {
+        const int64_t group = q8_dot_group(m, 0);
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < (count + group - 1) / group; g++)
+            q8_dot_group_avx2(x, ldx, m, w, n, k, bias, residual, ldr, y, ldy, g);
         return;
     }
     float *mine = wq + omp_get_thread_num() * q8_scratch_floats(k);
