@@ -10,13 +10,14 @@
  * row's result does not depend on its batch mates, and the tests hold these kernels to the
  * float32 ones bit for bit.
  *
- * - Up to DOT_ROWS rows read x in place and convert the weights in registers: a decode row
- *   streams 1.125 bytes a weight instead of 4, and the conversion (sign extension, int to
- *   float, the scale) is what bounds it. Sixteen columns a panel keep every lane of a load
- *   useful: two 8-lane halves with AVX2, one 16-lane vector where the CPU has AVX-512
- *   (chosen at run time: q8_avx512).
- * - More rows dequantize a panel into three float32 6-column panels in a thread's scratch,
- *   which the float32 tiles then read from the L1/L2 for every chunk of rows.
+ * - Dot products read x in place and convert the weights in registers: a decode row streams
+ *   1.125 bytes a weight instead of 4, and the conversion (sign extension, int to float, the
+ *   scale) is what bounds it. Sixteen columns a panel keep every lane of a load useful: two
+ *   8-lane halves with AVX2 (up to DOT_ROWS rows), one 16-lane vector where the CPU has
+ *   AVX-512 (chosen at run time: q8_avx512), which takes every step this way, 16 rows at a
+ *   time (bench/RESULTS.md run 19: about twice float32's speed at batch 8 to 32 and prefill).
+ * - With AVX2, more rows dequantize a panel into three float32 6-column panels in a thread's
+ *   scratch, which the float32 tiles then read from the L1/L2 for every chunk of rows.
  */
 #ifndef MODELEXEC_WEIGHT_Q8_H
 #define MODELEXEC_WEIGHT_Q8_H
