@@ -14,8 +14,9 @@ residual adds folded into addmm, one fused RMSNorm op, the rotary tables looked 
 step, and the planned attention of attention.py. The fused weights are the storage: the
 modules' q_proj/k_proj/... parameters become views into them, so fusing costs no memory and
 parameter counts do not change. In float32 on a CPU with the kernels of executors/cpu_kernels
-built, every matmul weight is then stored as the kernels' 6-column panels instead, the modules
-becoming PanelLinear over them (panel_modules.py); without the kernels, each kind of weight in
+built, every matmul weight is then stored as the kernels' 6-column panels instead (int8
+16-column ones with `--quantization int8`), the modules becoming PanelLinear over them
+(panel_modules.py); without the kernels, each kind of weight in
 the layout its one-row matmuls read fastest (cpu_layout.py). One copy either way. This module
 holds what ties those together: the model's buffers and per-layer options, `fuse()` choosing
 the weights' layout for the device and dtype, the embedding, the choice of forward, the lm_head.

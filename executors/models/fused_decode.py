@@ -4,7 +4,9 @@ float32 on a CPU with the kernels built: a step whose rows are all decode rows (
 token each, with a cache), at most FUSED_MAX_ROWS of them (batched decode included),
 without LoRA or tensor parallelism, runs every layer in one kernel call, its threads
 meeting at barriers instead of returning to Python between ~300 op calls (bench/RESULTS.md
-run 10). Dense Llama / Qwen2 / Qwen3 / Mistral-shaped models qualify; what does not
+run 10). The matrices may be float32 panels or int8 ones (`--quantization int8`: the layer
+table then holds each int8 matrix's scales too). Dense Llama / Qwen2 / Qwen3 /
+Mistral-shaped models qualify; what does not
 (experts, Gemma's sandwich norms and second rotary table, odd head sizes) keeps the
 op-by-op path of decoder.py, as does any step the kernel refuses (a position, slot or block
 out of range: nothing is written then, and the op-by-op path raises its usual error). A

@@ -9,8 +9,8 @@ give their [out, in] weight back on request (unpacked, a new tensor) for what re
 outside the fast forward: the reference forward, the weights' digest, `unpack_model` before
 the model moves to another device or dtype.
 
-With `quantize` (DecoderLM.quantize_weights, `--quantization int8`), the same weights are
-stored as int8 panels with their float32 scales instead (cpu_kernels/qpanels.py): the
+With `quantized` (DecoderLM.quantize_weights, `--quantization int8`), the same weights are
+stored as int8 16-column panels with their float32 scales instead (cpu_kernels/qpanels.py): the
 modules then give the dequantized weights back, which is the model that serves.
 """
 
