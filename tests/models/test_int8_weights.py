@@ -243,3 +243,41 @@ def test_k_and_v_never_move_between_int8_and_float32_executors():
         for ex in executors:
             ex.worker.close()
         loop.close()
+
+
+@needs_kernels
+def test_lora_adapters_over_int8_weights_match_peft_on_the_dequantized_weights(tmp_path):
+    """An adapter's deltas add to what the int8 matmuls compute (the op-by-op path, as any
+    step with LoRA rows): transformers + PEFT over the same dequantized base weights."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    base = build("qwen3", tmp_path / "base")
+    torch.manual_seed(31)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False),
+                   adapter_name="wide").save_pretrained(tmp_path / "saved")
+    (tmp_path / "loras").mkdir()
+    (tmp_path / "saved" / "wide").rename(tmp_path / "loras" / "wide")
+    running = start_server(ServeConfig(port=0, model=str(tmp_path / "base"), quantization="int8", block_size=4,
+                                       num_blocks=128, lora_dir=str(tmp_path / "loras"), max_loras=1, max_lora_rank=8))
+    try:
+        oracle = build("qwen3", tmp_path / "again")  # the same seed: the same float32 base
+        oracle.load_state_dict(dict(running.server.executor.model.logical_parameters()), strict=False)
+        oracle = PeftModel.from_pretrained(oracle, tmp_path / "loras" / "wide").eval()
+        with ExecutorClient(running.address, timeout=60) as c:
+            prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (7, 4)]
+            outs = c.batch_prefill([PrefillInput(p, lora_adapter="wide") for p in prompts]
+                                   + [PrefillInput(prompts[0])])
+            steps = c.batch_decode([DecodeInput(3, o.kv_cache) for o in outs])
+            with torch.no_grad():
+                for p, o, s in zip(prompts, outs, steps):
+                    want = oracle(torch.tensor([p + [3]])).logits[0].float().numpy()
+                    np.testing.assert_allclose(o.logits.logits, want[-2], atol=TOL, rtol=0)
+                    np.testing.assert_allclose(s.logits.logits, want[-1], atol=TOL, rtol=0)
+                with oracle.disable_adapter():  # the row without an adapter: the int8 base alone
+                    want = oracle(torch.tensor([prompts[0] + [3]])).logits[0].float().numpy()
+            np.testing.assert_allclose(steps[2].logits.logits, want[-1], atol=TOL, rtol=0)
+            for s in steps:
+                c.release_cache(s.kv_cache)
+    finally:
+        running.stop()
