@@ -55,9 +55,9 @@ typedef struct {
     int64_t block_size;
     int64_t pool_blocks;         /* blocks of a layer's pool (scratch blocks included) */
     float *x;                    /* [rows, hidden]: the embeddings in, the final normed hidden states out */
-    float *h, *qkv, *attn, *gu, *act;  /* scratch: [rows, hidden] (unused: each thread norms into its own),
-                                        * [rows, (heads + 2 kv_heads) head_dim], [rows, heads head_dim],
-                                        * [rows, 2 inter], [rows, inter] */
+    float *h;                    /* unused (NULL): each thread norms into a buffer of its own */
+    float *qkv, *attn, *gu, *act;  /* scratch: [rows, (heads + 2 kv_heads) head_dim], [rows, heads head_dim],
+                                    * [rows, 2 inter], [rows, inter] */
 } me_step;
 
 static inline const float *field(const me_decoder *m, int64_t layer, int f) {

@@ -92,7 +92,7 @@ class FusedDecode:
         if zero is not None and zero.dtype != torch.int64:
             return None
         x = x.contiguous()
-        h, qkv, attn = x.new_empty(m, self.hidden), x.new_empty(m, self.width), x.new_empty(m, self.hq)
+        qkv, attn = x.new_empty(m, self.width), x.new_empty(m, self.hq)
         gu, act = x.new_empty(m, 2 * self.inter), x.new_empty(m, self.inter)
         key, value = pool.key, pool.value
         step = StepSpec(
@@ -100,7 +100,7 @@ class FusedDecode:
             ldt=width, zero_slots=None if zero is None else zero.data_ptr(), zero_count=0 if zero is None else zero.numel(),
             kpool=key[0].data_ptr(), vpool=value[0].data_ptr(),
             layer_stride=key[0].numel(),  # the layers' pools are consecutive in one allocation
-            block_size=bs, pool_blocks=key[0].shape[0], x=x.data_ptr(), h=h.data_ptr(), qkv=qkv.data_ptr(),
+            block_size=bs, pool_blocks=key[0].shape[0], x=x.data_ptr(), h=None, qkv=qkv.data_ptr(),
             attn=attn.data_ptr(), gu=gu.data_ptr(), act=act.data_ptr())
         status = self.kernels.decode_step(self.spec, step)
         if status == OUT_OF_RANGE:
