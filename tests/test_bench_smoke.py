@@ -159,3 +159,35 @@ def test_the_transfer_part_moves_checked_caches_between_two_server_processes():
     assert rows[0]["chunks_planned"] > rows[1]["chunks_planned"] == 4  # the 4 blocks of 16 positions
     text = "\n".join(transfer.table_lines(rows))
     assert "prefill/move" in text and "ImportKv from memory" in text and text.count("same KV, ") == 2
+
+
+def test_the_quantization_bench_measures_int8_against_float32(monkeypatch):
+    """bench.quantization's two halves on the embedded model, on a small workload: int8
+    agrees with float32 on nearly every token, and its weights take about a quarter."""
+    import pytest
+    from tokenizers import Tokenizer
+
+    from bench import quantization
+    from executors.cpu_kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("int8 weights run on the CPU kernels, which cannot be built here")
+    monkeypatch.setattr(quantization, "PASSAGES", quantization.PASSAGES[:2])
+    monkeypatch.setattr(quantization, "QUESTIONS", quantization.QUESTIONS[:1])
+    monkeypatch.setattr(quantization, "GREEDY_TOKENS", 6)
+    monkeypatch.setattr(quantization, "BATCHES", (1, 2))
+    monkeypatch.setattr(quantization, "DECODE_STEPS", 2)
+    executors = {"float32": common.executor("float32", num_blocks=64),
+                 "int8": common.executor("float32", num_blocks=64, quantization="int8")}
+    try:
+        tok = Tokenizer.from_file(str(common.MODEL_DIR / "tokenizer.json"))
+        acc = quantization.accuracy(executors["float32"], executors["int8"], tok)
+        assert acc["positions"] > 40 and acc["top1_agreement"] > 0.9 and 0 < acc["mean_kl_nats"] < 0.05, acc
+        assert len(acc["greedy_tokens_alike"]) == 1 and acc["greedy_tokens"] == 6
+        fast = quantization.speed(executors, rounds=1)
+        assert fast["int8"]["weight_bytes"] < 0.3 * fast["float32"]["weight_bytes"]
+        for row in fast.values():
+            assert row["decode_ms_b1"] > 0 and row["tok_s_b2"] > 0 and row["prefill_ms"] > 0
+    finally:
+        for ex in executors.values():
+            ex.worker.close()
