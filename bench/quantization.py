@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from bench.common import ARGMAX, MODEL_DIR, PROMPT_LEN, executor, machine, prompts
-from executors.types import DecodeInput, DType, ForwardKind, LogitsPolicy, PrefillInput
+from executors.types import DecodeInput, DType, ForwardKind, PrefillInput
 
 PASSAGES = (
     ("The river rose overnight, and by morning the low fields were a single sheet of brown water. "
@@ -70,8 +70,7 @@ def accuracy(fp32, int8, tok) -> dict:
     loop = asyncio.new_event_loop()
     agree = positions = 0
     worst, kls = 0.0, []
-    for text in PASSAGES + tuple(tok.decode(chat(tok, q)) for q in QUESTIONS):
-        ids = tok.encode(text).ids
+    for ids in [tok.encode(text).ids for text in PASSAGES] + [chat(tok, q) for q in QUESTIONS]:
         a = loop.run_until_complete(teacher_forced(fp32, ids))
         b = loop.run_until_complete(teacher_forced(int8, ids))
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
@@ -96,17 +95,16 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 async def step_times(ex, batch: int, vocab: int, steps: int) -> tuple[float, float]:
     """(median decode step, the 128-token prefill of the first prompt) in seconds."""
-    policy = LogitsPolicy(kind=ARGMAX.kind)
     t0 = time.perf_counter()
-    first = await ex.prefill(PrefillInput(input_ids=prompts(1, PROMPT_LEN, vocab)[0], logits_policy=policy))
+    first = await ex.prefill(PrefillInput(input_ids=prompts(1, PROMPT_LEN, vocab)[0], logits_policy=ARGMAX))
     prefill = time.perf_counter() - t0
     await ex.release_cache(first.kv_cache.cache_id)
-    outs = await ex.batch_prefill([PrefillInput(input_ids=p, logits_policy=policy)
+    outs = await ex.batch_prefill([PrefillInput(input_ids=p, logits_policy=ARGMAX)
                                    for p in prompts(batch, PROMPT_LEN, vocab)])
     handles, times = [o.kv_cache for o in outs], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        outs = await ex.batch_decode([DecodeInput(token_id=5, kv_cache=h, logits_policy=policy) for h in handles])
+        outs = await ex.batch_decode([DecodeInput(token_id=5, kv_cache=h, logits_policy=ARGMAX) for h in handles])
         times.append(time.perf_counter() - t0)
         handles = [o.kv_cache for o in outs]
     for h in handles:

@@ -64,18 +64,25 @@ static inline const float *field(const me_decoder *m, int64_t layer, int f) {
     return (const float *)(intptr_t)m->weights[layer * LAYER_FIELDS + f];
 }
 
+/* The step's scratch for the matmuls, shared by the team: packed x, each thread's
+ * dequantized int8 panels (AVX2 only), and whether the int8 ones run on AVX-512. */
+typedef struct {
+    float *xp, *wq;
+    int avx512;
+} step_scratch;
+
 /* y = x @ w^T (+ bias) (+ residual) for field f of layer l (and its scales, where int8),
- * shared out over the team (x packed into xp where the rows are many, int8 panels then
- * dequantized into wq); a barrier ends it. */
+ * shared out over the team (x packed into the scratch where the rows are many, int8 panels
+ * dequantized there too without AVX-512); a barrier ends it. */
 static void step_linear(const me_decoder *m, int64_t l, int f, int scales_field, const float *x, int64_t rows,
-                        int64_t k, int64_t n, const float *bias, const float *residual, float *y, float *xp,
-                        float *wq) {
+                        int64_t k, int64_t n, const float *bias, const float *residual, float *y,
+                        const step_scratch *sc) {
     const float *scales = field(m, l, scales_field), *w = field(m, l, f);
     if (scales) {
         const q8_weight q = {(const int8_t *)w, scales};
-        q8_linear_team(x, rows, k, q, n, k, bias, residual, n, y, n, xp, wq);
+        q8_linear_team(x, rows, k, q, n, k, bias, residual, n, y, n, sc->avx512, sc->xp, sc->wq);
     } else {
-        weight_linear_team(x, rows, k, w, n, k, bias, residual, n, y, n, xp);
+        weight_linear_team(x, rows, k, w, n, k, bias, residual, n, y, n, sc->xp);
     }
 }
 
@@ -120,11 +127,11 @@ static void rotate_and_store(const me_decoder *m, const me_step *s, int64_t l, i
  * own (this thread's, every row: the down matmul of at most DOT_ROWS rows reads it in place,
  * with no barrier between) where given, else into s->act shared out over the team. Returns
  * where the activations are. */
-static const float *step_glu(const me_decoder *m, const me_step *s, int64_t l, const float *h, float *xp, float *wq,
-                             float *own) {
+static const float *step_glu(const me_decoder *m, const me_step *s, int64_t l, const float *h,
+                             const step_scratch *sc, float *own) {
     const int64_t rows = s->rows, inter = m->inter;
     step_linear(m, l, W_GATE_UP, W_GATE_UP_SCALES, h, rows, m->hidden, 2 * inter, field(m, l, W_GATE_UP_BIAS),
-                NULL, s->gu, xp, wq);
+                NULL, s->gu, sc);
     if (own) {
         for (int64_t r = 0; r < rows; r++)
             glu_row(s->gu + r * 2 * inter, s->gu + r * 2 * inter + inter, inter, m->activation, own + r * inter);
@@ -187,20 +194,20 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
         const int64_t floats = wpanel_x_floats(rows, inputs[i]);
         packed = floats > packed ? floats : packed;
     }
-    /* each thread's dequantized int8 panels, where some matrix is int8 and the rows are many */
-    int quantized = 0;
-    for (int64_t l = 0; l < m->layers; l++)
-        for (int f = W_QKV_SCALES; f <= W_DOWN_SCALES; f++) quantized |= field(m, l, f) != NULL;
+    /* each thread's dequantized int8 panels, where the matrices are int8 (pack_model stores
+     * all of a model's one way), the rows many and the CPU without AVX-512 */
+    step_scratch sc = {NULL, NULL, q8_avx512()};
+    const int quantized = m->layers > 0 && field(m, 0, W_QKV_SCALES) != NULL;
     const int64_t widest = hidden > hq ? (hidden > inter ? hidden : inter) : (hq > inter ? hq : inter);
-    const int64_t dequantized = quantized && rows > DOT_ROWS ? threads * q8_scratch_floats(widest) : 0;
-    float *xp = packed ? malloc(sizeof(float) * (size_t)packed) : NULL;
-    float *wq = dequantized ? malloc(sizeof(float) * (size_t)dequantized) : NULL;
-    if ((packed && !xp) || (dequantized && !wq)) {
-        free(xp);
-        free(wq);
+    const int64_t dequantized = quantized && q8_needs_scratch(rows, sc.avx512) ? threads * q8_scratch_floats(widest) : 0;
+    if (quantized && !q8_needs_scratch(rows, sc.avx512)) packed = 0;  /* nor packed x */
+    sc.xp = packed ? malloc(sizeof(float) * (size_t)packed) : NULL;
+    sc.wq = dequantized ? malloc(sizeof(float) * (size_t)dequantized) : NULL;
+    if ((packed && !sc.xp) || (dequantized && !sc.wq)) {
+        free(sc.xp);
+        free(sc.wq);
         return -1;
     }
-    q8_avx512();  /* asked before the region, not by its threads at once */
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
@@ -214,7 +221,7 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
                 /* q, k, v */
                 own_norm(s->x, rows, hidden, field(m, l, W_INPUT_NORM), m->eps, h);
                 step_linear(m, l, W_QKV, W_QKV_SCALES, h, rows, hidden, width, field(m, l, W_QKV_BIAS), NULL, s->qkv,
-                            xp, wq);
+                            &sc);
                 /* q/k norms and rotation, the new K and V into the pool, attention. A task's rows
                  * and KV heads read only K and V they stored themselves or older steps did: one
                  * phase, unless stale slots are to be cleared first (in every layer, before any
@@ -239,12 +246,11 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
                                s->tables + r * s->ldt, lo, hi, m->scales[l], scores, s->attn + r * hq);
                 }
                 /* x += attn @ o^T; the MLP */
-                step_linear(m, l, W_O, W_O_SCALES, s->attn, rows, hq, hidden, field(m, l, W_O_BIAS), s->x, s->x, xp,
-                            wq);
+                step_linear(m, l, W_O, W_O_SCALES, s->attn, rows, hq, hidden, field(m, l, W_O_BIAS), s->x, s->x, &sc);
                 own_norm(s->x, rows, hidden, field(m, l, W_POST_NORM), m->eps, h);
-                const float *a = step_glu(m, s, l, h, xp, wq, act);
+                const float *a = step_glu(m, s, l, h, &sc, act);
                 step_linear(m, l, W_DOWN, W_DOWN_SCALES, a, rows, inter, hidden, field(m, l, W_DOWN_BIAS), s->x, s->x,
-                            xp, wq);
+                            &sc);
             }
             step_norm(s->x, rows, hidden, m->final_norm, m->eps, s->x);
         }
@@ -252,7 +258,7 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
         free(h);
         free(act);
     }
-    free(xp);
-    free(wq);
+    free(sc.xp);
+    free(sc.wq);
     return failed ? -1 : 0;
 }

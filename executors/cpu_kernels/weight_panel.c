@@ -39,7 +39,8 @@ int me_weight_linear_q8(const float *x, int64_t m, int64_t ldx, const int8_t *q,
                         int64_t k, const float *bias, const float *residual, int64_t ldr, float *y, int64_t ldy,
                         int threads) {
     const q8_weight w = {q, scales};
-    const int64_t floats = wpanel_x_floats(m, k), dequantized = m > DOT_ROWS ? threads * q8_scratch_floats(k) : 0;
+    const int avx512 = q8_avx512(), scratch = q8_needs_scratch(m, avx512);
+    const int64_t floats = scratch ? wpanel_x_floats(m, k) : 0, dequantized = scratch ? threads * q8_scratch_floats(k) : 0;
     float *xp = floats ? malloc(sizeof(float) * (size_t)floats) : NULL;
     float *wq = dequantized ? malloc(sizeof(float) * (size_t)dequantized) : NULL;
     if ((floats && !xp) || (dequantized && !wq)) {
@@ -47,9 +48,8 @@ int me_weight_linear_q8(const float *x, int64_t m, int64_t ldx, const int8_t *q,
         free(wq);
         return -1;
     }
-    q8_avx512();  /* asked before the region, not by its threads at once */
     #pragma omp parallel num_threads(threads)
-    q8_linear_team(x, m, ldx, w, n, k, bias, residual, ldr, y, ldy, xp, wq);
+    q8_linear_team(x, m, ldx, w, n, k, bias, residual, ldr, y, ldy, avx512, xp, wq);
     free(xp);
     free(wq);
     return 0;

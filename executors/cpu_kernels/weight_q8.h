@@ -273,15 +273,21 @@ static inline void q8_dequantize(q8_weight w, int64_t k, int64_t p, float *out) 
     _mm256_maskstore_ps(sub2, six, first2);
 }
 
-/* y[:m, :n] = x @ w^T (+ bias) (+ residual) over the calling team, as weight_linear_team
- * (the same packed x in xp); the dequantized panels in wq (q8_scratch_floats(k) floats for
- * each thread of the team, by thread number). Ends with a barrier. */
+/* Whether q8_linear_team needs packed x and dequantized panels for m rows: only the AVX2
+ * tiles do. The caller asks once (q8_avx512) and passes the same answer to the team. */
+static inline int q8_needs_scratch(int64_t m, int avx512) { return !avx512 && m > DOT_ROWS; }
+
+/* y[:m, :n] = x @ w^T (+ bias) (+ residual) over the calling team: with AVX-512 (avx512, the
+ * caller's q8_avx512()) through the dot products, otherwise as weight_linear_team, where
+ * q8_needs_scratch says so with x packed into xp (wpanel_x_floats(m, k) floats, shared) and
+ * the dequantized panels in wq (q8_scratch_floats(k) floats for each thread of the team, by
+ * thread number). Ends with a barrier. */
 static inline void q8_linear_team(const float *x, int64_t m, int64_t ldx, q8_weight w, int64_t n, int64_t k,
                                   const float *bias, const float *residual, int64_t ldr, float *y, int64_t ldy,
-                                  float *xp, float *wq) {
+                                  int avx512, float *xp, float *wq) {
     const int64_t count = (n + Q8PANEL - 1) / Q8PANEL;
     if (m <= 0 || k <= 0) return;  /* the whole team returns (the caller handles k = 0) */
-    if (q8_avx512()) {  /* every step through the dot products, Q8_ROWS512 rows at a time */
+    if (avx512) {  /* every step through the dot products, Q8_ROWS512 rows at a time */
         const int64_t blocks = (m + Q8_ROWS512 - 1) / Q8_ROWS512;
         const int64_t first = m < Q8_ROWS512 ? m : Q8_ROWS512, last = m - (blocks - 1) * Q8_ROWS512;
         const int64_t groups = (count + q8_dot_group(first, 1) - 1) / q8_dot_group(first, 1);

@@ -120,24 +120,22 @@ class _Arena:
 
     def __init__(self, shapes: list[tuple[int, int]], quantized: bool) -> None:
         self.quantized = quantized
-        if quantized:
-            sizes = [qpanels_numel(n, k) for n, k in shapes]
-            self.data = host_memory.zeros(sum(b for b, _ in sizes), dtype=torch.int8, claim=False)
-            self.scales = host_memory.zeros(sum(f for _, f in sizes), claim=False)
-        else:
-            self.data = host_memory.zeros(sum(panels_numel(n, k) for n, k in shapes), claim=False)
-        self.used = self.scales_used = 0
+        sizes = [qpanels_numel(n, k) if quantized else (panels_numel(n, k), 0) for n, k in shapes]
+        self.data = host_memory.zeros(sum(d for d, _ in sizes), dtype=torch.int8 if quantized else torch.float32,
+                                      claim=False)
+        self.scales = host_memory.zeros(sum(s for _, s in sizes), claim=False)
+        self.used = [0, 0]  # elements of data and of scales handed out
+
+    def _take(self, which: int, size: int) -> torch.Tensor:
+        buffer, start = (self.data, self.scales)[which], self.used[which]
+        self.used[which] += size
+        return buffer[start:start + size]
 
     def pack(self, w: torch.Tensor) -> Panels | QPanels:
         if not self.quantized:
-            size = panels_numel(*w.shape)
-            out = self.data[self.used:self.used + size]
-            self.used += size
-            return pack(w, out)
+            return pack(w, self._take(0, panels_numel(*w.shape)))
         size, floats = qpanels_numel(*w.shape)
-        data_out, scales_out = self.data[self.used:self.used + size], self.scales[self.scales_used:self.scales_used + floats]
-        self.used, self.scales_used = self.used + size, self.scales_used + floats
-        return quantize(w, data_out, scales_out)
+        return quantize(w, self._take(0, size), self._take(1, floats))
 
 
 def pack_model(model: DecoderLM, quantized: bool = False) -> None:
