@@ -100,11 +100,12 @@ bench: install model
 
 # The whole GPU path on a CUDA machine (bench/gpu_check.py, under 10 minutes; a report under
 # bench/results/). It runs on the machine's own torch (a CUDA build, 2.11 or newer), Triton
-# (3.6 or newer) and transformers: .venv-gpu sees them (--system-site-packages) and adds only
-# requirements-gpu.txt. Offline, with those as wheels in DIR:
+# (3.6 or newer) and transformers: .venv-gpu sees them (bench/gpu_venv.py, also where that python
+# is itself a venv) and adds only requirements-gpu.txt. Offline, with those as wheels in DIR:
 # `make gpu-check PIP_FLAGS="--no-index --find-links DIR"`.
 GPU_VENV := .venv-gpu
 gpu-check:
-	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(GPU_VENV)
-	$(GPU_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(PIP_FLAGS) -r requirements-gpu.txt
+	$(PYTHON) -m bench.gpu_venv $(GPU_VENV)
+	$(PYTHON) -m pip --python $(GPU_VENV)/bin/python install --quiet --disable-pip-version-check $(PIP_FLAGS) \
+		-r requirements-gpu.txt
 	$(GPU_VENV)/bin/python -m bench.gpu_check $(ARGS)

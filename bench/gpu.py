@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.common import ARGMAX, PROMPT_LEN, ROOT, SEED, Loop, inproc_batch_decode, prompts, serve
+from bench.gpu_report import RowSink
 from executors.llm import LlmExecutor, LlmExecutorConfig
 from executors.types import DecodeInput, PrefillInput
 
@@ -317,12 +318,14 @@ def bench_transformers(hf, shape, args, step_ms, rows) -> None:
 def bench_gpu(args) -> list[dict]:
     device = getattr(args, "device", "cuda")
     args.device = device
+    rows = RowSink(getattr(args, "rows_jsonl", None))
     if device.startswith("cuda") and not torch.cuda.is_available():
-        return [{"skipped": "no GPU"}]
+        rows.append({"skipped": "no GPU"})
+        return rows
     shape = SHAPES[getattr(args, "shape", "qwen3-0.6b")]
     ceilings = {"copy_gb_s": copy_bandwidth(device), "matmul_tflops": matmul_tflops(device, torch.bfloat16)}
     name = torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
-    rows: list[dict] = [{"what": "ceilings", "device": name, **ceilings}]
+    rows.append({"what": "ceilings", "device": name, **ceilings})
     print(f"  {name}: copy {ceilings['copy_gb_s']:.0f} GB/s (read + write), bf16 matmul "
           f"{ceilings['matmul_tflops']:.0f} TFLOP/s", flush=True)
     hf, model = random_pair(shape, device, run_dtype(device))

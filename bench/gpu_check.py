@@ -36,10 +36,10 @@ import subprocess
 import sys
 import threading
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+OUTCOME_VARIABLE = "OUTCOME_LOG"  # bench/outcome_log.py's
 CUDA_TESTS = ["tests/models/test_triton_attention.py", "tests/models/test_triton_paths.py",
               "tests/test_kv_sizing.py", "tests/gpu"]
 ENV_SCRIPT = r"""
@@ -104,22 +104,11 @@ def run_stage(name: str, cmd: list[str], limit_s: float, log: Path) -> dict:
     return {"stage": name, "status": status, "seconds": round(seconds, 1), "log": log.name, "tail": tail}
 
 
-def junit_outcomes(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    outcomes = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        outcome, message = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            node = case.find(tag)
-            if node is not None:
-                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                message = (node.get("message") or node.text or "").strip()
-                break
-        props = {p.get("name"): p.get("value") for p in case.iter("property")}
-        outcomes.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                         "seconds": float(case.get("time") or 0), "message": message[:2000], **props})
-    return outcomes
+def read_outcomes(path: Path) -> list[dict]:
+    """The outcome rows bench/outcome_log.py wrote (there even when the stage was stopped)."""
+    from bench.gpu_report import read_rows
+
+    return read_rows(path)
 
 
 def report(results: dict) -> str:
@@ -138,8 +127,9 @@ def report(results: dict) -> str:
     counts: dict[str, int] = {}
     for t in tests:
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
+    ran_tests = any(st["stage"] == "tests" for st in results["stages"])
     lines += ["", f"CUDA tests ({', '.join(CUDA_TESTS)}): "
-              + (", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no results")]
+              + (", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or ("no results" if ran_tests else "not run"))]
     for t in tests:
         if t["outcome"] in ("failed", "error"):
             first = t["message"].splitlines()[0] if t["message"] else ""
@@ -151,9 +141,10 @@ def report(results: dict) -> str:
             lines.append(f"        {b['family']:6s} ours {b['ours_max_rel']:.4f}, transformers' own bfloat16 "
                          f"{b['transformers_bf16_max_rel']:.4f}")
     slow = sorted(tests, key=lambda t: -t["seconds"])[:5]
-    lines.append("    slowest: " + ", ".join(f"{t['test'].split('::')[-1]} {t['seconds']:.1f} s" for t in slow))
-    bench = results.get("bench", {}).get("results", {})
-    if bench:
+    if slow:
+        lines.append("    slowest: " + ", ".join(f"{t['test'].split('::')[-1]} {t['seconds']:.1f} s" for t in slow))
+    bench = results.get("bench", {})
+    if any(bench.values()):
         lines += [""] + table_lines(bench.get("gpu", []) + bench.get("offline", []))
     return "\n".join(lines) + "\n"
 
@@ -162,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the report (default %(default)s)")
     p.add_argument("--budget-s", type=float, default=560, help="time for all stages together (default %(default)s)")
-    p.add_argument("--offline", action="store_true", help="also the offline-throughput bench part (~3 min)")
+    p.add_argument("--bench-s", type=float, default=230,
+                   help="of the budget, kept for bench part (e) (default %(default)s); the tests get the rest")
+    p.add_argument("--offline", action="store_true", help="also the offline-throughput bench part")
+    p.add_argument("--offline-s", type=float, default=150,
+                   help="with --offline, kept for that part (default %(default)s)")
     p.add_argument("--skip-tests", action="store_true", help="the environment and the bench only")
     p.add_argument("--skip-bench", action="store_true", help="the environment and the tests only")
     args = p.parse_args(argv)
@@ -181,24 +176,36 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(results["environment"], indent=1), flush=True)
     gpu = re.sub(r"[^A-Za-z0-9]+", "-", str(results["environment"].get("gpu", "no-gpu"))).strip("-").lower()
     stem = f"{stamp.date().isoformat()}-gpu-check-{gpu}"
-    junit = out / f"{stem}-tests.xml"
+    # Each stage's limit is what is left less what the later stages keep, so time one stage does
+    # not use goes to the next, and a stage that hangs cannot starve the ones after it.
+    parts = [] if args.skip_bench else ["gpu"] + (["offline"] if args.offline else [])
+    kept = {"gpu": args.bench_s, "offline": args.offline_s}
     if not args.skip_tests:
-        # The tests get what the bench does not need of the budget (the bench is ~5 min).
-        limit = left() - (0 if args.skip_bench else 300 + (200 if args.offline else 0))
+        outcomes = out / f"{stem}-tests.jsonl"
+        outcomes.unlink(missing_ok=True)
+        os.environ[OUTCOME_VARIABLE] = str(outcomes)
+        # The CUDA tests need no third-party pytest plugin, and a GPU image's own (timeout, cov,
+        # benchmark, ...) were built for its pytest, not necessarily the one pinned here.
+        os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
         results["stages"].append(run_stage("tests", [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p",
-                                                     "no:cacheprovider", f"--junitxml={junit}", *CUDA_TESTS],
-                                           max(limit, 60), out / f"{stem}-tests.log"))
-        results["tests"] = junit_outcomes(junit)
-        junit.unlink(missing_ok=True)
-    if not args.skip_bench:
-        parts = "gpu,offline" if args.offline else "gpu"
-        bench_json = out / f"{stem}-bench.json"
-        results["stages"].append(run_stage("bench", [sys.executable, "-m", "bench", "--parts", parts, "--no-plots",
-                                                     "--out", str(bench_json)], max(left(), 60),
-                                           out / f"{stem}-bench.log"))
-        if bench_json.is_file():
-            results["bench"] = json.loads(bench_json.read_text())
-            bench_json.unlink()
+                                                     "no:cacheprovider", "-p", "bench.outcome_log", *CUDA_TESTS],
+                                           max(left() - sum(kept[x] for x in parts), 60), out / f"{stem}-tests.log"))
+        results["tests"] = read_outcomes(outcomes)
+        outcomes.unlink(missing_ok=True)
+    results["bench"] = {}
+    for i, part in enumerate(parts):
+        rows_file = out / f"{stem}-{part}.jsonl"
+        rows_file.unlink(missing_ok=True)
+        results["stages"].append(run_stage(part, [sys.executable, "-m", "bench", "--parts", part, "--no-plots",
+                                                  "--rows-jsonl", str(rows_file),
+                                                  "--out", str(out / f"{stem}-{part}-suite.json")],
+                                           max(left() - sum(kept[x] for x in parts[i + 1:]), 60),
+                                           out / f"{stem}-{part}.log"))
+        from bench.gpu_report import read_rows
+
+        results["bench"][part] = read_rows(rows_file)
+        rows_file.unlink(missing_ok=True)
+        (out / f"{stem}-{part}-suite.json").unlink(missing_ok=True)
     results["seconds"] = time.perf_counter() - started
     text = report(results)
     (out / f"{stem}.txt").write_text(text)

@@ -3,6 +3,35 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+
+class RowSink(list):
+    """The part's rows; with a path, each row is also appended to that JSON-lines file as it is
+    made, so a stage stopped at its time limit (bench/gpu_check.py) keeps what it measured."""
+
+    def __init__(self, path: str | None = None):
+        super().__init__()
+        self.path = Path(path) if path else None
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows a RowSink wrote (none when the file is missing; a cut-off last line is dropped)."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows
 
 
 def _verdict(ok: bool) -> str:

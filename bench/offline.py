@@ -25,6 +25,7 @@ import torch
 
 from bench.common import SEED
 from bench.gpu import QWEN3_06B, SHAPES, random_transformers, run_dtype, sync
+from bench.gpu_report import RowSink
 
 REQUESTS = 256
 LENGTHS = (100, 1024)
@@ -104,15 +105,16 @@ def transformers_run(hf, requests, device: str) -> dict:
 
 def bench_offline(args) -> list[dict]:
     device = getattr(args, "device", "cuda")
+    rows = RowSink(getattr(args, "rows_jsonl", None))
     if device.startswith("cuda") and not torch.cuda.is_available():
-        return [{"skipped": "no GPU"}]
+        rows.append({"skipped": "no GPU"})
+        return rows
     shape_name = getattr(args, "shape", "qwen3-0.6b")
     shape = SHAPES[shape_name]
     n = 32 if args.quick else REQUESTS
     lengths = (10, 40) if shape is not QWEN3_06B else LENGTHS
     requests = workload(n, shape["vocab_size"], lengths)
     hf = random_transformers(shape, device, run_dtype(device))  # the server loads what it saves
-    rows = []
     with tempfile.TemporaryDirectory(prefix="modelexec-offline-") as tmp:
         hf.save_pretrained(tmp)
         hf.to("cpu")  # its GPU memory goes to the server's pool meanwhile

@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the device of the tp part: cpu (sizes 1 and 2) or cuda (1..N GPUs) (default %(default)s)")
     p.add_argument("--shape", default="qwen3-0.6b", choices=("qwen3-0.6b", "tiny"),
                    help="the GPU parts' model: Qwen3-0.6B-shaped, or tiny (a dry run of their code, on a CPU too)")
+    p.add_argument("--rows-jsonl", default=None,
+                   help="the GPU parts also append each row to this JSON-lines file as it is made")
     args = p.parse_args(argv)
     parts = [x for x in args.parts.split(",") if x]
     unknown = set(parts) - set(PARTS)

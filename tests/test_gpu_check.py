@@ -2,13 +2,15 @@
 
 tests/gpu/ skips without CUDA; here one of its six servers runs on the CPU
 (`--service-device cpu`), so the test code itself is exercised on every CI run. The
-check's report is built from a run's results (a JUnit file, the bench's rows) the way a
-GPU run builds it.
+check's report is built from a run's results (the outcome lines of bench/outcome_log.py, the
+bench's rows) the way a GPU run builds it, and the check's stages run end to end (on a CPU the
+bench part reports no GPU).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,12 +21,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_the_service_checks_run_on_a_cpu_server(tmp_path):
-    junit = tmp_path / "junit.xml"
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu",
-                           "--service-device", "cpu", "-k", "qwen3-bfloat16", f"--junitxml={junit}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    log = tmp_path / "outcomes.jsonl"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "bench.outcome_log",
+                           "tests/gpu", "--service-device", "cpu", "-k", "qwen3-bfloat16"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, gpu_check.OUTCOME_VARIABLE: str(log)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    outcomes = gpu_check.junit_outcomes(junit)
+    outcomes = gpu_check.read_outcomes(log)
     assert len(outcomes) == 9 and all(t["outcome"] == "passed" for t in outcomes), outcomes
     (budget,) = [json.loads(t["bf16_budget"]) for t in outcomes if t.get("bf16_budget")]
     assert budget["family"] == "qwen3" and budget["ours_max_rel"] <= 3e-2
@@ -43,14 +46,14 @@ def test_the_report_names_failures_budgets_and_targets():
              "outcome": "passed", "seconds": 2.0,
              "bf16_budget": json.dumps({"family": "llama", "ours_max_rel": 0.008, "transformers_bf16_max_rel": 0.009})},
         ],
-        "bench": {"results": {"gpu": [
+        "bench": {"gpu": [
             {"what": "ceilings", "device": "H100", "copy_gb_s": 3000.0, "matmul_tflops": 790.0},
             {"what": "decode", "attention": "triton + graphs", "batch": 1, "context": 129, "step_ms": 0.9,
              "graph_device_ms": 0.7, "tok_s": 1111.0, "bytes_per_step": 1.2e9, "bandwidth_gb_s": 1333.0,
              "floor_ms": 0.4, "x_floor": 2.25},
             {"what": "batch_prefill", "prompts": 32, "prompt_len": 128, "batched_ms": 10.0, "serial_ms": 200.0,
              "per_prefill_ms": 6.25, "ratio": 20.0, "batched_tflops": 500.0, "matmul_tflops": 790.0},
-        ]}},
+        ]},
     }
     text = gpu_check.report(results)
     assert "FAILED tests.gpu.test_cuda_service::test_x[qwen3-float32]: AssertionError: logits differ" in text
@@ -58,3 +61,32 @@ def test_the_report_names_failures_budgets_and_targets():
     assert "bench    timed out" in text and "last words" in text
     assert "2.25x the floor" in text and "[target <= 1.5x the floor: SHORT]" in text
     assert "20.0x  [target >= 15x: met]" in text
+
+
+def test_the_check_runs_its_stages_and_keeps_what_a_stopped_stage_made(tmp_path):
+    """The whole check on a CPU, tests left out: the environment, bench part (e) in a stage of its
+    own (which finds no GPU), the report and its JSON."""
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--skip-tests", "--out", str(tmp_path),
+                           "--budget-s", "200", "--bench-s", "100"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    (report,) = tmp_path.glob("*-gpu-check-*.txt")
+    text = report.read_text()
+    assert "gpu      ok" in text and "skipped: no GPU" in text, text
+    results = json.loads(report.with_suffix(".json").read_text())
+    assert results["bench"]["gpu"] == [{"skipped": "no GPU"}]
+    assert results["environment"]["cuda_available"] is False
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".log", ".txt"]
+    assert done.returncode == 0, done.stdout[-2000:]
+
+
+def test_rows_reach_the_file_as_they_are_made(tmp_path):
+    from bench.gpu_report import RowSink, read_rows
+
+    rows = RowSink(str(tmp_path / "rows.jsonl"))
+    rows.append({"what": "ceilings", "copy_gb_s": 1.0})
+    assert read_rows(tmp_path / "rows.jsonl") == [{"what": "ceilings", "copy_gb_s": 1.0}]
+    with (tmp_path / "rows.jsonl").open("a") as f:
+        f.write('{"what": "dec')  # a stage killed mid-write
+    rows.append({"what": "decode"})
+    assert read_rows(tmp_path / "rows.jsonl") == [{"what": "ceilings", "copy_gb_s": 1.0}]
+    assert list(rows) == [{"what": "ceilings", "copy_gb_s": 1.0}, {"what": "decode"}]

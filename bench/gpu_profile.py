@@ -1,0 +1,126 @@
+"""`python -m bench.gpu_profile`: where a decode step's time goes, on the GPU part's model.
+
+bench/gpu.py says how long a step takes; this says why, for the next change:
+- the host side of batch_decode (the event loop's thread and the executor's worker thread,
+  each under cProfile) over many steps replayed from the decode CUDA graphs: Python's share
+  of a step that the graph itself runs in a fraction of;
+- the device side of eager steps (torch.profiler, CUDA activity): which kernels take the
+  step's device time, without graphs, at batch 1 and 32.
+Tables go to stdout and, with --out DIR, to DIR/gpu-profile.txt. `--device cpu --shape tiny`
+is a dry run of this code (the CPU activity only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+from pathlib import Path
+
+import torch
+
+from bench.common import ARGMAX, PROMPT_LEN, Loop, prompts
+from bench.gpu import DRY_RUN, SHAPES, Sizes, new_executor, random_pair, sync
+from executors.types import DecodeInput, PrefillInput
+
+
+def _prefilled(loop: Loop, ex, batch: int, vocab: int) -> list:
+    outs = loop.run(ex.batch_prefill([PrefillInput(input_ids=p, logits_policy=ARGMAX)
+                                      for p in prompts(batch, PROMPT_LEN, vocab)]))
+    return [o.kv_cache for o in outs]
+
+
+def _steps(loop: Loop, ex, handles: list, n: int) -> list:
+    for _ in range(n):
+        steps = loop.run(ex.batch_decode([DecodeInput(token_id=1, kv_cache=h, logits_policy=ARGMAX)
+                                          for h in handles]))
+        handles = [s.kv_cache for s in steps]
+    return handles
+
+
+def host_profile(loop: Loop, ex, batch: int, vocab: int, steps: int) -> str:
+    """cProfile of the loop thread and the worker thread over `steps` decode steps."""
+    handles = _steps(loop, ex, _prefilled(loop, ex, batch, vocab), 3)
+    on_loop, on_worker = cProfile.Profile(), cProfile.Profile()
+    loop.run(_call(on_loop.enable))
+    ex.worker.schedule(on_worker.enable).result()
+    handles = _steps(loop, ex, handles, steps)
+    ex.worker.schedule(on_worker.disable).result()
+    loop.run(_call(on_loop.disable))
+    for h in handles:
+        loop.run(ex.release_cache(h.cache_id))
+    text = []
+    for name, prof in (("event-loop thread", on_loop), ("worker thread", on_worker)):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
+        text.append(f"-- host, batch {batch}, {steps} steps, {name} (per step: divide by {steps})\n{buf.getvalue()}")
+    return "\n".join(text)
+
+
+async def _call(fn) -> None:
+    fn()
+
+
+def device_profile(loop: Loop, ex, batch: int, vocab: int, device: str) -> str:
+    """torch.profiler over 3 eager decode steps: the kernels by device time (CPU ops on a CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    handles = _steps(loop, ex, _prefilled(loop, ex, batch, vocab), 2)
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(device)
+    prof = profile(activities=activities)
+    # Entered on the worker thread, which runs the steps: the profiler sees the operators of
+    # the thread that started it (CUDA kernels it sees from every thread).
+    ex.worker.schedule(prof.__enter__).result()
+    try:
+        handles = _steps(loop, ex, handles, 3)
+        sync(device)
+    finally:
+        ex.worker.schedule(prof.__exit__, None, None, None).result()
+    for h in handles:
+        loop.run(ex.release_cache(h.cache_id))
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return f"-- device, batch {batch}, 3 eager steps\n" + prof.key_averages().table(sort_by=key, row_limit=25)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    p.add_argument("--steps", type=int, default=200, help="decode steps under cProfile (default %(default)s)")
+    p.add_argument("--out", default=None, help="also write DIR/gpu-profile.txt")
+    args = p.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    shape = SHAPES[args.shape]
+    size = Sizes(decode_batches=(32,), max_seq=4096) if cuda else DRY_RUN
+    backend = "triton" if cuda else "sdpa"
+    _, model = random_pair(shape, args.device, torch.bfloat16 if cuda else torch.float32)
+    loop, sections = Loop(), []
+    try:
+        for graphs in (True, False):
+            ex = new_executor(model, args.device, backend, graphs and cuda, size)
+            try:
+                if graphs:
+                    for b in (1, 32 if cuda else 4):
+                        sections.append(host_profile(loop, ex, b, shape["vocab_size"], args.steps))
+                        print(sections[-1], flush=True)
+                else:
+                    for b in (1, 32 if cuda else 4):
+                        sections.append(device_profile(loop, ex, b, shape["vocab_size"], args.device))
+                        print(sections[-1], flush=True)
+            finally:
+                ex.worker.close()
+                del ex
+                if cuda:
+                    torch.cuda.empty_cache()
+    finally:
+        loop.close()
+    if args.out:
+        Path(args.out, "gpu-profile.txt").write_text("\n\n".join(sections) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
