@@ -85,6 +85,38 @@ def device_profile(loop: Loop, ex, batch: int, vocab: int, device: str) -> str:
     return f"-- device, batch {batch}, 3 eager steps\n" + prof.key_averages().table(sort_by=key, row_limit=25)
 
 
+def capture_diagnosis(model, device: str) -> str:
+    """Why decode graphs fail to capture: the eager step under CUDA's sync-debug mode (an op that
+    synchronizes, which a capture forbids, raises where it is), then a capture with its traceback."""
+    import traceback
+
+    from executors.decode_graphs import DecodeGraphs
+
+    size = Sizes(decode_batches=(4,), max_seq=4096)
+    ex = new_executor(model, device, "triton", True, size)
+    lines = [f"-- capture: the executor's graphs: {ex.graphs.captured if ex.graphs else None}"]
+    try:
+        graphs = DecodeGraphs(ex.model, ex.pool, 4, 4096, capture=False)
+        graphs._step(1)  # compiles first
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graphs._step(1)
+            lines.append("eager step under sync-debug mode: no synchronizing op")
+        except Exception:  # noqa: BLE001 - the diagnosis is the traceback
+            lines.append("eager step under sync-debug mode:\n" + traceback.format_exc())
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        try:
+            DecodeGraphs(ex.model, ex.pool, 4, 4096, capture=True)
+            lines.append("capture of buckets 1, 2, 4: ok")
+        except Exception:  # noqa: BLE001
+            lines.append("capture:\n" + traceback.format_exc())
+    finally:
+        ex.worker.close()
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
@@ -117,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.empty_cache()
     finally:
         loop.close()
+    if cuda:  # last: a failed capture can leave the device unusable for what would follow
+        sections.append(capture_diagnosis(model, args.device))
+        print(sections[-1], flush=True)
     if args.out:
         Path(args.out, "gpu-profile.txt").write_text("\n\n".join(sections) + "\n")
     return 0
