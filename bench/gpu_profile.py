@@ -150,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         loop.close()
     if cuda:  # last: a failed capture can leave the device unusable for what would follow
-        sections.append(capture_diagnosis(model, args.device))
+        try:
+            sections.append(capture_diagnosis(model, args.device))
+        except Exception as e:  # noqa: BLE001 - keep the sections above
+            sections.append(f"-- capture diagnosis failed: {type(e).__name__}: {e}")
         print(sections[-1], flush=True)
     if args.out:
         Path(args.out, "gpu-profile.txt").write_text("\n\n".join(sections) + "\n")
