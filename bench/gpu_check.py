@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import itertools
 import json
 import os
 import re
@@ -176,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(results["environment"], indent=1), flush=True)
     gpu = re.sub(r"[^A-Za-z0-9]+", "-", str(results["environment"].get("gpu", "no-gpu"))).strip("-").lower()
     stem = f"{stamp.date().isoformat()}-gpu-check-{gpu}"
+    if (out / f"{stem}.txt").exists():  # never overwrite an earlier run of the day
+        stem = next(f"{stem}-{n}" for n in itertools.count(2) if not (out / f"{stem}-{n}.txt").exists())
     # Each stage's limit is what is left less what the later stages keep, so time one stage does
     # not use goes to the next, and a stage that hangs cannot starve the ones after it.
     parts = [] if args.skip_bench else ["gpu"] + (["offline"] if args.offline else [])

@@ -1,8 +1,7 @@
 """`python -m bench.gpu_profile`: where a decode step's time goes, on the GPU part's model.
 
 bench/gpu.py says how long a step takes; this says why, for the next change:
-- the host side of batch_decode (the event loop's thread and the executor's worker thread,
-  each under cProfile) over many steps replayed from the decode CUDA graphs: Python's share
+- the host side of batch_decode (cProfile, from the executor's worker thread) over many steps replayed from the decode CUDA graphs: Python's share
   of a step that the graph itself runs in a fraction of;
 - the device side of eager steps (torch.profiler, CUDA activity): which kernels take the
   step's device time, without graphs, at batch 1 and 32.
@@ -42,24 +41,17 @@ def _steps(loop: Loop, ex, handles: list, n: int) -> list:
 def host_profile(loop: Loop, ex, batch: int, vocab: int, steps: int) -> str:
     """cProfile of the loop thread and the worker thread over `steps` decode steps."""
     handles = _steps(loop, ex, _prefilled(loop, ex, batch, vocab), 3)
-    on_loop, on_worker = cProfile.Profile(), cProfile.Profile()
-    loop.run(_call(on_loop.enable))
-    ex.worker.schedule(on_worker.enable).result()
+    # One profiler, started on the worker thread: Python 3.12's cProfile is one tool for the
+    # whole process (a second one refuses to start) and sees every thread; 3.11's, that thread.
+    prof = cProfile.Profile()
+    ex.worker.schedule(prof.enable).result()
     handles = _steps(loop, ex, handles, steps)
-    ex.worker.schedule(on_worker.disable).result()
-    loop.run(_call(on_loop.disable))
+    ex.worker.schedule(prof.disable).result()
     for h in handles:
         loop.run(ex.release_cache(h.cache_id))
-    text = []
-    for name, prof in (("event-loop thread", on_loop), ("worker thread", on_worker)):
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
-        text.append(f"-- host, batch {batch}, {steps} steps, {name} (per step: divide by {steps})\n{buf.getvalue()}")
-    return "\n".join(text)
-
-
-async def _call(fn) -> None:
-    fn()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    return f"-- host, batch {batch}, {steps} steps (per step: divide by {steps})\n{buf.getvalue()}"
 
 
 def device_profile(loop: Loop, ex, batch: int, vocab: int, device: str) -> str:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -49,6 +50,27 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 def buckets_up_to(max_batch: int) -> list[int]:
     return [b for b in BUCKETS if b < max_batch] + [max_batch]
+
+
+def describe_failure(error: BaseException) -> str:
+    """Why a capture failed, for the eager fallback's warning: the first error of the chain (the
+    one a failed capture_end wraps, which says only that an earlier one happened) and the last
+    frame of this project's code it passed through."""
+    first = error
+    while (first.__cause__ or first.__context__) is not None:
+        first = first.__cause__ or first.__context__
+    where = ""
+    root = Path(__file__).resolve().parent.parent
+    tb = first.__traceback__
+    while tb is not None:
+        path = Path(tb.tb_frame.f_code.co_filename).resolve()
+        if path.is_relative_to(root) and root / ".venv" not in path.parents:
+            where = f" at {path.relative_to(root)}:{tb.tb_lineno} ({tb.tb_frame.f_code.co_name})"
+        tb = tb.tb_next
+    message = str(first).splitlines()[0] if str(first) else ""
+    hint = (" (an operation that waits for the device, such as reading a tensor's value on the host, "
+            "cannot be captured)" if "capturing" in message else "")
+    return f"{type(first).__name__}{where}: {message}{hint}"
 
 
 class DecodeGraphs:

@@ -215,7 +215,7 @@ class LlmExecutor(KvCacheExecutor):
         self.policy_kernels = self.model.cpu_kernels
         self.graphs = None
         if decode_graphs:
-            from executors.decode_graphs import DecodeGraphs
+            from executors.decode_graphs import DecodeGraphs, describe_failure
 
             try:
                 self.graphs = DecodeGraphs(self.model, self.pool, config.max_batch_size, max_sequence_length,
@@ -223,7 +223,8 @@ class LlmExecutor(KvCacheExecutor):
             except Exception as e:  # a capture that fails leaves eager decode, which works
                 if not cuda:
                     raise
-                log.warning("decode CUDA graphs are off, decode steps run eagerly: %s: %s", type(e).__name__, e)
+                log.warning("decode CUDA graphs are off, decode steps run eagerly: the capture failed: %s",
+                            describe_failure(e))
         self.num_parameters = self.model.num_parameters()
         # What the weights take in memory as stored (float32 CPU panels: their padding included).
         self._param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())

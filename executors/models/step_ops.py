@@ -60,7 +60,9 @@ def for_step(positions: torch.Tensor, fused: list[FusedLayer], packed: list[Fuse
              dtype: torch.dtype, activation: str) -> StepOps:
     rows = positions.shape[0]
     # The kernels' rotation reads the tables at the given positions unchecked: check once here.
-    fits = (rope.cos.shape[1] <= MAX_ROPE_DIM and 0 < rows and 0 <= int(positions.min())
+    # Only with the (CPU) kernels: on a GPU the min/max would synchronize every step, and a
+    # CUDA graph cannot capture a synchronization.
+    fits = (kernels is not None and rope.cos.shape[1] <= MAX_ROPE_DIM and 0 < rows and 0 <= int(positions.min())
             and int(positions.max()) < rope.cos.shape[0])
     # The kernels' ops are threaded over rows for prefill-sized steps and beat torch's there
     # too: RMSNorm 21 against 47 us at 128 rows of 576, 92 against 242 at 1024; SiLU-and-
