@@ -145,6 +145,21 @@ def _attention_backend(config: LlmExecutorConfig, mc: DecoderConfig) -> str:
     raise ValueError(f"attention_backend triton: {problem}")
 
 
+def _qkv_prologue(config: LlmExecutorConfig, model: DecoderLM):
+    """The fused attention prologue (executors/models/triton_prologue.py) once it passed its
+    start-up check at the model's shapes; None, with a warning that says why, otherwise."""
+    from executors.models import triton_prologue
+
+    c = model.config
+    problem = triton_prologue.self_check(config.device, config.torch_dtype, c.num_heads, c.num_kv_heads, c.head_dim,
+                                         qk_norm=any(w.q_norm is not None for w in model.fused))
+    if problem is not None:
+        log.warning("the fused attention prologue is off, q/k norm, rotation and the K/V store run as torch "
+                    "ops: %s", problem)
+        return None
+    return triton_prologue.QkvPrologue(model)
+
+
 def size_pool(config: LlmExecutorConfig, model: DecoderLM, memory_probe: MemoryProbe | None = None,
               reference: bool = False) -> tuple[int, int]:
     """(KV blocks, max sequence length) for this model (one rank's shard of it, under tensor
@@ -196,6 +211,8 @@ class LlmExecutor(KvCacheExecutor):
             raise ValueError("decode graphs need the triton attention backend")
         num_blocks, max_sequence_length = size_pool(config, self.model, memory_probe, reference)
         num_blocks, self.attention_backend = self._agree(num_blocks, self.attention_backend)
+        if self.attention_backend == "triton" and self.model.qkv_prologue is None:
+            self.model.qkv_prologue = _qkv_prologue(config, self.model)
         super().__init__(
             num_layers=mc.num_layers,
             num_kv_heads=local.num_kv_heads,
@@ -332,6 +349,7 @@ class LlmExecutor(KvCacheExecutor):
                       # How steps run here: a GPU check (or a person) can see that the Triton
                       # kernels passed their start-up check and which decode graphs were captured.
                       "attention_backend": self.attention_backend,
+                      "attention_prologue": "triton" if self.model.qkv_prologue is not None else "torch",
                       "weight_quantization": self.config.quantization,
                       "cuda_graph_buckets": self.graphs.captured if self.graphs is not None else []},
         )

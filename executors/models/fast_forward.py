@@ -46,6 +46,8 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
         c.hidden_act)
     if model.cpu_kernels is not None and model.cpu_kernels.attention_accepts(heads, kv_heads, d):
         ctx.cpu = model.cpu_kernels
+    # Attention through the Triton kernels: q/k norm, rotation and the K/V store as one kernel.
+    prologue = model.qkv_prologue if ctx.backend == "triton" and ctx.pool is not None else None
     for i, w in enumerate(layers):
         sliding = c.window(i) is not None
         h = norm(x, w.input_norm, eps)
@@ -54,14 +56,17 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
             lora.apply(i, "q_proj", h, qkv[:, :hq])
             lora.apply(i, "k_proj", h, qkv[:, hq:hq + hk])
             lora.apply(i, "v_proj", h, qkv[:, hq + hk:])
-        if w.q_norm is None:
-            qk = rotate(qkv[:, :hq + hk].view(m, heads + kv_heads, d), sliding)
-            q, k = qk[:, :heads], qk[:, heads:]
+        if prologue is not None:  # K and V go straight to the pool (triton_prologue.py)
+            a = attend(i, prologue(i, qkv, positions, ctx, sliding), None, None, ctx)
         else:
-            q = rotate(norm(qkv[:, :hq].view(m, heads, d), w.q_norm, eps), sliding)
-            k = rotate(norm(qkv[:, hq:hq + hk].view(m, kv_heads, d), w.k_norm, eps), sliding)
-        v = qkv[:, hq + hk:].view(m, kv_heads, d)
-        a = attend(i, q, k, v, ctx)
+            if w.q_norm is None:
+                qk = rotate(qkv[:, :hq + hk].view(m, heads + kv_heads, d), sliding)
+                q, k = qk[:, :heads], qk[:, heads:]
+            else:
+                q = rotate(norm(qkv[:, :hq].view(m, heads, d), w.q_norm, eps), sliding)
+                k = rotate(norm(qkv[:, hq:hq + hk].view(m, kv_heads, d), w.k_norm, eps), sliding)
+            v = qkv[:, hq + hk:].view(m, kv_heads, d)
+            a = attend(i, q, k, v, ctx)
         if w.pre_ff_norm is not None:
             x, h = _sandwich_attention_out(model, i, x, a, w, ctx, linear, norm)
         elif reduce is not None:  # the ranks' partial sums of o_proj, then the residual add

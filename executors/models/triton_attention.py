@@ -85,10 +85,12 @@ def plan_step(ctx: StepContext) -> KernelPlan:
 
 
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-    """q [M, H, D], k and v [M, KVH, D] -> [M, H * D]: write k and v by slot mapping, then
-    attend over the pool. No stale-slot clearing: the kernels never load past a length."""
+    """q [M, H, D], k and v [M, KVH, D] -> [M, H * D]: write k and v by slot mapping (None: the
+    fused prologue of triton_prologue.py stored them), then attend over the pool. No stale-slot
+    clearing: the kernels never load past a length."""
     pool = ctx.pool
-    pool.write(layer, ctx.slot_mapping, k, v)
+    if k is not None:
+        pool.write(layer, ctx.slot_mapping, k, v)
     plan = ctx.kernel_plan
     if plan is None:
         plan = ctx.kernel_plan = plan_step(ctx)

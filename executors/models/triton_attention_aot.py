@@ -1,6 +1,7 @@
 """Ahead-of-time compilation of the paged-attention kernels for a GPU that is not here.
 
-`compile_for` builds the kernels of triton_attention_kernels.py for a CUDA compute capability
+`compile_for` builds the kernels of triton_attention_kernels.py (and the attention prologue's
+of triton_prologue.py) for a CUDA compute capability
 with Triton's own compiler and ptxas, as the first launch on such a GPU would, and reports
 each variant's shared memory. The interpreter checks what the kernels compute; this checks
 that they build for real hardware, on a machine without a GPU (README, the tests).
@@ -56,4 +57,14 @@ def compile_for(capability: int, dtype: str = "bf16", head_dim: int = 128, group
     compiled = triton.compile(ASTSource(_prefill_kernel, signature(_prefill_kernel, pointers, constants), constants),
                               target=target)
     shared["prefill"] = compiled.metadata.shared
+    from executors.models.triton_prologue import _prologue_kernel  # the attention prologue's kernel
+
+    for qk_norm in (True, False):
+        constants = dict(HEADS=16, KV_HEADS=16 // group, HEAD_DIM=head_dim, BLOCK_D=block_d, QK_NORM=qk_norm)
+        pointers = {"qkv_ptr": f"*{dtype}", "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
+                    "slot_ptr": "*i64", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                    "norm_ptr": f"*{dtype}" if qk_norm else "*fp32", "eps": "fp32"}
+        compiled = triton.compile(ASTSource(_prologue_kernel, signature(_prologue_kernel, pointers, constants),
+                                            constants), target=target)
+        shared[f"prologue{'_norm' if qk_norm else ''}"] = compiled.metadata.shared
     return shared
