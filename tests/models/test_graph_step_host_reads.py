@@ -78,14 +78,14 @@ def test_a_failed_capture_is_explained_by_its_first_error():
     from executors.models import step_ops
 
     def captured_step():
-        step_ops.for_step  # noqa: B018 - a frame in the project's code
+        step_ops.for_step
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nSearch for ...")
 
     try:
         try:
             captured_step()
         except RuntimeError:
-            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")  # noqa: B904
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
     except RuntimeError as e:
         text = describe_failure(e)
     assert text.startswith("RuntimeError at tests/models/test_graph_step_host_reads.py:"), text

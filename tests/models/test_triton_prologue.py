@@ -16,9 +16,9 @@ from tests.conftest import triton_kernels_unrunnable
 pytestmark = pytest.mark.skipif(triton_kernels_unrunnable() is not None, reason=str(triton_kernels_unrunnable()))
 pytest.importorskip("triton")
 
-from executors.models import triton_prologue  # noqa: E402 - needs triton
-from executors.models.layers import apply_rope  # noqa: E402
-from executors.models.step_ops import torch_norm  # noqa: E402
+from executors.models import triton_prologue
+from executors.models.layers import apply_rope
+from executors.models.step_ops import torch_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
