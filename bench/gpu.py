@@ -49,17 +49,19 @@ class Sizes:
     prefill_prompts: int = 32
     grpc_batch: int = 32
     hf_batches: tuple[int, ...] = (1, 32)
-    # (attention backend, CUDA graphs); the last is the fast path that the later sections use.
-    variants: tuple[tuple[str, bool], ...] = (("sdpa", False), ("triton", False), ("triton", True))
+    # (attention backend, CUDA graphs, the fused attention prologue); the last is the fast path
+    # that the later sections use, the one before it the same without the prologue's kernel.
+    variants: tuple[tuple[str, bool, bool], ...] = (("sdpa", False, False), ("triton", False, True),
+                                                    ("triton", True, False), ("triton", True, True))
 
 
 # A dry run of this code on a CPU (the tests run it): every section, small, SDPA only.
 DRY_RUN = Sizes(decode_batches=(1, 4), max_seq=256, prefill_prompts=4, grpc_batch=4, hf_batches=(1, 4),
-                variants=(("sdpa", False),))
+                variants=(("sdpa", False, False),))
 
 
-def variant_name(backend: str, graphs: bool) -> str:
-    return backend + (" + graphs" if graphs else "")
+def variant_name(backend: str, graphs: bool, prologue: bool = True) -> str:
+    return backend + (" + graphs" if graphs else "") + ("" if prologue or backend != "triton" else ", torch prologue")
 
 
 def sizes(args) -> Sizes:
@@ -139,12 +141,13 @@ def run_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
-def new_executor(model, device: str, backend: str, graphs: bool, size: Sizes) -> LlmExecutor:
+def new_executor(model, device: str, backend: str, graphs: bool, size: Sizes, prologue: bool = True) -> LlmExecutor:
     dtype = str(run_dtype(device)).removeprefix("torch.")
     return LlmExecutor(LlmExecutorConfig(model_dir="qwen3-0.6b-random", dtype=dtype, device=device, num_blocks=4096,
                                          max_batch_size=max(size.decode_batches), max_sequence_length=size.max_seq,
                                          prefix_caching=False,
-                                         attention_backend=backend, cuda_graphs=graphs), model)
+                                         attention_backend=backend, cuda_graphs=graphs,
+                                         triton_prologue=prologue), model)
 
 
 def decode_steps(loop: Loop, ex: LlmExecutor, batch: int, reps: int, vocab: int) -> tuple[float, int]:
@@ -176,13 +179,14 @@ def graph_device_ms(ex: LlmExecutor, batch: int) -> float | None:
 
 
 def bench_decode_variants(loop, model, shape, args, ceilings, rows) -> dict:
-    """Decode through each variant (sdpa, triton, triton + graphs); returns {(variant, batch): step ms}."""
+    """Decode through each variant (sdpa, triton, triton + graphs with and without the fused
+    prologue); returns {(variant, batch): step ms}."""
     reps = 6 if args.quick else 21
     step_ms: dict[tuple[str, int], float] = {}
     variants = sizes(args).variants
-    for backend, graphs in variants:
-        name = variant_name(backend, graphs)
-        ex = new_executor(model, args.device, backend, graphs, sizes(args))
+    for backend, graphs, prologue in variants:
+        name = variant_name(backend, graphs, prologue)
+        ex = new_executor(model, args.device, backend, graphs, sizes(args), prologue)
         try:
             for b in sizes(args).decode_batches:
                 ms, context = decode_steps(loop, ex, b, reps, shape["vocab_size"])
@@ -194,10 +198,10 @@ def bench_decode_variants(loop, model, shape, args, ceilings, rows) -> dict:
                              "graph_device_ms": gpu_ms, "tok_s": b / ms * 1e3, "bytes_per_step": moved,
                              "bandwidth_gb_s": moved / ms / 1e6, "floor_ms": floor_ms, "x_floor": ms / floor_ms})
                 extra = f", graph on the device {gpu_ms:.3f} ms" if gpu_ms is not None else ""
-                print(f"  decode {name:16s} batch {b:2d}: {ms:7.3f} ms/step, {b / ms * 1e3:8.0f} tok/s, "
+                print(f"  decode {name:31s} batch {b:2d}: {ms:7.3f} ms/step, {b / ms * 1e3:8.0f} tok/s, "
                       f"{moved / ms / 1e6:6.0f} GB/s, {ms / floor_ms:.2f}x the floor ({floor_ms:.3f} ms){extra}",
                       flush=True)
-            if (backend, graphs) == variants[-1]:
+            if (backend, graphs, prologue) == variants[-1]:
                 bench_prefill(loop, ex, shape, args, ceilings, rows)
                 bench_grpc(loop, ex, shape, args, rows)
         finally:

@@ -79,6 +79,10 @@ class LlmExecutorConfig:
     # On CUDA with the triton backend: replay decode steps from CUDA graphs captured at
     # start-up for batch-size buckets (executors/decode_graphs.py).
     cuda_graphs: bool = True
+    # With the triton backend: a layer's q/k norm, rotation and K/V store as one Triton kernel
+    # (executors/models/triton_prologue.py) once its start-up check passed; False runs them as
+    # torch ops (the bench's comparison of the two).
+    triton_prologue: bool = True
     # float32 on a CPU: decode steps through the AVX2 kernels of executors/cpu_kernels (built
     # with the system C compiler once per machine); off, or where they cannot be built, torch's
     # ops (MKL, oneDNN, SDPA) run them.
@@ -211,8 +215,9 @@ class LlmExecutor(KvCacheExecutor):
             raise ValueError("decode graphs need the triton attention backend")
         num_blocks, max_sequence_length = size_pool(config, self.model, memory_probe, reference)
         num_blocks, self.attention_backend = self._agree(num_blocks, self.attention_backend)
-        if self.attention_backend == "triton" and self.model.qkv_prologue is None:
-            self.model.qkv_prologue = _qkv_prologue(config, self.model)
+        self.qkv_prologue = None
+        if self.attention_backend == "triton" and config.triton_prologue:
+            self.qkv_prologue = _qkv_prologue(config, self.model)
         super().__init__(
             num_layers=mc.num_layers,
             num_kv_heads=local.num_kv_heads,
@@ -236,7 +241,7 @@ class LlmExecutor(KvCacheExecutor):
 
             try:
                 self.graphs = DecodeGraphs(self.model, self.pool, config.max_batch_size, max_sequence_length,
-                                           capture=cuda)
+                                           capture=cuda, prologue=self.qkv_prologue)
             except Exception as e:  # a capture that fails leaves eager decode, which works
                 if not cuda:
                     raise
@@ -316,7 +321,8 @@ class LlmExecutor(KvCacheExecutor):
     def _run_plan(self, plan: StepPlan) -> torch.Tensor | None:
         """The plan's logits ([rows, vocab], float32; None when no row needs them)."""
         logits, applications = run_plan(self.model, self.pool, plan, self.config.device,
-                                        backend=self.attention_backend, reference=self.reference)
+                                        backend=self.attention_backend, reference=self.reference,
+                                        prologue=self.qkv_prologue)
         self.loras.projection_applications += applications
         return logits
 
@@ -349,7 +355,7 @@ class LlmExecutor(KvCacheExecutor):
                       # How steps run here: a GPU check (or a person) can see that the Triton
                       # kernels passed their start-up check and which decode graphs were captured.
                       "attention_backend": self.attention_backend,
-                      "attention_prologue": "triton" if self.model.qkv_prologue is not None else "torch",
+                      "attention_prologue": "triton" if self.qkv_prologue is not None else "torch",
                       "weight_quantization": self.config.quantization,
                       "cuda_graph_buckets": self.graphs.captured if self.graphs is not None else []},
         )

@@ -37,8 +37,6 @@ logits; each layer's window and score scale reach attention through StepContext.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
@@ -53,9 +51,6 @@ from executors.models.fused_decode import FusedDecode
 from executors.models.fused_weights import FusedLayer, fuse_layers
 from executors.models.layers import RotaryEmbedding, activation
 from executors.models.moe import grouped_backend
-
-if TYPE_CHECKING:  # triton_prologue imports triton, which a CPU install may lack
-    from executors.models.triton_prologue import QkvPrologue
 
 __all__ = ["DecoderLM", "FusedLayer"]  # FusedLayer: step_ops.py types its tuples by it, imported from here
 
@@ -92,9 +87,6 @@ class DecoderLM(nn.Module):
         self.head_panels: Panels | QPanels | None = None  # the lm_head as panels, with the kernels
         self.head_copy = False  # head_panels is a copy (a TP rank's slice of a tied embedding), not the storage
         self.fused_decode: FusedDecode | None = None  # with the kernels: decode steps in one call
-        # Set by the executor once its start-up check passed: a layer's q/k norm, rotation and
-        # K/V store as one Triton kernel on the triton attention path (triton_prologue.py).
-        self.qkv_prologue: QkvPrologue | None = None
 
     def reset_buffers(self, device: torch.device | str | None = None) -> None:
         """The rotary tables and the expert-load counters (not in checkpoints: made here, on
@@ -198,7 +190,7 @@ class DecoderLM(nn.Module):
         if self.head_panels is not None:  # row-major modules again, to move and re-fuse
             panel_modules.unpack_model(self)
         self.fused = self.packed_head = self.fused_fp32_packed = self.packed_head_fp32 = self.cpu_kernels = None
-        self.fused_decode = self.qkv_prologue = None  # the prologue's stacked norms would stay behind too
+        self.fused_decode = None
         out = super()._apply(fn, recurse)
         if fused:
             self.fuse()

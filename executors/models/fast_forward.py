@@ -47,7 +47,7 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
     if model.cpu_kernels is not None and model.cpu_kernels.attention_accepts(heads, kv_heads, d):
         ctx.cpu = model.cpu_kernels
     # Attention through the Triton kernels: q/k norm, rotation and the K/V store as one kernel.
-    prologue = model.qkv_prologue if ctx.backend == "triton" and ctx.pool is not None else None
+    prologue = ctx.prologue if ctx.backend == "triton" and ctx.pool is not None else None
     for i, w in enumerate(layers):
         sliding = c.window(i) is not None
         h = norm(x, w.input_norm, eps)

@@ -57,7 +57,7 @@ def test_the_captured_step_reads_nothing_on_the_host(family, monkeypatch):
         assert graphs is not None and ex.model.cpu_kernels is None
         from executors.models import triton_attention_launch, triton_prologue
 
-        assert ex.model.qkv_prologue is not None  # its launch is in the step too
+        assert ex.qkv_prologue is not None and graphs.prologue is ex.qkv_prologue  # its launch is in the step too
         monkeypatch.setattr(triton_attention_launch, "_decode_kernel", _NoLaunch())
         monkeypatch.setattr(triton_prologue, "_prologue_kernel", _NoLaunch())
         for b in graphs.buckets:

@@ -100,7 +100,7 @@ def test_an_executor_falls_back_to_the_torch_ops_and_says_why(monkeypatch, caplo
     with caplog.at_level(logging.WARNING, logger="executors.llm"):
         ex = LlmExecutor(cfg, model.to(DEVICE), decode_graphs=False)
     try:
-        assert ex.model.qkv_prologue is None
+        assert ex.qkv_prologue is None
         assert ex.info().metadata["attention_prologue"] == "torch"
         assert "the fused attention prologue is off" in caplog.text and "boom" in caplog.text
         loop = asyncio.new_event_loop()
@@ -109,3 +109,34 @@ def test_an_executor_falls_back_to_the_torch_ops_and_says_why(monkeypatch, caplo
         loop.close()
     finally:
         ex.worker.close()
+
+
+def test_the_config_can_turn_it_off_and_steps_agree_either_way():
+    """triton_prologue=False runs the torch ops (the bench compares the two); the logits of the
+    two executors on the same model agree within float32 rounding."""
+    import asyncio
+
+    from executors.llm import LlmExecutor, LlmExecutorConfig
+    from executors.types import DecodeInput, PrefillInput
+    from tests.models.test_cpu_paths import BLOCK, tiny_model
+
+    model = tiny_model("qwen3").to(DEVICE)
+    executors = [LlmExecutor(LlmExecutorConfig(model_dir="/nonexistent/qwen3", block_size=BLOCK, num_blocks=16,
+                                               device=DEVICE, dtype="float32", max_batch_size=2,
+                                               attention_backend="triton", max_sequence_length=64,
+                                               triton_prologue=on), model, decode_graphs=False)
+                 for on in (True, False)]
+    loop = asyncio.new_event_loop()
+    try:
+        assert [ex.info().metadata["attention_prologue"] for ex in executors] == ["triton", "torch"]
+        logits = []
+        for ex in executors:
+            out = loop.run_until_complete(ex.prefill(PrefillInput(input_ids=[5, 9, 2, 7, 1])))
+            step = loop.run_until_complete(ex.decode(DecodeInput(token_id=4, kv_cache=out.kv_cache)))
+            logits.append((out.logits.logits, step.logits.logits))
+        for a, b in zip(*logits):
+            torch.testing.assert_close(torch.from_numpy(a.array), torch.from_numpy(b.array), atol=1e-5, rtol=1e-5)
+    finally:
+        loop.close()
+        for ex in executors:
+            ex.worker.close()
