@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import triton
 
-from executors.models.triton_attention_kernels import _decode_kernel, _prefill_kernel
+from executors.models.triton_attention_kernels import _decode_kernel, _merge_kernel, _prefill_kernel
 from executors.models.triton_attention_launch import interpreted
 
 
@@ -57,6 +57,11 @@ def compile_for(capability: int, dtype: str = "bf16", head_dim: int = 128, group
     compiled = triton.compile(ASTSource(_prefill_kernel, signature(_prefill_kernel, pointers, constants), constants),
                               target=target)
     shared["prefill"] = compiled.metadata.shared
+    constants = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=8)
+    pointers = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{dtype}", "rows_ptr": "*i32"}
+    compiled = triton.compile(ASTSource(_merge_kernel, signature(_merge_kernel, pointers, constants), constants),
+                              target=target)
+    shared["merge"] = compiled.metadata.shared
     from executors.models.triton_prologue import _prologue_kernel  # the attention prologue's kernel
 
     for qk_norm in (True, False):

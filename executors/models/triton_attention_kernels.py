@@ -10,8 +10,8 @@ key by key through each sequence's block table, with an online (flash) softmax i
 - `_decode_kernel` (launched by `paged_decode`): one new token per sequence. One program per
   (sequence, KV head, context partition) computes all the query heads that share the KV head
   at once (grouped-query attention without repeating K and V). Long contexts at small batch
-  split over partitions (flash-decoding), merged exactly by log-sum-exp afterwards; the
-  partition count is a launch argument, so a CUDA graph can fix it once.
+  split over partitions (flash-decoding), merged exactly by log-sum-exp afterwards by
+  `_merge_kernel`; the partition count is a launch argument, so a CUDA graph can fix it once.
 
 The new tokens' K and V are written into the pool (by slot mapping) before a kernel runs,
 so the kernels read every key from the pool. Keys past a sequence's length are masked out
@@ -174,3 +174,26 @@ def _decode_kernel(
     else:
         tl.store(out_ptr + row * stride_om + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, rows_ptr, parts,
+                  stride_pb, stride_ph, stride_pp, stride_lb, stride_lh, stride_om, stride_oh,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The decode kernel's partitions of one (sequence, query head) merged exactly: each
+    partition's output weighted by 2^(lse_p - log2-sum-exp2 over partitions). One launch for
+    what took five torch ops (softmax, multiply, sum, cast, index_copy) a layer."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, BLOCK_D)
+    p_mask = offs_p < parts
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + offs_p, mask=p_mask, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, axis=0))  # partition 0 always saw a key: the max is finite
+    weight = weight / tl.sum(weight, axis=0)
+    part_out = tl.load(part_out_ptr + b * stride_pb + h * stride_ph + offs_p[:, None] * stride_pp + offs_d[None, :],
+                       mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+    merged = tl.sum(part_out * weight[:, None], axis=0)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    tl.store(out_ptr + row * stride_om + h * stride_oh + offs_d, merged.to(out_ptr.dtype.element_ty), mask=d_mask)

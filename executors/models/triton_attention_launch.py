@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from executors.models.triton_attention_kernels import _decode_kernel, _prefill_kernel
+from executors.models.triton_attention_kernels import _decode_kernel, _merge_kernel, _prefill_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -186,8 +186,10 @@ def paged_decode(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SPLIT=split, IEEE=q.dtype == torch.float32,
     )
-    if split:
-        # Exact merge: each partition's weight is 2^(lse_p - log2-sum-exp2 over partitions).
-        weights = torch.softmax(part_lse * math.log(2.0), dim=-1).unsqueeze(-1)
-        merged = (part_out * weights).sum(2).to(out.dtype)
-        out.index_copy_(0, launch.rows.long(), merged)
+    if split:  # exact: each partition's weight is 2^(lse_p - log2-sum-exp2 over partitions)
+        _merge_kernel[(batch, heads)](
+            part_out, part_lse, out, launch.rows, parts,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_P=max(2, triton.next_power_of_2(parts)),
+        )
