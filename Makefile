@@ -12,7 +12,7 @@ TORCH_PIN := $(shell grep -E '^torch==' requirements.txt)
 TORCH_VERSION := $(patsubst torch==%,%,$(TORCH_PIN))
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: serve test venv install install-torch install-test install-node check-node model protos bench gpu-check
+.PHONY: serve test venv install install-torch install-test install-node check-node model protos bench gpu-check gpu-wheels
 
 serve: install model
 	$(PY) -m service $(ARGS)
@@ -104,6 +104,14 @@ bench: install model
 # is itself a venv) and adds only requirements-gpu.txt. Offline, with those as wheels in DIR:
 # `make gpu-check PIP_FLAGS="--no-index --find-links DIR"`.
 GPU_VENV := .venv-gpu
+# requirements-gpu.txt as wheels for an offline GPU machine's python (3.12 on the lent H100s),
+# into .whl (git-ignored): run where an index answers, then carry .whl to that machine.
+GPU_PYTHON_VERSION ?= 3.12
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --disable-pip-version-check --only-binary=:all: \
+		--python-version $(GPU_PYTHON_VERSION) --implementation cp --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform manylinux1_x86_64 --platform any -d .whl -r requirements-gpu.txt
 gpu-check:
 	$(PYTHON) -m bench.gpu_venv $(GPU_VENV)
 	$(PYTHON) -m pip --python $(GPU_VENV)/bin/python install --quiet --disable-pip-version-check $(PIP_FLAGS) \

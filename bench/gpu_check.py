@@ -8,19 +8,22 @@ On a CUDA machine, in under 10 minutes:
    real servers (`python -m service --device cuda`) for tiny Qwen3, Llama and Qwen2 models
    in float32 and bfloat16, every RPC through the real client against transformers in
    float32 on the CPU;
-3. bench part (e) on the Qwen3-0.6B-shaped model in bfloat16 (bench/gpu.py), and with
-   `--offline` also the offline-throughput part (bench/offline.py, ~3 more minutes).
+3. bench part (e) on the Qwen3-0.6B-shaped model in bfloat16 (bench/gpu.py, ~3 minutes), with
+   `--offline` also the offline-throughput part (bench/offline.py, ~3 more), and with
+   `--profile` where a decode step's time goes (bench/gpu_profile.py, ~1 more).
 
 It writes one report, <out>/<date>-gpu-check-<gpu>.txt, and beside it the JSON of the
 environment, every test's outcome and the bench rows. Each stage runs in a process of its
-own under a time limit (`--budget-s` in all), so a stage that hangs or crashes is reported
-and the next one still runs. The exit status is 0 when every test passed.
+own under a time limit (`--budget-s` in all, of which each later stage keeps its share), so
+a stage that hangs or crashes is reported and the next one still runs; test outcomes and
+bench rows are written as they come, so a stopped stage keeps what it measured. The exit
+status is 0 when every stage finished and every test passed.
 
-A GPU machine without a package index gets requirements-gpu.txt as wheels, downloaded where
-an index answers for the machine's Python (here 3.12):
-    pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-        --platform manylinux_2_17_x86_64 -d .whl -r requirements-gpu.txt
-then, there: `make gpu-check PIP_FLAGS="--no-index --find-links .whl"` (.whl is git-ignored).
+A GPU machine without a package index gets requirements-gpu.txt as wheels: `make gpu-wheels`
+where an index answers (for Python 3.12; GPU_PYTHON_VERSION=... for another) fills .whl
+(git-ignored), then, there: `make gpu-check PIP_FLAGS="--no-index --find-links .whl"`.
+Run 20 in bench/RESULTS.md used `ARGS="--out DIR --offline --budget-s 550 --bench-s 220
+--offline-s 140"` on an H100 (486 s).
 """
 
 from __future__ import annotations
@@ -147,6 +150,8 @@ def report(results: dict) -> str:
     bench = results.get("bench", {})
     if any(bench.values()):
         lines += [""] + table_lines(bench.get("gpu", []) + bench.get("offline", []))
+    if results.get("profile"):
+        lines += ["", "where a decode step's time goes (bench/gpu_profile.py): the -profile.txt beside this"]
     return "\n".join(lines) + "\n"
 
 
@@ -159,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offline", action="store_true", help="also the offline-throughput bench part")
     p.add_argument("--offline-s", type=float, default=150,
                    help="with --offline, kept for that part (default %(default)s)")
+    p.add_argument("--profile", action="store_true",
+                   help="also where a decode step's time goes (bench/gpu_profile.py), into <stem>-profile.txt")
+    p.add_argument("--profile-s", type=float, default=90, help="with --profile, kept for it (default %(default)s)")
     p.add_argument("--skip-tests", action="store_true", help="the environment and the bench only")
     p.add_argument("--skip-bench", action="store_true", help="the environment and the tests only")
     args = p.parse_args(argv)
@@ -181,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         stem = next(f"{stem}-{n}" for n in itertools.count(2) if not (out / f"{stem}-{n}.txt").exists())
     # Each stage's limit is what is left less what the later stages keep, so time one stage does
     # not use goes to the next, and a stage that hangs cannot starve the ones after it.
-    parts = [] if args.skip_bench else ["gpu"] + (["offline"] if args.offline else [])
-    kept = {"gpu": args.bench_s, "offline": args.offline_s}
+    parts = ([] if args.skip_bench else ["gpu"] + (["offline"] if args.offline else [])) + (
+        ["profile"] if args.profile else [])
+    kept = {"gpu": args.bench_s, "offline": args.offline_s, "profile": args.profile_s}
     if not args.skip_tests:
         outcomes = out / f"{stem}-tests.jsonl"
         outcomes.unlink(missing_ok=True)
@@ -197,13 +206,19 @@ def main(argv: list[str] | None = None) -> int:
         outcomes.unlink(missing_ok=True)
     results["bench"] = {}
     for i, part in enumerate(parts):
+        limit = max(left() - sum(kept[x] for x in parts[i + 1:]), 60)
+        if part == "profile":
+            tables = out / f"{stem}-profile.txt"
+            results["stages"].append(run_stage(part, [sys.executable, "-m", "bench.gpu_profile", "--out", str(tables)],
+                                               limit, out / f"{stem}-profile.log"))
+            results["profile"] = tables.read_text() if tables.is_file() else None
+            continue
         rows_file = out / f"{stem}-{part}.jsonl"
         rows_file.unlink(missing_ok=True)
         results["stages"].append(run_stage(part, [sys.executable, "-m", "bench", "--parts", part, "--no-plots",
                                                   "--rows-jsonl", str(rows_file),
                                                   "--out", str(out / f"{stem}-{part}-suite.json")],
-                                           max(left() - sum(kept[x] for x in parts[i + 1:]), 60),
-                                           out / f"{stem}-{part}.log"))
+                                           limit, out / f"{stem}-{part}.log"))
         from bench.gpu_report import read_rows
 
         results["bench"][part] = read_rows(rows_file)

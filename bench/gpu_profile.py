@@ -5,7 +5,7 @@ bench/gpu.py says how long a step takes; this says why, for the next change:
   of a step that the graph itself runs in a fraction of;
 - the device side of eager steps (torch.profiler, CUDA activity): which kernels take the
   step's device time, without graphs, at batch 1 and 32.
-Tables go to stdout and, with --out DIR, to DIR/gpu-profile.txt. `--device cpu --shape tiny`
+Tables go to stdout and, with --out FILE, to FILE. `--device cpu --shape tiny`
 is a dry run of this code (the CPU activity only).
 """
 
@@ -114,9 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     p.add_argument("--steps", type=int, default=200, help="decode steps under cProfile (default %(default)s)")
-    p.add_argument("--out", default=None, help="also write DIR/gpu-profile.txt")
+    p.add_argument("--out", default=None, help="also write the tables to this file")
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        print("skipped: no GPU (--device cpu --shape tiny runs this code on a CPU)")
+        if args.out:
+            Path(args.out).write_text("skipped: no GPU\n")
+        return 0
     shape = SHAPES[args.shape]
     size = Sizes(decode_batches=(32,), max_seq=4096) if cuda else DRY_RUN
     backend = "triton" if cuda else "sdpa"
@@ -148,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             sections.append(f"-- capture diagnosis failed: {type(e).__name__}: {e}")
         print(sections[-1], flush=True)
     if args.out:
-        Path(args.out, "gpu-profile.txt").write_text("\n\n".join(sections) + "\n")
+        Path(args.out).write_text("\n\n".join(sections) + "\n")
     return 0
 
 

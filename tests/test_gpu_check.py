@@ -66,17 +66,37 @@ def test_the_report_names_failures_budgets_and_targets():
 def test_the_check_runs_its_stages_and_keeps_what_a_stopped_stage_made(tmp_path):
     """The whole check on a CPU, tests left out: the environment, bench part (e) in a stage of its
     own (which finds no GPU), the report and its JSON."""
-    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--skip-tests", "--out", str(tmp_path),
-                           "--budget-s", "200", "--bench-s", "100"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    (report,) = tmp_path.glob("*-gpu-check-*.txt")
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--skip-tests", "--profile", "--out",
+                           str(tmp_path), "--budget-s", "200", "--bench-s", "100", "--profile-s", "60"],
+                          check=False, cwd=REPO, capture_output=True, text=True, timeout=300)
+    (report,) = [p for p in tmp_path.glob("*-gpu-check-*.txt") if not p.name.endswith("-profile.txt")]
     text = report.read_text()
-    assert "gpu      ok" in text and "skipped: no GPU" in text, text
+    assert "gpu      ok" in text and "profile  ok" in text and "skipped: no GPU" in text, text
     results = json.loads(report.with_suffix(".json").read_text())
     assert results["bench"]["gpu"] == [{"skipped": "no GPU"}]
-    assert results["environment"]["cuda_available"] is False
-    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".log", ".txt"]
+    assert results["environment"]["cuda_available"] is False and results["profile"] == "skipped: no GPU\n"
+    assert sorted(p.name.removeprefix(report.stem) for p in tmp_path.iterdir()) == [
+        "-gpu.log", "-profile.log", "-profile.txt", ".json", ".txt"]
     assert done.returncode == 0, done.stdout[-2000:]
+    # A second run that day gets a name of its own.
+    again = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--skip-tests", "--out", str(tmp_path),
+                            "--budget-s", "100", "--bench-s", "60"], check=False, cwd=REPO, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0 and (tmp_path / f"{report.stem}-2.txt").is_file()
+
+
+def test_the_profile_runs_on_a_cpu(tmp_path):
+    """bench/gpu_profile.py's host and operator tables, on a tiny model on the CPU (a dry run)."""
+    out = tmp_path / "profile.txt"
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_profile", "--device", "cpu", "--shape", "tiny",
+                           "--steps", "5", "--out", str(out)], check=False, cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = out.read_text()
+    for section in ("-- host, batch 1, 5 steps", "-- host, batch 4", "-- device, batch 1, 3 eager steps",
+                    "-- device, batch 4"):
+        assert section in text, text[:2000]
+    assert "run_step" in text  # the executor's own step shows in the host profile
 
 
 def test_rows_reach_the_file_as_they_are_made(tmp_path):
