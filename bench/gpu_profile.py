@@ -4,7 +4,9 @@ bench/gpu.py says how long a step takes; this says why, for the next change:
 - the host side of batch_decode (cProfile, from the executor's worker thread) over many steps replayed from the decode CUDA graphs: Python's share
   of a step that the graph itself runs in a fraction of;
 - the device side of eager steps (torch.profiler, CUDA activity): which kernels take the
-  step's device time, without graphs, at batch 1 and 32.
+  step's device time, without graphs, at batch 1 and 32;
+- where eager steps synchronize with the device (CUDA's sync-debug mode);
+- why a decode-graph capture fails, if it does (last).
 Tables go to stdout and, with --out FILE, to FILE. `--device cpu --shape tiny`
 is a dry run of this code (the CPU activity only).
 """
@@ -88,7 +90,7 @@ def capture_diagnosis(model, device: str) -> str:
     ex = new_executor(model, device, "triton", True, size)
     lines = [f"-- capture: the executor's graphs: {ex.graphs.captured if ex.graphs else None}"]
     try:
-        graphs = DecodeGraphs(ex.model, ex.pool, 4, 4096, capture=False)
+        graphs = DecodeGraphs(ex.model, ex.pool, 4, 4096, capture=False, prologue=ex.qkv_prologue)
         graphs._step(1)  # compiles first
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -100,13 +102,37 @@ def capture_diagnosis(model, device: str) -> str:
         finally:
             torch.cuda.set_sync_debug_mode(0)
         try:
-            DecodeGraphs(ex.model, ex.pool, 4, 4096, capture=True)
+            DecodeGraphs(ex.model, ex.pool, 4, 4096, capture=True, prologue=ex.qkv_prologue)
             lines.append("capture of buckets 1, 2, 4: ok")
         except Exception:  # noqa: BLE001
             lines.append("capture:\n" + traceback.format_exc())
     finally:
         ex.worker.close()
     return "\n".join(lines)
+
+
+def sync_report(loop: Loop, ex, vocab: int) -> str:
+    """Where eager steps wait for the device (CUDA's sync-debug mode, warning at each
+    synchronizing op): a batch_prefill of two prompts and two batch_decode steps. A step
+    returns ids to the host once by design; anything else is a stall to look at."""
+    import collections
+    import warnings
+
+    counts: collections.Counter = collections.Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            handles = _steps(loop, ex, _prefilled(loop, ex, 2, vocab), 2)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            counts[f"{Path(w.filename).name}:{w.lineno}"] += 1
+    for h in handles:
+        loop.run(ex.release_cache(h.cache_id))
+    rows = [f"    {n:4d}  {where}" for where, n in counts.most_common(25)]
+    return "-- syncs in an eager batch_prefill of 2 and 2 decode steps (count, where)\n" + "\n".join(rows or ["    none"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     for b in (1, 32 if cuda else 4):
                         sections.append(device_profile(loop, ex, b, shape["vocab_size"], args.device))
+                        print(sections[-1], flush=True)
+                    if cuda:
+                        sections.append(sync_report(loop, ex, shape["vocab_size"]))
                         print(sections[-1], flush=True)
             finally:
                 ex.worker.close()

@@ -81,6 +81,7 @@ def prologue(qkv: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ke
     q = qkv.new_empty(m, heads, head_dim)
     if m == 0:
         return q
+    positions, slots = positions.contiguous(), slots.contiguous()  # read with unit stride (views: no copy)
     _prologue_kernel[(m, heads + 2 * kv_heads)](
         qkv, q, key, value, slots, positions, cos, signed_sin, norms if norms is not None else cos,
         qkv.stride(0), q.stride(0), q.stride(1), key.stride(0), key.stride(1), cos.stride(0), eps,
