@@ -49,8 +49,8 @@ class Sizes:
     prefill_prompts: int = 32
     grpc_batch: int = 32
     hf_batches: tuple[int, ...] = (1, 32)
-    # (attention backend, CUDA graphs, the fused attention prologue); the last is the fast path
-    # that the later sections use, the one before it the same without the prologue's kernel.
+    # (attention backend, CUDA graphs, the fused prologue and GLU kernels); the last is the fast
+    # path that the later sections use, the one before it the same without the fused kernels.
     variants: tuple[tuple[str, bool, bool], ...] = (("sdpa", False, False), ("triton", False, True),
                                                     ("triton", True, False), ("triton", True, True))
 
@@ -61,7 +61,7 @@ DRY_RUN = Sizes(decode_batches=(1, 4), max_seq=256, prefill_prompts=4, grpc_batc
 
 
 def variant_name(backend: str, graphs: bool, prologue: bool = True) -> str:
-    return backend + (" + graphs" if graphs else "") + ("" if prologue or backend != "triton" else ", torch prologue")
+    return backend + (" + graphs" if graphs else "") + ("" if prologue or backend != "triton" else ", unfused")
 
 
 def sizes(args) -> Sizes:
@@ -147,7 +147,7 @@ def new_executor(model, device: str, backend: str, graphs: bool, size: Sizes, pr
                                          max_batch_size=max(size.decode_batches), max_sequence_length=size.max_seq,
                                          prefix_caching=False,
                                          attention_backend=backend, cuda_graphs=graphs,
-                                         triton_prologue=prologue), model)
+                                         triton_fused_ops=prologue), model)
 
 
 def decode_steps(loop: Loop, ex: LlmExecutor, batch: int, reps: int, vocab: int) -> tuple[float, int]:
@@ -180,7 +180,7 @@ def graph_device_ms(ex: LlmExecutor, batch: int) -> float | None:
 
 def bench_decode_variants(loop, model, shape, args, ceilings, rows) -> dict:
     """Decode through each variant (sdpa, triton, triton + graphs with and without the fused
-    prologue); returns {(variant, batch): step ms}."""
+    prologue and GLU kernels); returns {(variant, batch): step ms}."""
     reps = 6 if args.quick else 21
     step_ms: dict[tuple[str, int], float] = {}
     variants = sizes(args).variants
@@ -198,7 +198,7 @@ def bench_decode_variants(loop, model, shape, args, ceilings, rows) -> dict:
                              "graph_device_ms": gpu_ms, "tok_s": b / ms * 1e3, "bytes_per_step": moved,
                              "bandwidth_gb_s": moved / ms / 1e6, "floor_ms": floor_ms, "x_floor": ms / floor_ms})
                 extra = f", graph on the device {gpu_ms:.3f} ms" if gpu_ms is not None else ""
-                print(f"  decode {name:31s} batch {b:2d}: {ms:7.3f} ms/step, {b / ms * 1e3:8.0f} tok/s, "
+                print(f"  decode {name:24s} batch {b:2d}: {ms:7.3f} ms/step, {b / ms * 1e3:8.0f} tok/s, "
                       f"{moved / ms / 1e6:6.0f} GB/s, {ms / floor_ms:.2f}x the floor ({floor_ms:.3f} ms){extra}",
                       flush=True)
             if (backend, graphs, prologue) == variants[-1]:

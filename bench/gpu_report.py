@@ -53,7 +53,7 @@ def table_lines(rows: list[dict]) -> list[str]:
             if x["batch"] == 1 and x["attention"] == "triton + graphs":
                 target = f"  [target <= 1.5x the floor: {_verdict(x['x_floor'] <= 1.5)}]"
             gpu = f", graph {x['graph_device_ms']:.3f} ms on the device" if x.get("graph_device_ms") else ""
-            out.append(f"    decode {x['attention']:31s} batch {x['batch']:2d}: {x['step_ms']:7.3f} ms/step "
+            out.append(f"    decode {x['attention']:24s} batch {x['batch']:2d}: {x['step_ms']:7.3f} ms/step "
                        f"{x['tok_s']:8.0f} tok/s {x['bandwidth_gb_s']:5.0f} GB/s, {x['x_floor']:.2f}x the floor"
                        f"{gpu}{target}")
         elif what == "batch_prefill":

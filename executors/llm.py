@@ -80,9 +80,9 @@ class LlmExecutorConfig:
     # start-up for batch-size buckets (executors/decode_graphs.py).
     cuda_graphs: bool = True
     # With the triton backend: a layer's q/k norm, rotation and K/V store as one Triton kernel
-    # (executors/models/triton_prologue.py) once its start-up check passed; False runs them as
-    # torch ops (the bench's comparison of the two).
-    triton_prologue: bool = True
+    # (executors/models/triton_prologue.py) and the GLU as one (triton_glu.py), each once its
+    # start-up check passed; False runs them as torch ops (the bench compares the two).
+    triton_fused_ops: bool = True
     # float32 on a CPU: decode steps through the AVX2 kernels of executors/cpu_kernels (built
     # with the system C compiler once per machine); off, or where they cannot be built, torch's
     # ops (MKL, oneDNN, SDPA) run them.
@@ -149,19 +149,27 @@ def _attention_backend(config: LlmExecutorConfig, mc: DecoderConfig) -> str:
     raise ValueError(f"attention_backend triton: {problem}")
 
 
-def _qkv_prologue(config: LlmExecutorConfig, model: DecoderLM):
-    """The fused attention prologue (executors/models/triton_prologue.py) once it passed its
-    start-up check at the model's shapes; None, with a warning that says why, otherwise."""
-    from executors.models import triton_prologue
+def _fused_ops(config: LlmExecutorConfig, model: DecoderLM):
+    """The triton path's fused kernels (executors/models/triton_prologue.py, triton_glu.py),
+    each once it passed its start-up check at the model's shapes; None for one that did not,
+    with a warning that says why."""
+    from executors.models import triton_glu, triton_prologue
 
     c = model.config
+    prologue = glu = None
     problem = triton_prologue.self_check(config.device, config.torch_dtype, c.num_heads, c.num_kv_heads, c.head_dim,
                                          qk_norm=any(w.q_norm is not None for w in model.fused))
-    if problem is not None:
+    if problem is None:
+        prologue = triton_prologue.QkvPrologue(model)
+    else:
         log.warning("the fused attention prologue is off, q/k norm, rotation and the K/V store run as torch "
                     "ops: %s", problem)
-        return None
-    return triton_prologue.QkvPrologue(model)
+    problem = triton_glu.self_check(config.device, config.torch_dtype, c.hidden_act)
+    if problem is None:
+        glu = triton_glu.FusedGlu(c.hidden_act)
+    else:
+        log.warning("the fused GLU is off, the activation and the multiply run as torch ops: %s", problem)
+    return prologue, glu
 
 
 def size_pool(config: LlmExecutorConfig, model: DecoderLM, memory_probe: MemoryProbe | None = None,
@@ -215,9 +223,9 @@ class LlmExecutor(KvCacheExecutor):
             raise ValueError("decode graphs need the triton attention backend")
         num_blocks, max_sequence_length = size_pool(config, self.model, memory_probe, reference)
         num_blocks, self.attention_backend = self._agree(num_blocks, self.attention_backend)
-        self.qkv_prologue = None
-        if self.attention_backend == "triton" and config.triton_prologue:
-            self.qkv_prologue = _qkv_prologue(config, self.model)
+        self.qkv_prologue = self.fused_glu = None
+        if self.attention_backend == "triton" and config.triton_fused_ops:
+            self.qkv_prologue, self.fused_glu = _fused_ops(config, self.model)
         super().__init__(
             num_layers=mc.num_layers,
             num_kv_heads=local.num_kv_heads,
@@ -241,7 +249,7 @@ class LlmExecutor(KvCacheExecutor):
 
             try:
                 self.graphs = DecodeGraphs(self.model, self.pool, config.max_batch_size, max_sequence_length,
-                                           capture=cuda, prologue=self.qkv_prologue)
+                                           capture=cuda, prologue=self.qkv_prologue, glu=self.fused_glu)
             except Exception as e:  # a capture that fails leaves eager decode, which works
                 if not cuda:
                     raise
@@ -322,7 +330,7 @@ class LlmExecutor(KvCacheExecutor):
         """The plan's logits ([rows, vocab], float32; None when no row needs them)."""
         logits, applications = run_plan(self.model, self.pool, plan, self.config.device,
                                         backend=self.attention_backend, reference=self.reference,
-                                        prologue=self.qkv_prologue)
+                                        prologue=self.qkv_prologue, glu=self.fused_glu)
         self.loras.projection_applications += applications
         return logits
 
@@ -355,7 +363,8 @@ class LlmExecutor(KvCacheExecutor):
                       # How steps run here: a GPU check (or a person) can see that the Triton
                       # kernels passed their start-up check and which decode graphs were captured.
                       "attention_backend": self.attention_backend,
-                      "attention_prologue": "triton" if self.qkv_prologue is not None else "torch",
+                      "triton_fused_ops": [name for name, op in (("prologue", self.qkv_prologue),
+                                                                 ("glu", self.fused_glu)) if op is not None],
                       "weight_quantization": self.config.quantization,
                       "cuda_graph_buckets": self.graphs.captured if self.graphs is not None else []},
         )

@@ -22,6 +22,7 @@ from executors.step_items import Rows
 from kvcache.kv_pool import PagedKvPool
 
 if TYPE_CHECKING:  # it imports triton
+    from executors.models.triton_glu import FusedGlu
     from executors.models.triton_prologue import QkvPrologue
 
 
@@ -70,14 +71,15 @@ def plan_step(items: Sequence, block_size: int, clear_stale: bool) -> tuple[Step
 
 
 def run_plan(model: DecoderLM, pool: PagedKvPool | None, plan: StepPlan, device, *, backend: str,
-             reference: bool, prologue: QkvPrologue | None = None) -> tuple[torch.Tensor | None, int]:
+             reference: bool, prologue: QkvPrologue | None = None,
+             glu: FusedGlu | None = None) -> tuple[torch.Tensor | None, int]:
     """Run the plan: K and V into the pool, logits of plan.rows (from this model's lm_head,
     a slice of the vocabulary under tensor parallelism), and the LoRA deltas applied."""
     lora = LoraBatch.build([(seg.q_start, seg.q_len, adapter) for seg, adapter in zip(plan.segments, plan.adapters)],
                            plan.num_tokens, device)
     ctx = StepContext(plan.segments, pool, torch.tensor(plan.slots, device=device), reference=reference,
                       zero_slots=torch.tensor(plan.stale, device=device) if plan.stale else None, lora=lora,
-                      backend=backend, prologue=prologue)
+                      backend=backend, prologue=prologue, glu=glu)
     hidden = model.hidden_states(torch.tensor(plan.ids, device=device),
                                  torch.tensor(plan.positions, device=device), ctx)
     applications = lora.applications if lora is not None else 0

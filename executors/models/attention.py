@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from executors.cpu_kernels import CpuKernels
     from executors.lora_batch import LoraBatch
     from executors.models.triton_attention import KernelPlan
+    from executors.models.triton_glu import FusedGlu
     from executors.models.triton_prologue import QkvPrologue
 
 
@@ -110,9 +111,11 @@ class StepContext:
     window_plans: dict[int, AttentionPlan] = field(default_factory=dict)  # sliding layers' plans
     # float32 on a CPU: decode rows attend through the paged kernel (executors/cpu_kernels).
     cpu: CpuKernels | None = None
-    # The triton path: a layer's q/k norm, rotation and K/V store as one kernel
-    # (triton_prologue.QkvPrologue), where the executor's start-up check passed.
+    # The triton path's fused kernels, where the executor's start-up checks passed: a layer's
+    # q/k norm, rotation and K/V store as one (triton_prologue.QkvPrologue), and the gated
+    # MLP's activation-and-multiply as one (triton_glu.FusedGlu).
     prologue: QkvPrologue | None = None
+    glu: FusedGlu | None = None
 
     def layer(self, i: int) -> LayerAttention:
         return self.layers[i] if self.layers else PLAIN

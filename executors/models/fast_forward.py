@@ -46,8 +46,11 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
         c.hidden_act)
     if model.cpu_kernels is not None and model.cpu_kernels.attention_accepts(heads, kv_heads, d):
         ctx.cpu = model.cpu_kernels
-    # Attention through the Triton kernels: q/k norm, rotation and the K/V store as one kernel.
+    # Attention through the Triton kernels: q/k norm, rotation and the K/V store as one kernel,
+    # and the GLU as one.
     prologue = ctx.prologue if ctx.backend == "triton" and ctx.pool is not None else None
+    if ctx.backend == "triton" and ctx.glu is not None:
+        glu = ctx.glu
     for i, w in enumerate(layers):
         sliding = c.window(i) is not None
         h = norm(x, w.input_norm, eps)

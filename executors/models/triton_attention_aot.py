@@ -1,7 +1,7 @@
 """Ahead-of-time compilation of the paged-attention kernels for a GPU that is not here.
 
-`compile_for` builds the kernels of triton_attention_kernels.py (and the attention prologue's
-of triton_prologue.py) for a CUDA compute capability
+`compile_for` builds the kernels of triton_attention_kernels.py (and the fused ones of
+triton_prologue.py and triton_glu.py) for a CUDA compute capability
 with Triton's own compiler and ptxas, as the first launch on such a GPU would, and reports
 each variant's shared memory. The interpreter checks what the kernels compute; this checks
 that they build for real hardware, on a machine without a GPU (README, the tests).
@@ -72,4 +72,12 @@ def compile_for(capability: int, dtype: str = "bf16", head_dim: int = 128, group
         compiled = triton.compile(ASTSource(_prologue_kernel, signature(_prologue_kernel, pointers, constants),
                                             constants), target=target)
         shared[f"prologue{'_norm' if qk_norm else ''}"] = compiled.metadata.shared
+    from executors.models.triton_glu import ACTIVATIONS, BLOCK, _glu_kernel  # the gated MLP's
+
+    for name, act in ACTIVATIONS.items():
+        constants = dict(ACT=act, BLOCK_N=BLOCK)
+        pointers = {"gu_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
+        compiled = triton.compile(ASTSource(_glu_kernel, signature(_glu_kernel, pointers, constants), constants),
+                                  target=target)
+        shared[f"glu_{name}"] = compiled.metadata.shared
     return shared

@@ -8,8 +8,8 @@ step_ops.for_step): every capture failed and batch-1 steps took 21 ms instead of
 
 On a CPU nothing synchronizes, so here the graphs' static-buffer step runs (eagerly, as
 DecodeGraphs does on a CPU) under a torch function mode that refuses those reads, with the
-CPU kernels off as on a GPU and the Triton launches (the attention prologue's and the decode
-kernel's) stubbed out: Triton's interpreter itself copies tensors to the host, and the
+CPU kernels off as on a GPU and the Triton launches (the attention prologue's, the decode
+kernel's and the GLU's) stubbed out: Triton's interpreter itself copies tensors to the host, and the
 launches' host arguments are shapes and numbers.
 """
 
@@ -55,11 +55,13 @@ def test_the_captured_step_reads_nothing_on_the_host(family, monkeypatch):
     try:
         graphs = ex.graphs
         assert graphs is not None and ex.model.cpu_kernels is None
-        from executors.models import triton_attention_launch, triton_prologue
+        from executors.models import triton_attention_launch, triton_glu, triton_prologue
 
-        assert ex.qkv_prologue is not None and graphs.prologue is ex.qkv_prologue  # its launch is in the step too
+        # The fused kernels' launches are in the step too.
+        assert graphs.prologue is ex.qkv_prologue is not None and graphs.glu is ex.fused_glu is not None
         monkeypatch.setattr(triton_attention_launch, "_decode_kernel", _NoLaunch())
         monkeypatch.setattr(triton_prologue, "_prologue_kernel", _NoLaunch())
+        monkeypatch.setattr(triton_glu, "_glu_kernel", _NoLaunch())
         for b in graphs.buckets:
             with RefuseHostReads():
                 logits = graphs._step(b)

@@ -101,7 +101,7 @@ def test_an_executor_falls_back_to_the_torch_ops_and_says_why(monkeypatch, caplo
         ex = LlmExecutor(cfg, model.to(DEVICE), decode_graphs=False)
     try:
         assert ex.qkv_prologue is None
-        assert ex.info().metadata["attention_prologue"] == "torch"
+        assert ex.info().metadata["triton_fused_ops"] == ["glu"]
         assert "the fused attention prologue is off" in caplog.text and "boom" in caplog.text
         loop = asyncio.new_event_loop()
         out = loop.run_until_complete(ex.prefill(PrefillInput(input_ids=[1, 2, 3])))
@@ -112,8 +112,8 @@ def test_an_executor_falls_back_to_the_torch_ops_and_says_why(monkeypatch, caplo
 
 
 def test_the_config_can_turn_it_off_and_steps_agree_either_way():
-    """triton_prologue=False runs the torch ops (the bench compares the two); the logits of the
-    two executors on the same model agree within float32 rounding."""
+    """triton_fused_ops=False runs the torch ops (the bench compares the two); the logits of
+    the two executors on the same model agree within float32 rounding."""
     import asyncio
 
     from executors.llm import LlmExecutor, LlmExecutorConfig
@@ -124,11 +124,11 @@ def test_the_config_can_turn_it_off_and_steps_agree_either_way():
     executors = [LlmExecutor(LlmExecutorConfig(model_dir="/nonexistent/qwen3", block_size=BLOCK, num_blocks=16,
                                                device=DEVICE, dtype="float32", max_batch_size=2,
                                                attention_backend="triton", max_sequence_length=64,
-                                               triton_prologue=on), model, decode_graphs=False)
+                                               triton_fused_ops=on), model, decode_graphs=False)
                  for on in (True, False)]
     loop = asyncio.new_event_loop()
     try:
-        assert [ex.info().metadata["attention_prologue"] for ex in executors] == ["triton", "torch"]
+        assert [ex.info().metadata["triton_fused_ops"] for ex in executors] == [["prologue", "glu"], []]
         logits = []
         for ex in executors:
             out = loop.run_until_complete(ex.prefill(PrefillInput(input_ids=[5, 9, 2, 7, 1])))
