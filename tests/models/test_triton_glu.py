@@ -14,7 +14,7 @@ from tests.conftest import triton_kernels_unrunnable
 pytestmark = pytest.mark.skipif(triton_kernels_unrunnable() is not None, reason=str(triton_kernels_unrunnable()))
 pytest.importorskip("triton")
 
-from executors.models import layers, triton_glu  # noqa: E402 - needs triton
+from executors.models import layers, triton_glu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
