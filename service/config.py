@@ -21,7 +21,8 @@ REFLECTION_MODES = ("on", "off", "authenticated")
 # paged executor would ignore them without a word: given with it, they are refused instead.
 LLM_ONLY_FLAGS = {"model": "--model", "dtype": "--dtype", "device": "--device",
                   "kv_memory_fraction": "--kv-memory-fraction", "attention_backend": "--attention-backend",
-                  "cuda_graphs": "--no-cuda-graphs", "cpu_kernels": "--no-cpu-kernels",
+                  "cuda_graphs": "--no-cuda-graphs", "triton_fused_ops": "--no-fused-kernels",
+                  "cpu_kernels": "--no-cpu-kernels",
                   "quantization": "--quantization", "lora_dir": "--lora-dir",
                   "max_loras": "--max-loras", "max_lora_rank": "--max-lora-rank",
                   "tensor_parallel_size": "--tensor-parallel-size",
@@ -51,6 +52,9 @@ class ServeConfig:
     # CPU; decode steps on CUDA replay CUDA graphs unless cuda_graphs is off.
     attention_backend: str = "auto"
     cuda_graphs: bool = True
+    # The triton path's fused kernels (the attention prologue, the GLU), each once its start-up
+    # check passed; off: those steps run as torch ops.
+    triton_fused_ops: bool = True
     # float32 on a CPU: decode steps through the AVX2 kernels of executors/cpu_kernels (built
     # with the system C compiler once per machine); off, or where they cannot be built, torch's ops.
     cpu_kernels: bool = True
@@ -210,6 +214,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ServeConfig:
                    help="auto: Triton paged-attention kernels on CUDA, torch SDPA on CPU")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly on CUDA instead of replaying captured CUDA graphs")
+    p.add_argument("--no-fused-kernels", dest="triton_fused_ops", action="store_false",
+                   help="with the Triton attention backend: run q/k norm, rotation, the K/V store and the MLP's "
+                        "activation as torch ops instead of the fused Triton kernels")
     p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
                    help="float32 on a CPU: run decode steps on torch's ops (MKL, oneDNN) instead of the "
                         "AVX2 kernels of executors/cpu_kernels (matvecs, norms, paged decode attention)")

@@ -188,6 +188,7 @@ def test_a_stale_unix_socket_is_replaced(tmp_path):
     (["--executor", "paged", "--model", "x"], "--model is a flag of --executor llm"),
     (["--executor", "paged", "--lora-dir=/tmp"], "--lora-dir is a flag of --executor llm"),
     (["--executor", "paged", "--no-cuda-graphs"], "--no-cuda-graphs is a flag of --executor llm"),
+    (["--executor", "paged", "--no-fused-kernels"], "--no-fused-kernels is a flag of --executor llm"),
     (["--executor", "paged", "--max-loras", "8"], "--max-loras is a flag of --executor llm"),
 ])
 def test_bad_flags_are_refused(args, message, capsys):
@@ -200,6 +201,10 @@ def test_bad_flags_are_refused(args, message, capsys):
 def test_flags_of_the_executor_chosen_are_taken():
     assert parse_args(["--device", "cuda:1", "--no-cuda-graphs", "--max-loras", "3", "--grace-seconds", "3600"]) \
         == ServeConfig(device="cuda:1", cuda_graphs=False, max_loras=3, grace_seconds=3600)
+    assert parse_args(["--no-fused-kernels"]) == ServeConfig(triton_fused_ops=False)
+    from service.server import llm_config
+
+    assert llm_config(ServeConfig(triton_fused_ops=False)).triton_fused_ops is False
     assert parse_args(["--executor", "paged", "--num-blocks", "8", "--block-size", "4"]) \
         == ServeConfig(executor="paged", num_blocks=8, block_size=4)
 

@@ -184,8 +184,10 @@ def test_info_says_where_and_how_it_runs(served):
         # The Triton kernels passed their start-up check and every decode bucket was captured.
         assert meta["attention_backend"] == "triton"
         assert meta["cuda_graph_buckets"] == [1, 2, 4, 8]
+        # The fused kernels passed their start-up checks on this device.
+        assert meta["triton_fused_ops"] == ["prologue", "glu"]
     log = served.server.output()
-    assert "are off" not in log and "Traceback" not in log, log[-3000:]
+    assert "are off" not in log and "is off" not in log and "Traceback" not in log, log[-3000:]
 
 
 def test_prefill_chunks_and_decode_across_blocks(served):
