@@ -92,11 +92,15 @@ def torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 def _torch_rotate(positions: torch.Tensor, rope: RotaryEmbedding, rope_local: RotaryEmbedding | None,
                   dtype: torch.dtype) -> Rotate:
-    tables = rope.tables(positions, dtype)  # looked up once per step, not per layer
-    local = rope_local.tables(positions, dtype) if rope_local is not None else tables
+    # Looked up once per step, not per layer, and only once a layer rotates (a step whose
+    # layers all run the fused prologue of triton_prologue.py launches no lookup at all).
+    looked_up: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def rotate(x: torch.Tensor, sliding: bool) -> torch.Tensor:
-        cos, sin = local if sliding else tables
+        local = sliding and rope_local is not None
+        if local not in looked_up:
+            looked_up[local] = (rope_local if local else rope).tables(positions, dtype)
+        cos, sin = looked_up[local]
         return apply_rope(x, cos, sin)
     return rotate
 
