@@ -66,7 +66,7 @@ def describe_failure(error: BaseException) -> str:
     tb = first.__traceback__
     while tb is not None:
         path = Path(tb.tb_frame.f_code.co_filename).resolve()
-        if path.is_relative_to(root) and root / ".venv" not in path.parents:
+        if path.is_relative_to(root) and "site-packages" not in path.parts:  # not a venv's packages
             where = f" at {path.relative_to(root)}:{tb.tb_lineno} ({tb.tb_frame.f_code.co_name})"
         tb = tb.tb_next
     message = str(first).splitlines()[0] if str(first) else ""

@@ -190,7 +190,7 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, rows_ptr, parts,
     p_mask = offs_p < parts
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + offs_p, mask=p_mask, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, axis=0))  # partition 0 always saw a key: the max is finite
+    weight = tl.exp2(lse - tl.max(lse, axis=0))  # the row's own key is in one partition: the max is finite
     weight = weight / tl.sum(weight, axis=0)
     part_out = tl.load(part_out_ptr + b * stride_pb + h * stride_ph + offs_p[:, None] * stride_pp + offs_d[None, :],
                        mask=p_mask[:, None] & d_mask[None, :], other=0.0)
