@@ -100,6 +100,28 @@ def test_decode_rows_over_paged_contexts(heads, kv_heads, head_dim, block_size, 
 
 
 @needs_kernels
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_decode_partitions_wholly_before_a_sliding_window(partitions):
+    """A window of 8 over 97 keys in 3 partitions of 48: the first sees no key (its log-sum-exp
+    is -inf) and the merge must weigh it 0, as with partitions past a length."""
+    block_size, lengths, window = 16, [97, 5], 8
+    tables = scattered_tables(lengths, block_size, 20)
+    key, value = make_pool(20, block_size, 2, 16)
+    q = torch.randn(2, 4, 16, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    ta.paged_decode(q, key, value, out, ta.decode_launch([0, 1], tables, lengths, block_size, 2, DEVICE,
+                                                         partitions=partitions), window=window)
+    for r, (table, n) in enumerate(zip(tables, lengths)):
+        lo = max(0, n - window)
+        shifted = [table[p // block_size] for p in range(lo, n)]  # the window's keys, as their own table
+        k = torch.stack([key[b, p % block_size] for b, p in zip(shifted, range(lo, n))])
+        v = torch.stack([value[b, p % block_size] for b, p in zip(shifted, range(lo, n))])
+        want = F.scaled_dot_product_attention(q[r:r + 1].transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                              v.transpose(0, 1)[None], enable_gqa=True)[0].transpose(0, 1)
+        torch.testing.assert_close(out[r:r + 1], want, atol=1e-5, rtol=0)
+
+
+@needs_kernels
 def test_keys_past_a_length_are_never_read():
     """NaN in every slot past each sequence's end (a block's stale tail) must not reach the output."""
     block_size, lengths = 8, [3, 13, 30]
