@@ -17,6 +17,7 @@ them at start-up. Importing this module needs the `triton` package.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -26,6 +27,11 @@ import triton
 from executors.models.triton_attention_kernels import _decode_kernel, _merge_kernel, _prefill_kernel
 
 LOG2E = 1.4426950408889634
+log = logging.getLogger(__name__)
+# The partition merge's kernel came after the attention kernels' first GPU run: should it fail
+# to build or launch on a device, torch's ops merge instead (once warned), rather than the
+# start-up check turning the whole triton backend off.
+_merge_kernel_failed: list[str] = []
 
 
 def interpreted() -> bool:
@@ -186,10 +192,26 @@ def paged_decode(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
         SPLIT=split, IEEE=q.dtype == torch.float32,
     )
-    if split:  # exact: each partition's weight is 2^(lse_p - log2-sum-exp2 over partitions)
-        _merge_kernel[(batch, heads)](
-            part_out, part_lse, out, launch.rows, parts,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_P=max(2, triton.next_power_of_2(parts)),
-        )
+    if split:
+        merge_partitions(part_out, part_lse, out, launch.rows)
+
+
+def merge_partitions(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, rows: torch.Tensor) -> None:
+    """out[rows[b], h] = the partitions of (b, h) merged exactly: each partition's output weighted
+    by 2^(lse_p - log2-sum-exp2 over partitions). One kernel; torch's ops if it cannot run."""
+    batch, heads, parts, d = part_out.shape
+    if not _merge_kernel_failed:
+        try:
+            _merge_kernel[(batch, heads)](
+                part_out, part_lse, out, rows, parts,
+                part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+                out.stride(0), out.stride(1),
+                HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_P=max(2, triton.next_power_of_2(parts)),
+            )
+            return
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot build here: the torch ops below
+            _merge_kernel_failed.append(f"{type(e).__name__}: {e}")
+            log.warning("the decode partitions' merge kernel failed, torch ops merge them instead: %s",
+                        _merge_kernel_failed[0])
+    weights = torch.softmax(part_lse * math.log(2.0), dim=-1).unsqueeze(-1)
+    out.index_copy_(0, rows.long(), (part_out * weights).sum(2).to(out.dtype))

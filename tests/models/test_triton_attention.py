@@ -189,3 +189,30 @@ def test_the_kernels_compile_for_an_h100_without_one():
     # An H100 block's shared memory; the small fused kernels may need none.
     assert all(0 < shared[k] <= 227 * 1024 for k in ("decode", "decode_split", "prefill")), shared
     assert all(0 <= shared[k] <= 227 * 1024 for k in set(shared) - {"decode", "decode_split", "prefill"}), shared
+
+
+@needs_kernels
+def test_the_merge_falls_back_to_torch_ops_when_its_kernel_cannot_run(monkeypatch, caplog):
+    from executors.models import triton_attention_launch as launch_module
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("no such kernel here")
+            return launch
+
+    monkeypatch.setattr(launch_module, "_merge_kernel", Broken())
+    monkeypatch.setattr(launch_module, "_merge_kernel_failed", [])
+    lengths, block_size = [40, 9], 16
+    tables = scattered_tables(lengths, block_size, 20)
+    key, value = make_pool(20, block_size, 2, 16)
+    q = torch.randn(2, 4, 16, device=DEVICE)
+    for _ in range(2):  # warned once, then the torch ops without trying again
+        out = torch.zeros_like(q)
+        with caplog.at_level("WARNING"):
+            ta.paged_decode(q, key, value, out, ta.decode_launch([0, 1], tables, lengths, block_size, 2, DEVICE,
+                                                                 partitions=3))
+        for r, (table, n) in enumerate(zip(tables, lengths)):
+            torch.testing.assert_close(out[r:r + 1], reference(q[r:r + 1], key, value, table, n, n - 1),
+                                       atol=1e-5, rtol=0)
+    assert caplog.text.count("merge kernel failed") == 1 and "no such kernel here" in caplog.text
