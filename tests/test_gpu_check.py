@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import gpu_check
 
 REPO = Path(__file__).resolve().parent.parent
@@ -110,3 +112,17 @@ def test_rows_reach_the_file_as_they_are_made(tmp_path):
     rows.append({"what": "decode"})
     assert read_rows(tmp_path / "rows.jsonl") == [{"what": "ceilings", "copy_gb_s": 1.0}]
     assert list(rows) == [{"what": "ceilings", "copy_gb_s": 1.0}, {"what": "decode"}]
+
+
+def test_the_gemv_bench_runs_on_a_cpu(tmp_path):
+    """bench/gpu_gemv.py on tiny shapes in Triton's interpreter (a dry run: the kernel's answers
+    are checked, the times are not worth reading)."""
+    pytest.importorskip("triton")
+    out = tmp_path / "gemv.json"
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_gemv", "--device", "cpu", "--out", str(out)],
+                          check=False, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert {r["matmul"] for r in rows} == {"qkv", "o", "gate_up", "down", "lm_head"}
+    assert all(r["triton"]["16x32/4"]["rel_err"] < 1e-5 for r in rows)

@@ -1,7 +1,7 @@
 """Ahead-of-time compilation of the paged-attention kernels for a GPU that is not here.
 
 `compile_for` builds the kernels of triton_attention_kernels.py (and the fused ones of
-triton_prologue.py and triton_glu.py) for a CUDA compute capability
+triton_prologue.py and triton_glu.py, and triton_gemv.py's) for a CUDA compute capability
 with Triton's own compiler and ptxas, as the first launch on such a GPU would, and reports
 each variant's shared memory. The interpreter checks what the kernels compute; this checks
 that they build for real hardware, on a machine without a GPU (README, the tests).
@@ -80,4 +80,11 @@ def compile_for(capability: int, dtype: str = "bf16", head_dim: int = 128, group
         compiled = triton.compile(ASTSource(_glu_kernel, signature(_glu_kernel, pointers, constants), constants),
                                   target=target)
         shared[f"glu_{name}"] = compiled.metadata.shared
+    from executors.models.triton_gemv import _gemv_kernel  # the few-row matmul (bench.gpu_gemv)
+
+    constants = dict(HAS_BIAS=False, HAS_RES=True, BLOCK_M=1, BLOCK_N=16, BLOCK_K=256)
+    pointers = {name: f"*{dtype}" for name in ("x_ptr", "w_ptr", "bias_ptr", "res_ptr", "out_ptr")}
+    compiled = triton.compile(ASTSource(_gemv_kernel, signature(_gemv_kernel, pointers, constants), constants),
+                              target=target)
+    shared["gemv"] = compiled.metadata.shared
     return shared
