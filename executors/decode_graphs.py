@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from executors.logits import argmax_pairs
 from executors.models.attention import StepContext
 from executors.models.decoder import DecoderLM
 from executors.models.triton_attention import DecodeLaunch, KernelPlan, decode_partitions, partition_length
@@ -99,7 +100,8 @@ class DecodeGraphs:
         self._int = torch.zeros(largest, self.table_width, dtype=torch.int32, device=dev)
         self._rows = torch.arange(largest, dtype=torch.int32, device=dev)
         self._copied = torch.cuda.Event() if pinned else None
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        # Per bucket: the graph, and its static outputs (logits, argmax pairs).
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor] | None]] = {}
         # Fixed per bucket, for the longest sequence: the kernel skips partitions past a row's length.
         self._partitions = {b: decode_partitions(b, pool.num_kv_heads, max_sequence_length, dev)
                             for b in self.buckets}
@@ -132,15 +134,18 @@ class DecodeGraphs:
         self._long_np[3, lo:hi] = 1
         self._int_np[lo:hi, 0] = scratch
 
-    def _step(self, b: int) -> torch.Tensor:
-        """The decode step of the first b rows of the static buffers: logits [b, vocab]."""
+    def _step(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step of the first b rows of the static buffers: logits [b, vocab], and each
+        row's argmax id and log-probability ([2, b] float64, logits.argmax_pairs): an ARGMAX
+        step then needs nothing after the replay but one copy to the host."""
         parts = self._partitions[b]
         launch = DecodeLaunch(self._rows[:b], self._int[:b], self._long[3, :b], parts,
                               partition_length(self.max_sequence_length, parts))
         ctx = StepContext([], self.pool, self._long[2, :b], backend="triton", kernel_plan=KernelPlan(None, launch),
                           prologue=self.prologue, glu=self.glu)
         hidden = self.model.hidden_states(self._long[0, :b], self._long[1, :b], ctx)
-        return self.model.logits(hidden)
+        logits = self.model.logits(hidden)
+        return logits, argmax_pairs(logits)
 
     def _capture(self) -> None:
         log.info("capturing decode CUDA graphs for batch sizes %s, then replaying those up to %d rows against "
@@ -167,17 +172,19 @@ class DecodeGraphs:
         """Replay against the eager step on n rows of distinct tokens and lengths, all in the
         scratch block: a capture that went wrong raises here, at start-up, not in a reply."""
         scratch, bs = self.pool.scratch_block, self.pool.block_size
-        got = self.run(list(range(1, n + 1)), list(range(n)), [scratch * bs + i for i in range(n)],
-                       [[scratch]] * n).clone()
-        want = self._step(self.bucket(n))[:n]
+        got, got_pairs = (t.clone() for t in self.run(list(range(1, n + 1)), list(range(n)),
+                                                      [scratch * bs + i for i in range(n)], [[scratch]] * n))
+        want = self._step(self.bucket(n))[0][:n]
         err, scale = (got - want).abs().max().item(), want.abs().max().item()
         if not err <= 1e-3 * max(scale, 1.0):
             raise RuntimeError(f"the decode graph of {n} rows gives logits {err:.3g} away from the eager step's")
+        if not torch.equal(got_pairs[0], got.argmax(-1).double()) or not torch.isfinite(got_pairs[1]).all():
+            raise RuntimeError(f"the decode graph of {n} rows gives argmax ids that are not its logits'")
 
     def run(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-            tables: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Logits [n, vocab] of n decode rows (n <= max_batch); tables[i] is row i's block table
-        (at least its first positions[i] // block_size + 1 blocks)."""
+            tables: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [n, vocab] of n decode rows (n <= max_batch) and their argmax pairs ([2, n]);
+        tables[i] is row i's block table (at least its first positions[i] // block_size + 1 blocks)."""
         n = len(ids)
         b = self.bucket(n)
         if self._copied is not None:
@@ -202,6 +209,7 @@ class DecodeGraphs:
         graph, out = self._graphs[b]
         self.replays += 1
         if graph is None:
-            return self._step(b)[:n]
+            logits, pairs = self._step(b)
+            return logits[:n], pairs[:, :n]
         graph.replay()
-        return out[:n]
+        return out[0][:n], out[1][:, :n]

@@ -150,7 +150,7 @@ def step_outputs(work: list[tuple[ItemSpec, StepItem]], step: StepLogits,
             first_predicted = it.start + len(it.tokens) - n + 1
             policies[first:first + n] = [s.policy] * n
             positions[first:first + n] = range(first_predicted, first_predicted + n)
-    results = apply_policies(step.logits, policies, positions, policy_kernels)
+    results = apply_policies(step.logits, policies, positions, policy_kernels, step.argmax)
     return [None if span is None else results[span[0]:span[0] + span[1]] for span in step.spans]
 
 

@@ -314,10 +314,10 @@ class LlmExecutor(KvCacheExecutor):
 
     def _decode_graphed(self, items: list[StepItem]) -> StepLogits:
         """A decode step through the fixed-shape graphs (executors/decode_graphs.py)."""
-        logits = self.graphs.run([it.tokens[0] for it in items], [it.start for it in items],
-                                 [it.table.slots(it.start, it.start + 1)[0] for it in items],
-                                 [it.table.block_ids for it in items])
-        return StepLogits(logits, [(i, 1) for i in range(len(items))])
+        logits, pairs = self.graphs.run([it.tokens[0] for it in items], [it.start for it in items],
+                                        [it.table.slots(it.start, it.start + 1)[0] for it in items],
+                                        [it.table.block_ids for it in items])
+        return StepLogits(logits, [(i, 1) for i in range(len(items))], pairs)
 
     def _forward_flat(self, items: list[StepItem]) -> StepLogits:
         # The triton kernels never load past a sequence's length; the sdpa path reads whole

@@ -107,14 +107,22 @@ def _logprob_at(x: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
     return x.gather(1, tok[:, None]).squeeze(1) - torch.logsumexp(x, dim=-1)
 
 
-def _argmax(x: torch.Tensor, kernels: CpuKernels | None = None) -> tuple[list[int], list[float]]:
-    if kernels is not None and x.device.type == "cpu":
+def argmax_pairs(x: torch.Tensor) -> torch.Tensor:
+    """[2, rows] float64: each row's argmax id and its log-probability, ready for one copy to the
+    host (ids < 2^53 are exact in float64). Device ops only: a decode CUDA graph computes it."""
+    tok = torch.argmax(x, dim=-1)
+    return torch.stack((tok.double(), _logprob_at(x, tok).double()))
+
+
+def _argmax(x: torch.Tensor | None, kernels: CpuKernels | None = None,
+            pairs: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
+    """Ids and log-probabilities of x's rows; `pairs`: argmax_pairs(x), computed already (by a
+    decode graph; x is then not read and may be None)."""
+    if pairs is None and kernels is not None and x.device.type == "cpu":
         found = kernels.argmax_logprob(x)  # one call instead of argmax + logsumexp's five ops
         if found is not None:
             return found
-    tok = torch.argmax(x, dim=-1)
-    # One copy to the host for ids and log-probabilities (ids < 2^53 are exact in float64).
-    both = torch.stack((tok.double(), _logprob_at(x, tok).double())).tolist()
+    both = (pairs if pairs is not None else argmax_pairs(x)).tolist()
     return [int(t) for t in both[0]], both[1]
 
 
@@ -236,22 +244,30 @@ def _sample(x: torch.Tensor, policies: list[LogitsPolicy], positions: list[int])
 
 def apply_policies(
     rows: torch.Tensor, policies: Sequence[LogitsPolicy], positions: Sequence[int],
-    kernels: CpuKernels | None = None,
+    kernels: CpuKernels | None = None, argmax: torch.Tensor | None = None,
 ) -> list[LogitsResult]:
     """One LogitsResult per row of `rows` ([n, vocab]).
 
     positions[i] is the position of the token row i predicts; it seeds sampling. `kernels`:
     the CPU kernels (executors/cpu_kernels) that take ARGMAX rows in one call, where built.
+    `argmax`: argmax_pairs(rows) where the step computed it already (a decode CUDA graph does,
+    so an all-ARGMAX step launches nothing after the replay but one copy to the host).
     """
     rows = rows.float()
     results: list[LogitsResult | None] = [None] * len(policies)
-    argmax = [i for i, p in enumerate(policies) if p.kind is LogitsKind.ARGMAX]
+    argmax_rows = [i for i, p in enumerate(policies) if p.kind is LogitsKind.ARGMAX]
     sample = [i for i, p in enumerate(policies) if p.kind is LogitsKind.SAMPLE]
     for i, p in enumerate(policies):
         if p.kind is LogitsKind.FULL:
             results[i] = LogitsResult(LogitsKind.FULL, logits=to_host_tensor(rows[i], p.full_dtype))
-    if argmax:
-        for i, tok, lp in zip(argmax, *_argmax(_take(rows, argmax), kernels)):
+    if argmax_rows:
+        if argmax is not None:  # computed by the step already: only the copy to the host is left
+            pairs = argmax if len(argmax_rows) == rows.shape[0] else argmax[:, torch.tensor(argmax_rows,
+                                                                                               device=argmax.device)]
+            found = _argmax(None, pairs=pairs)
+        else:
+            found = _argmax(_take(rows, argmax_rows), kernels)
+        for i, tok, lp in zip(argmax_rows, *found):
             results[i] = LogitsResult(LogitsKind.ARGMAX, token_id=tok, logprob=lp)
     for k in sorted({p.k for p in policies if p.kind is LogitsKind.TOP_K}):
         idx = [i for i, p in enumerate(policies) if p.kind is LogitsKind.TOP_K and p.k == k]

@@ -57,6 +57,7 @@ class StepLogits(NamedTuple):
 
     logits: torch.Tensor | None  # [rows, vocab], float32: every row some item needs
     spans: list[tuple[int, int] | None]  # per item: (first row, rows) in logits; None for Rows.NONE
+    argmax: torch.Tensor | None = None  # logits.argmax_pairs(logits), where the step computed it (decode graphs)
 
 
 @dataclass(slots=True)

@@ -64,8 +64,8 @@ def test_the_captured_step_reads_nothing_on_the_host(family, monkeypatch):
         monkeypatch.setattr(triton_glu, "_glu_kernel", _NoLaunch())
         for b in graphs.buckets:
             with RefuseHostReads():
-                logits = graphs._step(b)
-            assert logits.shape[0] == b
+                logits, pairs = graphs._step(b)  # the argmax pairs are computed in the graph too
+            assert logits.shape[0] == b and pairs.shape == (2, b)
         # The mode does catch a read: the check above can fail.
         with pytest.raises(AssertionError, match="__int__"), RefuseHostReads():
             int(graphs._long[1, :2].min())

@@ -167,6 +167,7 @@ def test_unified_batches_verification_and_sampling_policies(trio):
                    LogitsPolicy(kind=LogitsKind.SAMPLE, temperature=0.8, top_p=0.9, seed=7)):
         step = trio.all("decode", DecodeInput(token_id=3, kv_cache=handle, logits_policy=policy))
         assert len({s.logits.token_id for s in step}) == 1
+        np.testing.assert_allclose([s.logits.logprob for s in step], step[-1].logits.logprob, atol=TOL, rtol=0)
         handle = step[0].kv_cache
         trio.all("truncate_kv", handle.cache_id, handle.sequence_length - 1)
         handle = trio.executors[0]._handle(handle.cache_id)
@@ -242,3 +243,29 @@ def test_decode_graph_check_rows_stay_in_the_scratch_block():
         assert torch.count_nonzero(pool._storage[:, :, pool.scratch_block]) > 0
     finally:
         t.close()
+
+
+def test_argmax_rows_computed_in_the_graph_beside_other_policies(qwen3_trio):
+    """A decode graph computes every row's argmax and log-probability with the logits; a step
+    mixing ARGMAX rows with top-k rows takes the ARGMAX rows' pairs from it, the rest from the logits."""
+    trio = qwen3_trio
+    outs = trio.all("batch_prefill", [PrefillInput(input_ids=tokens(n)) for n in (3, 7, 12)])
+    policies = [LogitsPolicy(kind=LogitsKind.ARGMAX), LogitsPolicy(kind=LogitsKind.TOP_K, k=3),
+                LogitsPolicy(kind=LogitsKind.ARGMAX)]
+    replays = trio.graphed.graphs.replays
+    steps = [trio.loop.run_until_complete(ex.batch_decode(
+        [DecodeInput(token_id=5, kv_cache=o.kv_cache, logits_policy=p) for o, p in zip(outs_ex, policies)]))
+        for ex, outs_ex in zip(trio.executors, outs)]
+    assert trio.graphed.graphs.replays == replays + 1
+    for rows in zip(*steps):
+        want = rows[-1].logits
+        for got in rows[:-1]:
+            if want.kind is LogitsKind.ARGMAX:
+                assert got.logits.token_id == want.token_id
+                assert abs(got.logits.logprob - want.logprob) <= TOL
+            else:
+                assert got.logits.top_token_ids == want.top_token_ids
+                np.testing.assert_allclose(got.logits.top_logprobs, want.top_logprobs, atol=TOL, rtol=0)
+    for ex, step in zip(trio.executors, steps):
+        for s in step:
+            trio.loop.run_until_complete(ex.release_cache(s.kv_cache.cache_id))
