@@ -9,7 +9,6 @@ per sequence and the lm_head run only on the rows that need logits.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from executors.models.decoder import DecoderLM
 from executors.models.loader import load_model
 from executors.models.moe import load_report
 from executors.step_plan import StepPlan, plan_step, run_plan, run_sequence
+from executors.triton_setup import attention_backend, fused_ops
 from executors.types import (
     AttentionType,
     DType,
@@ -121,57 +121,6 @@ class LlmExecutorConfig:
         return TORCH_DTYPES[self.dtype]
 
 
-def _attention_backend(config: LlmExecutorConfig, mc: DecoderConfig) -> str:
-    """The backend to run: sdpa, or triton once its kernels passed a start-up check at the
-    model's shapes on this device (executors/models/triton_attention.py `self_check`)."""
-    wanted = config.attention_backend
-    if wanted == "sdpa":
-        return "sdpa"
-    cuda = config.device.startswith("cuda")
-    have_triton = importlib.util.find_spec("triton") is not None
-    if wanted == "auto" and not (cuda and have_triton):
-        return "sdpa"
-    if not have_triton:
-        raise ValueError("attention_backend triton needs the triton package, which is not installed")
-    from executors.models import triton_attention
-
-    if not cuda and not triton_attention.interpreted():
-        raise ValueError("attention_backend triton runs on CUDA; on a CPU only in Triton's interpreter "
-                         "(TRITON_INTERPRET=1 before triton is imported; slow, for tests)")
-    log.info("checking the Triton paged-attention kernels against SDPA at the model's shapes (they compile first)")
-    problem = triton_attention.self_check(config.device, config.torch_dtype, mc.num_heads, mc.num_kv_heads,
-                                          mc.head_dim, config.block_size)
-    if problem is None:
-        return "triton"
-    if wanted == "auto":
-        log.warning("Triton paged attention is off, SDPA serves instead: %s", problem)
-        return "sdpa"
-    raise ValueError(f"attention_backend triton: {problem}")
-
-
-def _fused_ops(config: LlmExecutorConfig, model: DecoderLM):
-    """The triton path's fused kernels (executors/models/triton_prologue.py, triton_glu.py),
-    each once it passed its start-up check at the model's shapes; None for one that did not,
-    with a warning that says why."""
-    from executors.models import triton_glu, triton_prologue
-
-    c = model.config
-    prologue = glu = None
-    problem = triton_prologue.self_check(config.device, config.torch_dtype, c.num_heads, c.num_kv_heads, c.head_dim,
-                                         qk_norm=any(w.q_norm is not None for w in model.fused))
-    if problem is None:
-        prologue = triton_prologue.QkvPrologue(model)
-    else:
-        log.warning("the fused attention prologue is off, q/k norm, rotation and the K/V store run as torch "
-                    "ops: %s", problem)
-    problem = triton_glu.self_check(config.device, config.torch_dtype, c.hidden_act)
-    if problem is None:
-        glu = triton_glu.FusedGlu(c.hidden_act)
-    else:
-        log.warning("the fused GLU is off, the activation and the multiply run as torch ops: %s", problem)
-    return prologue, glu
-
-
 def size_pool(config: LlmExecutorConfig, model: DecoderLM, memory_probe: MemoryProbe | None = None,
               reference: bool = False) -> tuple[int, int]:
     """(KV blocks, max sequence length) for this model (one rank's shard of it, under tensor
@@ -215,7 +164,7 @@ class LlmExecutor(KvCacheExecutor):
         local = self.model.config  # this rank's shard under tensor parallelism, else the model
         mc = self.model_config = served_config or local
         # The reference computation never reads the backend: no kernel check for it.
-        self.attention_backend = "sdpa" if reference else _attention_backend(config, local)
+        self.attention_backend = "sdpa" if reference else attention_backend(config, local)
         cuda = config.device.startswith("cuda")
         if decode_graphs is None:
             decode_graphs = cuda and config.cuda_graphs and self.attention_backend == "triton" and not reference
@@ -225,7 +174,7 @@ class LlmExecutor(KvCacheExecutor):
         num_blocks, self.attention_backend = self._agree(num_blocks, self.attention_backend)
         self.qkv_prologue = self.fused_glu = None
         if self.attention_backend == "triton" and config.triton_fused_ops:
-            self.qkv_prologue, self.fused_glu = _fused_ops(config, self.model)
+            self.qkv_prologue, self.fused_glu = fused_ops(config, self.model)
         super().__init__(
             num_layers=mc.num_layers,
             num_kv_heads=local.num_kv_heads,

@@ -146,12 +146,13 @@ def load_shard(config, group: TpGroup):
 def serve_rank(config, group: TpGroup) -> int:
     """Ranks 1..N-1: load this rank's shard, agree with rank 0, then run its messages. The
     exit status: 0 after rank 0's STOP, 1 when the group failed."""
-    from executors.llm import _attention_backend, size_pool
+    from executors.llm import size_pool
+    from executors.triton_setup import attention_backend
 
     config, model, plan = load_shard(config, group)
     local = model.config
     try:
-        backend = _attention_backend(config, local)
+        backend = attention_backend(config, local)
         num_blocks, _ = size_pool(config, model)
         num_blocks, backend = agree(group, num_blocks, backend)
         describe(group)

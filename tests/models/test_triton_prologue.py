@@ -97,7 +97,7 @@ def test_an_executor_falls_back_to_the_torch_ops_and_says_why(monkeypatch, caplo
     cfg = LlmExecutorConfig(model_dir="/nonexistent/qwen3", block_size=BLOCK, num_blocks=16, device=DEVICE,
                             dtype="float32", max_batch_size=2, attention_backend="triton", max_sequence_length=64)
     model = tiny_model("qwen3")
-    with caplog.at_level(logging.WARNING, logger="executors.llm"):
+    with caplog.at_level(logging.WARNING, logger="executors.triton_setup"):
         ex = LlmExecutor(cfg, model.to(DEVICE), decode_graphs=False)
     try:
         assert ex.qkv_prologue is None
