@@ -44,8 +44,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTCOME_VARIABLE = "OUTCOME_LOG"  # bench/outcome_log.py's
-CUDA_TESTS = ["tests/models/test_triton_attention.py", "tests/models/test_triton_paths.py",
-              "tests/test_kv_sizing.py", "tests/gpu"]
+CUDA_TESTS = ["tests/models/test_triton_attention.py", "tests/models/test_triton_prologue.py",
+              "tests/models/test_triton_glu.py", "tests/models/test_triton_paths.py", "tests/test_kv_sizing.py",
+              "tests/gpu"]
 ENV_SCRIPT = r"""
 import json, platform, subprocess
 info = {"python": platform.python_version()}

@@ -23,7 +23,11 @@ from executors.llm import LlmExecutor, LlmExecutorConfig
 from tests.conftest import triton_kernels_unrunnable
 from tests.models.test_cpu_paths import BLOCK, tiny_model
 
-pytestmark = pytest.mark.skipif(triton_kernels_unrunnable() is not None, reason=str(triton_kernels_unrunnable()))
+pytestmark = [
+    pytest.mark.skipif(triton_kernels_unrunnable() is not None, reason=str(triton_kernels_unrunnable())),
+    # The CPU's stand-in for a capture: on a GPU the capture itself runs (test_triton_paths.py, tests/gpu).
+    pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU check; on a GPU the decode graphs are captured"),
+]
 pytest.importorskip("triton")
 
 HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.__int__,
