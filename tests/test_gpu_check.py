@@ -126,3 +126,25 @@ def test_the_gemv_bench_runs_on_a_cpu(tmp_path):
     rows = json.loads(out.read_text())
     assert {r["matmul"] for r in rows} == {"qkv", "o", "gate_up", "down", "lm_head"}
     assert all(r["triton"]["16x32/4"]["rel_err"] < 1e-5 for r in rows)
+
+
+def test_the_gpu_venv_sees_the_packages_of_a_python_that_is_itself_a_venv(tmp_path):
+    """`make gpu-check`'s environment (bench/gpu_venv.py) made by this test's python, itself a
+    virtual environment here as on the GPU image: torch and grpc come from it, and a package
+    installed into the new environment would win (its own site-packages come first)."""
+    target = tmp_path / "venv-gpu"
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_venv", str(target)], check=False, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    python = target / "bin" / "python"
+    probe = subprocess.run([str(python), "-c", "import os, sys, sysconfig, torch, grpc; "
+                            "machine = os.path.dirname(os.path.dirname(torch.__file__)); "
+                            "print(machine, sys.path.index(sysconfig.get_path('purelib')), sys.path.index(machine))"],
+                           check=False, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    machine, own_index, machine_index = probe.stdout.split()
+    assert not machine.startswith(str(target))  # the making python's torch, not a copy
+    assert int(own_index) < int(machine_index)  # what pip installs into the new environment wins
+    again = subprocess.run([sys.executable, "-m", "bench.gpu_venv", str(target)], check=False, cwd=REPO,
+                           capture_output=True, text=True, timeout=120)  # idempotent: `make gpu-check` reruns it
+    assert again.returncode == 0, again.stderr[-2000:]
