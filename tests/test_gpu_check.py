@@ -26,7 +26,7 @@ def test_the_service_checks_run_on_a_cpu_server(tmp_path):
     log = tmp_path / "outcomes.jsonl"
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "bench.outcome_log",
                            "tests/gpu", "--service-device", "cpu", "-k", "qwen3-bfloat16"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          check=False, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, gpu_check.OUTCOME_VARIABLE: str(log)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     outcomes = gpu_check.read_outcomes(log)
@@ -137,10 +137,9 @@ def test_the_gpu_venv_sees_the_packages_of_a_python_that_is_itself_a_venv(tmp_pa
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     python = target / "bin" / "python"
-    probe = subprocess.run([str(python), "-c", "import os, sys, sysconfig, torch, grpc; "
-                            "machine = os.path.dirname(os.path.dirname(torch.__file__)); "
-                            "print(machine, sys.path.index(sysconfig.get_path('purelib')), sys.path.index(machine))"],
-                           check=False, capture_output=True, text=True, timeout=120)
+    code = ("import os, sys, sysconfig, torch, grpc; machine = os.path.dirname(os.path.dirname(torch.__file__)); "
+            "print(machine, sys.path.index(sysconfig.get_path('purelib')), sys.path.index(machine))")
+    probe = subprocess.run([str(python), "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr[-2000:]
     machine, own_index, machine_index = probe.stdout.split()
     assert not machine.startswith(str(target))  # the making python's torch, not a copy
