@@ -42,8 +42,10 @@ import threading
 import time
 from pathlib import Path
 
+from bench.gpu_report import read_rows, table_lines
+from bench.outcome_log import PATH_VARIABLE
+
 ROOT = Path(__file__).resolve().parent.parent
-OUTCOME_VARIABLE = "OUTCOME_LOG"  # bench/outcome_log.py's
 CUDA_TESTS = ["tests/models/test_triton_attention.py", "tests/models/test_triton_prologue.py",
               "tests/models/test_triton_glu.py", "tests/models/test_triton_paths.py", "tests/test_kv_sizing.py",
               "tests/gpu"]
@@ -109,16 +111,7 @@ def run_stage(name: str, cmd: list[str], limit_s: float, log: Path) -> dict:
     return {"stage": name, "status": status, "seconds": round(seconds, 1), "log": log.name, "tail": tail}
 
 
-def read_outcomes(path: Path) -> list[dict]:
-    """The outcome rows bench/outcome_log.py wrote (there even when the stage was stopped)."""
-    from bench.gpu_report import read_rows
-
-    return read_rows(path)
-
-
 def report(results: dict) -> str:
-    from bench.gpu_report import table_lines
-
     env = results["environment"]
     lines = [f"modelexec GPU check, {results['started']} ({results['seconds']:.0f} s)",
              f"command: {results['command']}", "", "environment:"]
@@ -181,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     def left() -> float:
         return args.budget_s - (time.perf_counter() - started)
 
-    env = subprocess.run([sys.executable, "-c", ENV_SCRIPT], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    env = subprocess.run([sys.executable, "-c", ENV_SCRIPT], check=False, capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
     results["environment"] = json.loads(env.stdout) if env.returncode == 0 else {"error": env.stderr[-2000:]}
     print(json.dumps(results["environment"], indent=1), flush=True)
     gpu = re.sub(r"[^A-Za-z0-9]+", "-", str(results["environment"].get("gpu", "no-gpu"))).strip("-").lower()
@@ -196,14 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_tests:
         outcomes = out / f"{stem}-tests.jsonl"
         outcomes.unlink(missing_ok=True)
-        os.environ[OUTCOME_VARIABLE] = str(outcomes)
+        os.environ[PATH_VARIABLE] = str(outcomes)  # bench/outcome_log.py writes each outcome there
         # The CUDA tests need no third-party pytest plugin, and a GPU image's own (timeout, cov,
         # benchmark, ...) were built for its pytest, not necessarily the one pinned here.
         os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
         results["stages"].append(run_stage("tests", [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p",
                                                      "no:cacheprovider", "-p", "bench.outcome_log", *CUDA_TESTS],
                                            max(left() - sum(kept[x] for x in parts), 60), out / f"{stem}-tests.log"))
-        results["tests"] = read_outcomes(outcomes)
+        results["tests"] = read_rows(outcomes)  # there even when the stage was stopped
         outcomes.unlink(missing_ok=True)
     results["bench"] = {}
     for i, part in enumerate(parts):
@@ -220,8 +214,6 @@ def main(argv: list[str] | None = None) -> int:
                                                   "--rows-jsonl", str(rows_file),
                                                   "--out", str(out / f"{stem}-{part}-suite.json")],
                                            limit, out / f"{stem}-{part}.log"))
-        from bench.gpu_report import read_rows
-
         results["bench"][part] = read_rows(rows_file)
         rows_file.unlink(missing_ok=True)
         (out / f"{stem}-{part}-suite.json").unlink(missing_ok=True)

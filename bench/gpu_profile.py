@@ -41,7 +41,7 @@ def _steps(loop: Loop, ex, handles: list, n: int) -> list:
 
 
 def host_profile(loop: Loop, ex, batch: int, vocab: int, steps: int) -> str:
-    """cProfile of the loop thread and the worker thread over `steps` decode steps."""
+    """cProfile over `steps` decode steps, from the executor's worker thread (every thread on 3.12)."""
     handles = _steps(loop, ex, _prefilled(loop, ex, batch, vocab), 3)
     # One profiler, started on the worker thread: Python 3.12's cProfile is one tool for the
     # whole process (a second one refuses to start) and sees every thread; 3.11's, that thread.

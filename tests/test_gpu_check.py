@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_check
+from bench.gpu_report import read_rows
+from bench.outcome_log import PATH_VARIABLE
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -27,9 +29,9 @@ def test_the_service_checks_run_on_a_cpu_server(tmp_path):
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "bench.outcome_log",
                            "tests/gpu", "--service-device", "cpu", "-k", "qwen3-bfloat16"],
                           check=False, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, gpu_check.OUTCOME_VARIABLE: str(log)})
+                          env={**os.environ, PATH_VARIABLE: str(log)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    outcomes = gpu_check.read_outcomes(log)
+    outcomes = read_rows(log)
     assert len(outcomes) == 9 and all(t["outcome"] == "passed" for t in outcomes), outcomes
     (budget,) = [json.loads(t["bf16_budget"]) for t in outcomes if t.get("bf16_budget")]
     assert budget["family"] == "qwen3" and budget["ours_max_rel"] <= 3e-2
@@ -102,7 +104,7 @@ def test_the_profile_runs_on_a_cpu(tmp_path):
 
 
 def test_rows_reach_the_file_as_they_are_made(tmp_path):
-    from bench.gpu_report import RowSink, read_rows
+    from bench.gpu_report import RowSink
 
     rows = RowSink(str(tmp_path / "rows.jsonl"))
     rows.append({"what": "ceilings", "copy_gb_s": 1.0})

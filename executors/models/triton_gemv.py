@@ -1,9 +1,8 @@
 """A few-row matmul (decode at batch 1-8) in Triton, streaming the weight once at full width.
 
-On an H100 a batch-1 decode step of the Qwen3-0.6B shape spent 0.95 ms of its 1.96 ms of
-kernel time in cuBLAS matmuls of one row, which read their weights at ~1 TB/s of the
-~3 TB/s a copy reaches (bench/RESULTS.md, run 20): q/k/v's 8 MB took 7.8 us where the
-bandwidth allows ~2.8. A matmul of M <= 8 rows does ~2 MFLOP per MB of weight, nothing for
+On an H100 a batch-1 decode step of the Qwen3-0.6B shape spent 0.86 ms of its 1.96 ms of
+kernel time in cuBLAS matmuls of one row; the layers' 881 MB of weights took 0.75 ms of it,
+~1.2 TB/s of the ~3 TB/s a copy reaches (bench/RESULTS.md, run 20). A matmul of M <= 8 rows does ~2 MFLOP per MB of weight, nothing for
 the tensor cores; it is a stream over the weight. Here one program owns BLOCK_N output
 columns: it walks K in BLOCK_K steps, loads its [BLOCK_N, BLOCK_K] tile of the row-major
 weight (contiguous along K) once, and multiplies it into all M rows in float32, then adds

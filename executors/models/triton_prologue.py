@@ -1,11 +1,11 @@
 """The attention prologue of a layer as one Triton kernel: q/k RMSNorm, rotation and the K/V store.
 
 Between the q/k/v matmul and the paged attention kernel, the torch ops of fast_forward.py
-launch ~14 kernels a layer on a GPU: a copy and an RMSNorm for each of q and k (Qwen3's
+launch 12 kernels a layer on a GPU: a copy and an RMSNorm for each of q and k (Qwen3's
 per-head norms), the rotation's multiply, concatenation and addcmul for each, and two
 index_copy stores of K and V into the pool. On an H100 a batch-1 decode step of a
-Qwen3-0.6B shape ran ~630 kernels, 22 a layer, and the gaps between them cost ~0.6 ms of a
-2.5 ms graph replay (bench/RESULTS.md, run 20). Here one program per (token, head) of the
+Qwen3-0.6B shape ran ~685 kernels, ~24 a layer, in 1.96 ms of kernel time, and its graph
+replay took 2.52 ms (bench/RESULTS.md, run 20). Here one program per (token, head) of the
 fused q/k/v output reads its head once and:
 - q and k heads: RMS-normalises it (when the layer has q/k norms), rotates it with the
   float32 cos / signed-sin tables at the token's position (NeoX halves, as RotaryEmbedding),
