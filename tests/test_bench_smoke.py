@@ -106,7 +106,10 @@ def test_the_peers_part_reports_each_target_or_how_to_install_it():
     assert "1.25x llama.cpp F32's step  [target <= 1.3x: met]" in text
     assert "2.25x CTranslate2's tokens/s  [target >= 2x: met]" in text
     assert "0.95x CTranslate2's time  [target <= 1x: met]" in text
-    assert "120 GFLOP/s, 67 % of the 180 GFLOP/s peak  [target >= 75 %: SHORT]" in text
+    assert "120 GFLOP/s, 67 % of the 180 GFLOP/s FMA peak  [target >= 75 %: SHORT]" in text
+    with_sgemm = [{**r, "sgemm_gflops": 150.0} if "fp32_peak_gflops" in r else r for r in rows]
+    assert ("67 % of the 180 GFLOP/s FMA peak; a torch 2048-cube sgemm: 150  [target >= 75 %: SHORT]"
+            in "\n".join(peers.table_lines(with_sgemm)))
     # Rounds: each ratio between rows of one round, the median of those reported with them.
     slower = [{**r, "round": 1, "decode_ms_b1": r["decode_ms_b1"] * 1.5} for r in rows]  # ours 1.25x again
     ct2_dip = [{**r, "round": 2} for r in rows]

@@ -75,7 +75,8 @@ class CpuKernels:
                              ctypes.c_int)
         self._linear_q8 = _bind(library, "me_weight_linear_q8",
                                 [_P, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I, _C], ctypes.c_int)
-        self._q8_isa = _bind(library, "me_q8_isa", [_C], ctypes.c_int)
+        self._isa = _bind(library, "me_isa", [_C], ctypes.c_int)
+        self._fma_flops = _bind(library, "me_fma_flops", [_I, _C], ctypes.c_int64)
         self._rms_norm = _bind(library, "me_rms_norm_f32", [_P, _I, _I, _I, _I, _I, _P, _F, _P, _I, _I, _C])
         self._rope = _bind(library, "me_rope_f32", [_P, _I, _I, _I, _I, _P, _P, _P, _C])
         self._glu = _bind(library, "me_glu_f32", [_P, _I, _I, _I, _C, _P, _C])
@@ -324,11 +325,20 @@ class CpuKernels:
         if status:
             raise MemoryError("the prefill attention kernel could not allocate its scratch")
 
-    def int8_isa(self, avx512: bool | None = None) -> str:
-        """The instructions of the int8 dot products: "avx512" where the CPU has AVX-512, else
-        "avx2"; avx512=False asks for AVX2 from now on (tests compare the two), True for
-        AVX-512 again where the CPU has it."""
-        return "avx512" if self._q8_isa(-1 if avx512 is None else int(avx512)) else "avx2"
+    def isa(self, avx512: bool | None = None) -> str:
+        """The instructions of the wide paths (the int8 dot products, the float32 tiles past
+        6 rows): "avx512" where the CPU has AVX-512, else "avx2"; avx512=False asks for AVX2
+        from now on, in this process (tests compare the two), True for AVX-512 again where
+        the CPU has it."""
+        return "avx512" if self._isa(-1 if avx512 is None else int(avx512)) else "avx2"
+
+    def fma_flops(self, steps: int) -> int:
+        """Runs `steps` rounds of register-only vector FMAs on each of torch's threads, as wide
+        as the matmul tiles run (isa()), and returns the floating-point operations done: the
+        bench times the call for the machine's fp32 FMA peak (fma_rate.c)."""
+        if steps < 0:
+            raise ValueError(f"CpuKernels.fma_flops: steps must be >= 0, not {steps}")
+        return self._fma_flops(steps, torch.get_num_threads())
 
     def decode_step(self, model: DecoderSpec, step: StepSpec) -> int:
         """me_decode_step_f32 (step.py's DecoderSpec and StepSpec): 0, or step.OUT_OF_RANGE

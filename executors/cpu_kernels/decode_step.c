@@ -21,6 +21,7 @@
 
 #include "attention_row.h"
 #include "pointwise.h"
+#include "weight_linear.h"
 #include "weight_q8.h"
 
 #define ME_STEP_MAX_ROWS 64
@@ -65,7 +66,7 @@ static inline const float *field(const me_decoder *m, int64_t layer, int f) {
 }
 
 /* The step's scratch for the matmuls, shared by the team: packed x, each thread's
- * dequantized int8 panels (AVX2 only), and whether the int8 ones run on AVX-512. */
+ * dequantized int8 panels (AVX2 only), and whether the matmuls run on AVX-512. */
 typedef struct {
     float *xp, *wq;
     int avx512;
@@ -82,7 +83,7 @@ static void step_linear(const me_decoder *m, int64_t l, int f, int scales_field,
         const q8_weight q = {(const int8_t *)w, scales};
         q8_linear_team(x, rows, k, q, n, k, bias, residual, n, y, n, sc->avx512, sc->xp, sc->wq);
     } else {
-        weight_linear_team(x, rows, k, w, n, k, bias, residual, n, y, n, sc->xp);
+        weight_linear_team(x, rows, k, w, n, k, bias, residual, n, y, n, sc->avx512, sc->xp);
     }
 }
 
@@ -196,7 +197,7 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
     }
     /* each thread's dequantized int8 panels, where the matrices are int8 (pack_model stores
      * all of a model's one way), the rows many and the CPU without AVX-512 */
-    step_scratch sc = {NULL, NULL, q8_avx512()};
+    step_scratch sc = {NULL, NULL, use_avx512()};
     const int quantized = m->layers > 0 && field(m, 0, W_QKV_SCALES) != NULL;
     const int64_t widest = hidden > hq ? (hidden > inter ? hidden : inter) : (hq > inter ? hq : inter);
     const int64_t dequantized = quantized && q8_needs_scratch(rows, sc.avx512) ? threads * q8_scratch_floats(widest) : 0;

@@ -6,16 +6,17 @@
  * thread pool. */
 #include <stdlib.h>
 
+#include "weight_linear.h"
 #include "weight_q8.h"
 
-int q8_isa_avx512 = -1;
+int isa_avx512 = -1;
 
-/* The int8 dot products' instructions: want 0 asks for AVX2, 1 for AVX-512 where the CPU
+/* The wide paths' instructions (isa.h): want 0 asks for AVX2, 1 for AVX-512 where the CPU
  * has it, -1 leaves the choice as it is. Returns 1 when AVX-512 serves from now on. */
-int me_q8_isa(int want) {
-    if (want == 0) __atomic_store_n(&q8_isa_avx512, 0, __ATOMIC_RELAXED);
-    if (want == 1) __atomic_store_n(&q8_isa_avx512, -1, __ATOMIC_RELAXED);
-    return q8_avx512();
+int me_isa(int want) {
+    if (want == 0) __atomic_store_n(&isa_avx512, 0, __ATOMIC_RELAXED);
+    if (want == 1) __atomic_store_n(&isa_avx512, -1, __ATOMIC_RELAXED);
+    return use_avx512();
 }
 
 /* y[b, :n] = x[b, :k] @ w[:n, :k]^T (+ bias[:n]) (+ residual[b, :n]) for b < m, w as panels
@@ -27,7 +28,7 @@ int me_weight_linear_f32(const float *x, int64_t m, int64_t ldx, const float *pa
     float *xp = floats ? malloc(sizeof(float) * (size_t)floats) : NULL;
     if (floats && !xp) return -1;
     #pragma omp parallel num_threads(threads)
-    weight_linear_team(x, m, ldx, panels, n, k, bias, residual, ldr, y, ldy, xp);
+    weight_linear_team(x, m, ldx, panels, n, k, bias, residual, ldr, y, ldy, use_avx512(), xp);
     free(xp);
     return 0;
 }
@@ -39,7 +40,7 @@ int me_weight_linear_q8(const float *x, int64_t m, int64_t ldx, const int8_t *q,
                         int64_t k, const float *bias, const float *residual, int64_t ldr, float *y, int64_t ldy,
                         int threads) {
     const q8_weight w = {q, scales};
-    const int avx512 = q8_avx512(), scratch = q8_needs_scratch(m, avx512);
+    const int avx512 = use_avx512(), scratch = q8_needs_scratch(m, avx512);
     const int64_t floats = scratch ? wpanel_x_floats(m, k) : 0, dequantized = scratch ? threads * q8_scratch_floats(k) : 0;
     float *xp = floats ? malloc(sizeof(float) * (size_t)floats) : NULL;
     float *wq = dequantized ? malloc(sizeof(float) * (size_t)dequantized) : NULL;

@@ -40,9 +40,10 @@ static inline int64_t wpanel_chunk_rows(int64_t m, int64_t k) {
     return m < rows ? m : rows;
 }
 
-/* Floats of packed x that weight_linear_team needs for m rows of inner dimension k. */
+/* Floats of packed x that weight_linear_team needs for m rows of inner dimension k: a chunk's
+ * rows as x panels of 8 rows, or of 16 (weight_panel512.h). */
 static inline int64_t wpanel_x_floats(int64_t m, int64_t k) {
-    return m <= DOT_ROWS ? 0 : (wpanel_chunk_rows(m, k) + XPANEL - 1) / XPANEL * XPANEL * k;
+    return m <= DOT_ROWS ? 0 : (wpanel_chunk_rows(m, k) + 2 * XPANEL - 1) / (2 * XPANEL) * (2 * XPANEL) * k;
 }
 
 /* 8 x 8 transpose of r0..r7 in place. */
@@ -62,9 +63,10 @@ static inline int64_t wpanel_x_floats(int64_t m, int64_t k) {
         r6 = _mm256_permute2f128_ps(u2, u6, 0x31); r7 = _mm256_permute2f128_ps(u3, u7, 0x31);        \
     } while (0)
 
-/* Columns [c0, c1) of rows [r0, r0 + 8) of x into x panel `out` ([k, 8]), rows past m zero. */
+/* Columns [c0, c1) of rows [r0, r0 + 8) of x into `out`, column c at out + c * width (an x
+ * panel [k, 8] where width is 8; half of a 16-row one [k, 16] where 16), rows past m zero. */
 static inline void pack_x_block(const float *x, int64_t m, int64_t ldx, int64_t r0, int64_t c0, int64_t c1,
-                                float *out) {
+                                int64_t width, float *out) {
     const int64_t valid = m - r0 < XPANEL ? m - r0 : XPANEL;
     int64_t c = c0;
     if (valid == XPANEL) {
@@ -75,23 +77,26 @@ static inline void pack_x_block(const float *x, int64_t m, int64_t ldx, int64_t 
                    v5 = _mm256_loadu_ps(s + 5 * ldx), v6 = _mm256_loadu_ps(s + 6 * ldx),
                    v7 = _mm256_loadu_ps(s + 7 * ldx);
             TRANSPOSE8(v0, v1, v2, v3, v4, v5, v6, v7);
-            float *d = out + c * XPANEL;
-            _mm256_storeu_ps(d, v0); _mm256_storeu_ps(d + 8, v1); _mm256_storeu_ps(d + 16, v2);
-            _mm256_storeu_ps(d + 24, v3); _mm256_storeu_ps(d + 32, v4); _mm256_storeu_ps(d + 40, v5);
-            _mm256_storeu_ps(d + 48, v6); _mm256_storeu_ps(d + 56, v7);
+            float *d = out + c * width;
+            _mm256_storeu_ps(d, v0); _mm256_storeu_ps(d + width, v1); _mm256_storeu_ps(d + 2 * width, v2);
+            _mm256_storeu_ps(d + 3 * width, v3); _mm256_storeu_ps(d + 4 * width, v4);
+            _mm256_storeu_ps(d + 5 * width, v5); _mm256_storeu_ps(d + 6 * width, v6);
+            _mm256_storeu_ps(d + 7 * width, v7);
         }
     }
     for (; c < c1; c++)
-        for (int64_t i = 0; i < XPANEL; i++) out[c * XPANEL + i] = i < valid ? x[(r0 + i) * ldx + c] : 0.0f;
+        for (int64_t i = 0; i < XPANEL; i++) out[c * width + i] = i < valid ? x[(r0 + i) * ldx + c] : 0.0f;
 }
 
-/* x[:m] as ceil(m / 8) x panels, shared out over the team, a barrier at the end. */
-static inline void pack_x_team(const float *x, int64_t m, int64_t ldx, int64_t k, float *xp) {
-    const int64_t blocks = (k + 63) / 64, panels = (m + XPANEL - 1) / XPANEL;
+/* x[:m] as ceil(m / width) x panels of width (8 or 16) rows [k, width], shared out over the
+ * team 8 rows at a time (the rows past m zero), a barrier at the end. */
+static inline void pack_x_team(const float *x, int64_t m, int64_t ldx, int64_t k, int64_t width, float *xp) {
+    const int64_t blocks = (k + 63) / 64, halves = (m + width - 1) / width * (width / XPANEL);
     #pragma omp for schedule(static)
-    for (int64_t task = 0; task < panels * blocks; task++) {
-        const int64_t q = task / blocks, c0 = task % blocks * 64, c1 = c0 + 64 < k ? c0 + 64 : k;
-        pack_x_block(x, m, ldx, q * XPANEL, c0, c1, xp + q * XPANEL * k);
+    for (int64_t task = 0; task < halves * blocks; task++) {
+        const int64_t h = task / blocks, c0 = task % blocks * 64, c1 = c0 + 64 < k ? c0 + 64 : k;
+        const int64_t q = h * XPANEL / width, lane = h * XPANEL % width;
+        pack_x_block(x, m, ldx, h * XPANEL, c0, c1, width, xp + q * width * k + lane);
     }
 }
 
@@ -148,19 +153,24 @@ static inline __m256 bias6(const float *bias, int cols) {
  *   shape TILE_16x6: weight panel wa against x panels xa and xb (16 rows, 6 columns);
  *   shape TILE_8x12: weight panels wa and wb against x panel xa (8 rows, 12 columns);
  *   shape TILE_8x6:  wa against xa (8 rows, 6 columns).
- * Rows [0, rows) and columns [0, cols) (of 6 or 12) go to y. */
+ * Rows [0, rows) and columns [0, cols) (of 6 or 12) go to y. Where next is set, each k-step
+ * prefetches its line of the panel at next (and of the one after it, for TILE_8x12). */
 enum { TILE_16x6, TILE_8x12, TILE_8x6 };
 static inline __attribute__((always_inline)) void weight_tile(const float *wa, const float *wb, const float *xa,
                                                               const float *xb, const int shape, int64_t k,
                                                               int64_t rows, int cols, const float *bias,
                                                               const float *residual, int64_t ldr, float *y,
-                                                              int64_t ldy) {
+                                                              int64_t ldy, const float *next) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, b0 = a0, b1 = a0, b2 = a0,
            b3 = a0, b4 = a0, b5 = a0;
     for (int64_t c = 0; c < k; c++) {
         const __m256 x0 = _mm256_loadu_ps(xa + c * XPANEL);
         const __m256 x1 = shape == TILE_16x6 ? _mm256_loadu_ps(xb + c * XPANEL) : x0;
         const float *w = wa + c * WPANEL, *v = shape == TILE_8x12 ? wb + c * WPANEL : w;
+        if (next) {
+            _mm_prefetch((const char *)(next + c * WPANEL), _MM_HINT_T0);
+            if (shape == TILE_8x12) _mm_prefetch((const char *)(next + (k + c) * WPANEL), _MM_HINT_T0);
+        }
 #define WT_COL(j)                                                                 \
     {                                                                             \
         const __m256 s = _mm256_broadcast_ss(w + j);                              \
@@ -185,7 +195,10 @@ static inline __attribute__((always_inline)) void weight_tile(const float *wa, c
  * in place, rows ldx apart): per k, one load of each panel's six floats (eight lanes, two
  * ignored) and a broadcast of each row's x, each output one FMA chain over k as in the
  * tiles; the accumulators are named registers (an array of them spills). The last k-step
- * loads six lanes only, so that no read passes the weights' end. */
+ * loads six lanes only, so that no read passes the weights' end. Each k-step prefetches its
+ * line of the np panels after these (the thread's next group under a static schedule): a
+ * decode row streams the weights ~1.3x faster than the hardware's prefetchers alone make it
+ * (bench/RESULTS.md run 21). */
 static inline __attribute__((always_inline)) void weight_dot(const float *w, const int np, const float *x,
                                                              int64_t ldx, const int mr, int64_t k, int cols,
                                                              const float *bias, const float *residual,
@@ -211,7 +224,10 @@ static inline __attribute__((always_inline)) void weight_dot(const float *w, con
     }
 #define LOAD8(at) _mm256_loadu_ps(at)
 #define LOAD6(at) _mm256_maskload_ps(at, six)
-    for (int64_t c = 0; c + 1 < k; c++) DOT_STEP(c, LOAD8)
+    for (int64_t c = 0; c + 1 < k; c++) {
+        for (int p = np; p < 2 * np; p++) _mm_prefetch((const char *)(w + p * stride + c * WPANEL), _MM_HINT_T0);
+        DOT_STEP(c, LOAD8)
+    }
     DOT_STEP(k - 1, LOAD6)
 #undef LOAD6
 #undef LOAD8
@@ -257,51 +273,30 @@ static inline void weight_dot_group(const float *x, int64_t ldx, int64_t mr, con
 /* A packed chunk of `rows` rows against the weight panel at w, output columns col.. of y
  * (up to n), and the panel after it where rows <= 8 (one x panel: 8 x 12 tiles, 8 x 6 for a
  * last odd panel), or against that panel alone where more (16-row tiles, an 8-row one to
- * end). The int8 tiles (weight_q8.h) pass panels they dequantized. */
+ * end). Where prefetch, the tiles prefetch the panels of the thread's next task as they walk
+ * k (weight_panel512.h says why); the int8 tiles (weight_q8.h) pass panels they dequantized
+ * into a scratch, and 0. */
 static inline void weight_panel_rows(const float *xp, int64_t rows, const float *w, int64_t col, int64_t n,
                                      int64_t k, const float *bias, const float *residual, int64_t ldr, float *y,
-                                     int64_t ldy) {
+                                     int64_t ldy, int prefetch) {
     const int cols = (int)(n - col < 2 * WPANEL ? n - col : 2 * WPANEL);
     const float *b = bias ? bias + col : NULL, *res = residual ? residual + col : NULL;
     float *out = y + col;
     if (rows <= XPANEL) {
-        if (cols > WPANEL) weight_tile(w, w + k * WPANEL, xp, NULL, TILE_8x12, k, rows, cols, b, res, ldr, out, ldy);
-        else weight_tile(w, NULL, xp, NULL, TILE_8x6, k, rows, cols, b, res, ldr, out, ldy);
+        const float *next = prefetch ? w + 2 * k * WPANEL : NULL;
+        if (cols > WPANEL) weight_tile(w, w + k * WPANEL, xp, NULL, TILE_8x12, k, rows, cols, b, res, ldr, out, ldy, next);
+        else weight_tile(w, NULL, xp, NULL, TILE_8x6, k, rows, cols, b, res, ldr, out, ldy, NULL);
         return;
     }
+    const float *next = prefetch ? w + k * WPANEL : NULL;
     for (int64_t i = 0; i < rows; i += 2 * XPANEL) {
         const float *xa = xp + i * k, *ri = res ? res + i * ldr : NULL;
         const int64_t left = rows - i < 2 * XPANEL ? rows - i : 2 * XPANEL;
         const int c6 = cols < WPANEL ? cols : WPANEL;
         if (left > XPANEL)
-            weight_tile(w, NULL, xa, xa + XPANEL * k, TILE_16x6, k, left, c6, b, ri, ldr, out + i * ldy, ldy);
+            weight_tile(w, NULL, xa, xa + XPANEL * k, TILE_16x6, k, left, c6, b, ri, ldr, out + i * ldy, ldy, next);
         else
-            weight_tile(w, NULL, xa, NULL, TILE_8x6, k, left, c6, b, ri, ldr, out + i * ldy, ldy);
-    }
-}
-
-/* y[:m, :n] = x @ w^T (+ bias) (+ residual) over the calling team. Up to DOT_ROWS rows read
- * x in place; more are packed chunk by chunk into xp (wpanel_x_floats(m, k) floats, shared
- * by the team). Ends with a barrier: the caller may read y and reuse xp at once. */
-static inline void weight_linear_team(const float *x, int64_t m, int64_t ldx, const float *panels, int64_t n,
-                                      int64_t k, const float *bias, const float *residual, int64_t ldr, float *y,
-                                      int64_t ldy, float *xp) {
-    const int64_t count = (n + WPANEL - 1) / WPANEL;
-    if (m <= 0 || k <= 0) return;  /* the whole team returns (the caller handles k = 0) */
-    if (m <= DOT_ROWS) {
-        #pragma omp for schedule(static)
-        for (int64_t g = 0; g < (count + dot_group(m) - 1) / dot_group(m); g++)
-            weight_dot_group(x, ldx, m, panels, n, k, bias, residual, ldr, y, ldy, g);
-        return;
-    }
-    const int64_t chunk = wpanel_chunk_rows(m, k);
-    for (int64_t m0 = 0; m0 < m; m0 += chunk) {
-        const int64_t rows = m - m0 < chunk ? m - m0 : chunk, step = rows <= XPANEL ? 2 : 1;
-        pack_x_team(x + m0 * ldx, rows, ldx, k, xp);
-        const float *r = residual ? residual + m0 * ldr : NULL;
-        #pragma omp for schedule(static)
-        for (int64_t p = 0; p < count; p += step)
-            weight_panel_rows(xp, rows, panels + p * k * WPANEL, p * WPANEL, n, k, bias, r, ldr, y + m0 * ldy, ldy);
+            weight_tile(w, NULL, xa, NULL, TILE_8x6, k, left, c6, b, ri, ldr, out + i * ldy, ldy, next);
     }
 }
 

@@ -14,7 +14,7 @@
  *   1.125 bytes a weight instead of 4, and the conversion (sign extension, int to float, the
  *   scale) is what bounds it. Sixteen columns a panel keep every lane of a load useful: two
  *   8-lane halves with AVX2 (up to DOT_ROWS rows), one 16-lane vector where the CPU has
- *   AVX-512 (chosen at run time: q8_avx512), which takes every step this way, 16 rows at a
+ *   AVX-512 (chosen at run time: isa.h), which takes every step this way, 16 rows at a
  *   time (bench/RESULTS.md run 19: about twice float32's speed at batch 8 to 32 and prefill).
  * - With AVX2, more rows dequantize a panel into three float32 6-column panels in a thread's
  *   scratch, which the float32 tiles then read from the L1/L2 for every chunk of rows.
@@ -24,6 +24,7 @@
 
 #include <omp.h>
 
+#include "isa.h"
 #include "weight_panel.h"
 
 #define Q8PANEL 16  /* output columns of an int8 panel */
@@ -40,19 +41,6 @@ static inline int64_t q8_groups(int64_t k) { return (k + QGROUP - 1) / QGROUP; }
 /* Floats of scratch per thread for the dequantized tiles at inner dimension k: one int8 panel
  * as three float32 6-column panels, and two floats the last k-step's store runs past. */
 static inline int64_t q8_scratch_floats(int64_t k) { return 3 * k * WPANEL + 8; }
-
-/* 1 where the dot products run on AVX-512 (the CPU and the OS have it, and nobody asked for
- * AVX2: me_q8_isa); asked once. */
-extern int q8_isa_avx512;
-static inline int q8_avx512(void) {
-    int isa = __atomic_load_n(&q8_isa_avx512, __ATOMIC_RELAXED);
-    if (isa < 0) {
-        __builtin_cpu_init();
-        isa = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-        __atomic_store_n(&q8_isa_avx512, isa, __ATOMIC_RELAXED);
-    }
-    return isa;
-}
 
 /* Eight bytes at p as floats times scale: eight dequantized weights. */
 static inline __m256 q8_load8(const int8_t *p, __m256 scale) {
@@ -99,6 +87,7 @@ static inline __attribute__((always_inline)) void q8_dot(q8_weight w, const int 
         const int64_t end = (g + 1) * QGROUP < k ? (g + 1) * QGROUP : k;
         for (int64_t c = g * QGROUP; c < end; c++) {
             const int8_t *at = w.q + c * Q8PANEL;
+            for (int p = np; p < 2 * np; p++) _mm_prefetch((const char *)(at + p * stride), _MM_HINT_T0);
             const __m256 w0 = q8_load8(at, s0), w1 = q8_load8(at + 8, s1),
                          w2 = np > 1 ? q8_load8(at + stride, s2) : z, w3 = np > 1 ? q8_load8(at + stride + 8, s3) : z;
             Q8_ROW(0, c) Q8_ROW(1, c) Q8_ROW(2, c) Q8_ROW(3, c) Q8_ROW(4, c) Q8_ROW(5, c)
@@ -118,14 +107,12 @@ static inline __attribute__((always_inline)) void q8_dot(q8_weight w, const int 
     }
 }
 
-#define Q8_AVX512 __attribute__((target("avx512f,avx512bw")))
-
 /* Sixteen bytes at p as floats times scale, with AVX-512. */
-static inline Q8_AVX512 __m512 q8_load16(const int8_t *p, __m512 scale) {
+static inline ME_AVX512 __m512 q8_load16(const int8_t *p, __m512 scale) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))), scale);
 }
 
-static inline Q8_AVX512 void store_row16(__m512 v, int cols, const float *bias, const float *residual, float *out) {
+static inline ME_AVX512 void store_row16(__m512 v, int cols, const float *bias, const float *residual, float *out) {
     const __mmask16 mask = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
     if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
     if (residual) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, residual));
@@ -138,7 +125,7 @@ static inline Q8_AVX512 void store_row16(__m512 v, int cols, const float *bias, 
  * DOT_ROWS rows this is what the AVX2 path packs and tiles for: here the weights convert in
  * registers for every 16 rows, with no scratch. */
 #define Q8_ROWS512 16
-static inline Q8_AVX512 __attribute__((always_inline)) void q8_dot512(q8_weight w, const int np, const float *x,
+static inline ME_AVX512 __attribute__((always_inline)) void q8_dot512(q8_weight w, const int np, const float *x,
                                                                       int64_t ldx, const int mr, int64_t k, int cols,
                                                                       const float *bias, const float *residual,
                                                                       int64_t ldr, float *y, int64_t ldy) {
@@ -159,6 +146,7 @@ static inline Q8_AVX512 __attribute__((always_inline)) void q8_dot512(q8_weight 
         const int64_t end = (g + 1) * QGROUP < k ? (g + 1) * QGROUP : k;
         for (int64_t c = g * QGROUP; c < end; c++) {
             const int8_t *at = w.q + c * Q8PANEL;
+            for (int p = np; p < 2 * np; p++) _mm_prefetch((const char *)(at + p * stride), _MM_HINT_T0);
             const __m512 w0 = q8_load16(at, s0), w1 = np > 1 ? q8_load16(at + stride, s1) : z,
                          w2 = np > 2 ? q8_load16(at + 2 * stride, s2) : z;
             Q8_ROW(0, c) Q8_ROW(1, c) Q8_ROW(2, c) Q8_ROW(3, c) Q8_ROW(4, c) Q8_ROW(5, c) Q8_ROW(6, c) Q8_ROW(7, c)
@@ -222,7 +210,7 @@ static inline void q8_dot_group_avx2(const float *x, int64_t ldx, int64_t mr, q8
     }
 }
 
-static Q8_AVX512 void q8_dot_group_avx512(const float *x, int64_t ldx, int64_t mr, q8_weight w, int64_t n,
+static ME_AVX512 void q8_dot_group_avx512(const float *x, int64_t ldx, int64_t mr, q8_weight w, int64_t n,
                                           int64_t k, const float *bias, const float *residual, int64_t ldr,
                                           float *y, int64_t ldy, int64_t g) {
     Q8_GROUP_PROLOGUE(1)
@@ -274,11 +262,11 @@ static inline void q8_dequantize(q8_weight w, int64_t k, int64_t p, float *out) 
 }
 
 /* Whether q8_linear_team needs packed x and dequantized panels for m rows: only the AVX2
- * tiles do. The caller asks once (q8_avx512) and passes the same answer to the team. */
+ * tiles do. The caller asks once (use_avx512) and passes the same answer to the team. */
 static inline int q8_needs_scratch(int64_t m, int avx512) { return !avx512 && m > DOT_ROWS; }
 
 /* y[:m, :n] = x @ w^T (+ bias) (+ residual) over the calling team: with AVX-512 (avx512, the
- * caller's q8_avx512()) through the dot products, otherwise as weight_linear_team, where
+ * caller's use_avx512()) through the dot products, otherwise as weight_linear_team, where
  * q8_needs_scratch says so with x packed into xp (wpanel_x_floats(m, k) floats, shared) and
  * the dequantized panels in wq (q8_scratch_floats(k) floats for each thread of the team, by
  * thread number). Ends with a barrier. */
@@ -313,7 +301,7 @@ static inline void q8_linear_team(const float *x, int64_t m, int64_t ldx, q8_wei
     const int64_t chunk = wpanel_chunk_rows(m, k);
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
         const int64_t rows = m - m0 < chunk ? m - m0 : chunk;
-        pack_x_team(x + m0 * ldx, rows, ldx, k, xp);
+        pack_x_team(x + m0 * ldx, rows, ldx, k, XPANEL, xp);
         const float *r = residual ? residual + m0 * ldr : NULL;
         float *out = y + m0 * ldy;
         #pragma omp for schedule(static)
@@ -321,12 +309,12 @@ static inline void q8_linear_team(const float *x, int64_t m, int64_t ldx, q8_wei
             q8_dequantize(w, k, p, mine);
             const int64_t col = p * Q8PANEL, end = n < col + Q8PANEL ? n : col + Q8PANEL;
             if (rows <= XPANEL) {  /* columns 0-11 as one pair of panels, then 12-15 */
-                weight_panel_rows(xp, rows, mine, col, end, k, bias, r, ldr, out, ldy);
+                weight_panel_rows(xp, rows, mine, col, end, k, bias, r, ldr, out, ldy, 0);
                 if (end > col + 2 * WPANEL)
-                    weight_panel_rows(xp, rows, mine + 2 * k * WPANEL, col + 2 * WPANEL, end, k, bias, r, ldr, out, ldy);
+                    weight_panel_rows(xp, rows, mine + 2 * k * WPANEL, col + 2 * WPANEL, end, k, bias, r, ldr, out, ldy, 0);
             } else {
                 for (int64_t i = 0; i < 3 && col + i * WPANEL < end; i++)
-                    weight_panel_rows(xp, rows, mine + i * k * WPANEL, col + i * WPANEL, end, k, bias, r, ldr, out, ldy);
+                    weight_panel_rows(xp, rows, mine + i * k * WPANEL, col + i * WPANEL, end, k, bias, r, ldr, out, ldy, 0);
             }
         }
     }

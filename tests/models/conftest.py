@@ -1,5 +1,5 @@
 """Fixtures shared by the model tests: a clean pool after each test, transformers' reading of the
-embedded GGUF."""
+embedded GGUF, the CPU kernels' instruction set."""
 
 from __future__ import annotations
 
@@ -32,3 +32,19 @@ def gguf_model(gguf_path: Path):
 
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request):
+    """The CPU kernels' wide paths (int8 dot products, float32 tiles) on AVX2, then on AVX-512
+    where this CPU has it; back to the CPU's best afterwards."""
+    from executors.cpu_kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    if request.param == "avx512" and kernels.isa(True) != "avx512":
+        pytest.skip("this CPU has no AVX-512")
+    assert kernels.isa(request.param == "avx512") == request.param
+    yield request.param
+    kernels.isa(True)

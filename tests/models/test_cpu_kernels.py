@@ -58,12 +58,14 @@ def test_no_compiler_is_a_reason_not_a_crash(monkeypatch):
         kernel_build.compiler()
 
 
-# Rows: the dot products of 1..6 rows (three panels at a time to 4, two past it), one x
-# panel against two weight panels (7, 8), 16-row tiles and an 8-row one to end (13, 32, 40),
-# past a chunk of packed rows (300 x 1537: chunks of 48; weight_panel.h).
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 13, 32, 40, 64, 300])
+# Rows: the dot products of 1..6 rows (three panels at a time to 4, two past it); with AVX2
+# one x panel against two weight panels (7, 8), 16-row tiles and an 8-row one to end (13, 32,
+# 40); with AVX-512 one 16-row x panel against up to four weight panels (7-16), 32-row tiles
+# and a 16-row one to end (17, 33, 40, 64); past a chunk of packed rows (300 x 1537: chunks
+# of 48; weight_panel.h).
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 17, 32, 33, 40, 64, 300])
 @pytest.mark.parametrize("n,k", [(8, 8), (13, 20), (960, 576), (100, 1537), (5, 3)])  # a part-filled last panel
-def test_linear_matches_torch(kernels, m, n, k):
+def test_linear_matches_torch(kernels, isa, m, n, k):
     g = torch.Generator().manual_seed(n * 31 + k + m)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k ** 0.5
     bias, residual = torch.randn(n, generator=g), torch.randn(m, n, generator=g)
@@ -74,10 +76,10 @@ def test_linear_matches_torch(kernels, m, n, k):
                                atol=1e-5, rtol=1e-5)
 
 
-def test_a_row_does_not_depend_on_its_batch_mates(kernels):
-    """Every path (dot products, 8 x 12 and 16 x 6 tiles, chunks) sums each output as one
-    FMA chain over k in order: a row's result is the same bit for bit whatever the step's
-    size, so greedy tokens cannot change with the batch."""
+def test_a_row_does_not_depend_on_its_batch_mates(kernels, isa):
+    """Every path (dot products, 8 x 12 and 16 x 6 tiles, AVX-512's 16 x 24 and 32 x 12 ones,
+    chunks) sums each output as one FMA chain over k in order: a row's result is the same bit
+    for bit whatever the step's size, so greedy tokens cannot change with the batch."""
     g = torch.Generator().manual_seed(6)
     n, k = 100, 1537
     w, bias = torch.randn(n, k, generator=g) / k ** 0.5, torch.randn(n, generator=g)
@@ -88,6 +90,42 @@ def test_a_row_does_not_depend_on_its_batch_mates(kernels):
     every = kernels.linear(x, p, bias)
     for m in (3, 6, 8, 13, 64):
         assert torch.equal(kernels.linear(x[:m], p, bias), every[:m]), m
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (5, 7), (6, 64), (7, 576), (23, 600), (24, 33), (25, 1536), (97, 96)])
+def test_avx512_tiles_compute_exactly_the_avx2_ones(kernels, n, k):
+    """The same FMA chains on either instruction set: AVX-512 and AVX2 give the same bits, for
+    every tile shape and tail (n past a multiple of 6, 12 and 24; rows past 16 and 32; chunks
+    of packed rows at k = 576 and 1536), with and without bias and residual."""
+    if kernels.isa(True) != "avx512":
+        pytest.skip("this CPU has no AVX-512")
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w, bias = pack(torch.randn(n, k, generator=g)), torch.randn(n, generator=g)
+    try:
+        for m in (7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 65, 161, 200):
+            x, residual = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
+            for b, r in ((None, None), (bias, None), (bias, residual), (None, residual)):
+                kernels.isa(False)
+                slow = kernels.linear(x, w, b, r)
+                kernels.isa(True)
+                assert torch.equal(kernels.linear(x, w, b, r), slow), (m, b is None, r is None)
+    finally:
+        kernels.isa(True)
+
+
+def test_fma_flops_counts_what_it_ran(kernels):
+    """The bench's FMA peak (fma_rate.c): 2 x lanes x 12 chains a step on each thread, the lanes
+    those of the instruction set the tiles run on."""
+    threads = torch.get_num_threads()
+    try:
+        for avx512, lanes in ((False, 8), (True, 16)):
+            if kernels.isa(avx512) == ("avx512" if avx512 else "avx2"):
+                assert kernels.fma_flops(1000) == 2 * lanes * 12 * 1000 * threads
+        assert kernels.fma_flops(0) == 0
+        with pytest.raises(ValueError, match="steps"):
+            kernels.fma_flops(-1)
+    finally:
+        kernels.isa(True)
 
 
 def test_linear_of_no_rows_or_an_empty_inner_dimension(kernels):

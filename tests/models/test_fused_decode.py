@@ -76,6 +76,30 @@ def test_batches_of_every_size_then_gathers_on_the_same_caches(family, calls, mo
         pair.close()
 
 
+def test_steps_of_many_rows_on_either_instruction_set(isa, calls):
+    """Past 6 rows the step's matmuls pack x and run the tiles: AVX2's 8- and 16-row ones, or
+    AVX-512's 16 x 24 and 32 x 12 (weight_panel512.h). Steps of 7 to 64 rows against the
+    reference, and a row decoded alone (the dot products) the same bits as in the step."""
+    pair = Pair("qwen2", num_blocks=400)  # q/k/v biases: the tiles' bias and residual stores
+    try:
+        outs, _ = pair.both("batch_prefill", [PrefillInput(input_ids=tokens(3 + n % 11)) for n in range(64)])
+        handles = [o.kv_cache for o in outs]
+        for batch in (7, 16, 17, 33, 64):
+            ids = tokens(batch)
+            # the first row alone (the dot products), then its cache back as it was
+            alone = pair.loop.run_until_complete(pair.fast.decode(DecodeInput(token_id=ids[0], kv_cache=handles[0])))
+            pair.loop.run_until_complete(pair.fast.truncate_kv(handles[0].cache_id, handles[0].sequence_length))
+            a, b = pair.both("batch_decode", [DecodeInput(token_id=t, kv_cache=h) for t, h in zip(ids, handles)])
+            for x, y in zip(a, b, strict=True):
+                same(x, y)
+            assert np.array_equal(alone.logits.logits.array, a[0].logits.logits.array), batch
+            done = {x.kv_cache.cache_id: x.kv_cache for x in a}
+            handles = [done.get(h.cache_id, h) for h in handles]
+        assert calls and set(calls) == {0}
+    finally:
+        pair.close()
+
+
 def test_decodes_past_a_window_every_layer_slides_stay_one_call(calls, caplog):
     """Mistral: every layer slides, so the blocks wholly behind the window (and the rollback
     reserve, WINDOW_ROLLBACK_TOKENS) go back to the pool and their block-table entries become

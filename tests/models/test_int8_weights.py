@@ -64,18 +64,6 @@ def test_quantize_error_is_half_a_step_and_non_finite_weights_are_refused():
         quantize(torch.tensor([[1.0, float("nan")]]))
 
 
-@pytest.fixture(params=["avx2", "avx512"])
-def isa(request):
-    """The int8 dot products' instructions; AVX-512 where this CPU has it."""
-    if kernels is None:
-        pytest.skip("the CPU kernels cannot be built here")
-    if request.param == "avx512" and kernels.int8_isa(True) != "avx512":
-        pytest.skip("this CPU has no AVX-512")
-    assert kernels.int8_isa(request.param == "avx512") == request.param
-    yield request.param
-    kernels.int8_isa(True)  # back to the CPU's best
-
-
 @pytest.mark.parametrize("n, k", [(13, 50), (49, 576), (40, 33), (1, 1), (112, 96)])
 def test_int8_kernels_compute_exactly_the_float32_kernels_over_the_dequantized_weights(n, k, isa):
     torch.manual_seed(n * k)
