@@ -40,7 +40,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import ARGMAX, MODEL_DIR, PROMPT_LEN, ROOT, SEED, Loop, executor, prompts, serve, timed
+from bench.common import (ARGMAX, MODEL_DIR, PROMPT_LEN, ROOT, SEED, Loop, executor, prefill_flops, prompts, serve,
+                          timed)
 from executors.cpu_kernels import cpu_kernels
 from executors.types import PrefillInput
 
@@ -196,7 +197,7 @@ def bench_ours(vocab: int, quick: bool, quantization: str = "none") -> dict:
         best = min(timed(lambda: loop.run(batched()))[0] for _ in range(2))
         row["fp32_peak_gflops"] = max(peak, fma_peak_gflops())
         row["sgemm_gflops"] = sgemm_gflops()
-        row["batched_prefill_gflops"] = 2 * ex.num_parameters * 32 * PROMPT_LEN / best / 1e9
+        row["batched_prefill_gflops"] = prefill_flops(ex, 32, PROMPT_LEN) / best / 1e9
     finally:
         loop.run(server.stop(0))
         loop.close()
