@@ -134,12 +134,13 @@ def test_the_peers_part_reports_each_target_or_how_to_install_it():
 def test_prefill_flops_count_the_lm_head_once_a_prompt():
     from types import SimpleNamespace
 
-    cfg = SimpleNamespace(vocab_size=100, hidden_size=8, tie_word_embeddings=True, head_dim=4, num_heads=2, num_layers=3)
+    cfg = SimpleNamespace(vocab_size=100, hidden_size=8, tie_word_embeddings=True, head_dim=4, num_heads=2,
+                          num_layers=3)
     ex = SimpleNamespace(model=SimpleNamespace(config=cfg), num_parameters=800 + 5000)  # a tied embedding + layers
     # 2 prompts of 3 tokens: layers for 6 tokens, the head for 2, 2 x 6 causal pairs of 4 x 4 x 2 x 3
     assert common.prefill_flops(ex, 2, 3) == 2 * 5000 * 6 + 2 * 800 * 2 + 4 * 4 * 2 * 3 * 12
-    untied = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(**{**vars(cfg), "tie_word_embeddings": False})),
-                             num_parameters=1600 + 5000)
+    untied_cfg = SimpleNamespace(**{**vars(cfg), "tie_word_embeddings": False})
+    untied = SimpleNamespace(model=SimpleNamespace(config=untied_cfg), num_parameters=1600 + 5000)
     assert common.prefill_flops(untied, 2, 3) == common.prefill_flops(ex, 2, 3)
 
 

@@ -44,7 +44,8 @@ static inline ME_AVX512 __attribute__((always_inline)) void weight_tile512(const
            a032 = z, a033 = z, a034 = z, a035 = z, a100 = z, a101 = z, a102 = z, a103 = z, a104 = z, a105 = z,
            a110 = z, a111 = z, a112 = z, a113 = z, a114 = z, a115 = z;
     /* never used (nw * nx <= 4): named so that T512_COL compiles for every panel */
-    __m512 a120, a121, a122, a123, a124, a125, a130, a131, a132, a133, a134, a135;
+    __m512 a120 = z, a121 = z, a122 = z, a123 = z, a124 = z, a125 = z, a130 = z, a131 = z, a132 = z, a133 = z,
+           a134 = z, a135 = z;
 #define T512_COL(p, j)                                                     \
     {                                                                      \
         const __m512 s = _mm512_set1_ps(wc[(p) * wstride + (j)]);          \

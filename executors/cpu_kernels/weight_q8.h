@@ -10,12 +10,15 @@
  * row's result does not depend on its batch mates, and the tests hold these kernels to the
  * float32 ones bit for bit.
  *
- * - Dot products read x in place and convert the weights in registers: a decode row streams
- *   1.125 bytes a weight instead of 4, and the conversion (sign extension, int to float, the
- *   scale) is what bounds it. Sixteen columns a panel keep every lane of a load useful: two
- *   8-lane halves with AVX2 (up to DOT_ROWS rows), one 16-lane vector where the CPU has
- *   AVX-512 (chosen at run time: isa.h), which takes every step this way, 16 rows at a
- *   time (bench/RESULTS.md run 19: about twice float32's speed at batch 8 to 32 and prefill).
+ * - Dot products read x in place and convert the weights in registers (sign extension, int
+ *   to float, the scale): a decode row streams 1.125 bytes a weight instead of 4. Sixteen
+ *   columns a panel keep every lane of a load useful: two 8-lane halves with AVX2 (up to
+ *   DOT_ROWS rows), one 16-lane vector where the CPU has AVX-512 (chosen at run time:
+ *   isa.h), which takes every step this way, 16 rows at a time (bench/RESULTS.md run 19:
+ *   about twice the speed of the float32 AVX2 tiles at batch 8 to 32 and prefill; past batch
+ *   8 the float32 AVX-512 tiles of run 21 are as fast, having no conversion to do. Run 22
+ *   tried dequantizing panels for those tiles past 16 rows instead: 1.7x slower at 17 rows,
+ *   1.1x at 64, 3 % faster at 128).
  * - With AVX2, more rows dequantize a panel into three float32 6-column panels in a thread's
  *   scratch, which the float32 tiles then read from the L1/L2 for every chunk of rows.
  */

@@ -29,6 +29,13 @@ from executors.models.moe import moe_forward
 if TYPE_CHECKING:
     from executors.models.decoder import DecoderLM
 
+# Rows of a step the MLP takes at a time with the CPU kernels. Its gate/up output at 4096
+# rows is 50 MB, past glibc's largest mmap threshold (32 MB): each such allocation is mapped
+# afresh and faulted in page by page as the kernel first stores to it (12 ms of a 47 ms
+# matmul, bench/RESULTS.md run 22). Blocks of 1024 rows keep it at 12.6 MB, which glibc
+# reuses from its heap; the kernels compute each row alone, so the bits do not change.
+MLP_ROWS = 1024
+
 
 def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """Final (normed) hidden states of a flat batch's embeddings through the fused weights: [M, hidden] -> same."""
@@ -51,6 +58,7 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
     prologue = ctx.prologue if ctx.backend == "triton" and ctx.pool is not None else None
     if ctx.backend == "triton" and ctx.glu is not None:
         glu = ctx.glu
+    blocked_mlp = m > MLP_ROWS and lora is None and model.cpu_kernels is not None and linear == model.cpu_kernels.linear
     for i, w in enumerate(layers):
         sliding = c.window(i) is not None
         h = norm(x, w.input_norm, eps)
@@ -88,6 +96,10 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
             if reduce is not None:
                 y = reduce(y)
             x = x + (norm(y, w.post_ff_norm, eps) if w.post_ff_norm is not None else y)
+            continue
+        if blocked_mlp and w.post_ff_norm is None and reduce is None:
+            x = torch.cat([residual_linear(x[r:r + MLP_ROWS], glu(linear(h[r:r + MLP_ROWS], w.gate_up, w.gate_up_bias)),
+                                           w.down, w.down_bias) for r in range(0, m, MLP_ROWS)])
             continue
         gu = linear(h, w.gate_up, w.gate_up_bias)
         if lora is not None:  # before the SiLU
