@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # Rows of a step the MLP takes at a time with the CPU kernels. Its gate/up output at 4096
 # rows is 50 MB, past glibc's largest mmap threshold (32 MB): each such allocation is mapped
 # afresh and faulted in page by page as the kernel first stores to it (12 ms of a 47 ms
-# matmul, bench/RESULTS.md run 22). Blocks of 1024 rows keep it at 12.6 MB, which glibc
+# matmul, bench/RESULTS.md runs 21 and 22). Blocks of 1024 rows keep it at 12.6 MB, which glibc
 # reuses from its heap; the kernels compute each row alone, so the bits do not change.
 MLP_ROWS = 1024
 
