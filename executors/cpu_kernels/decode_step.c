@@ -72,9 +72,22 @@ typedef struct {
     int avx512;
 } step_scratch;
 
+/* The float32 matmul the step runs after field f of layer l: q/k/v, o, gate/up, down, then
+ * the next layer's q/k/v (none after the last layer's down). */
+static next_matmul next_of(const me_decoder *m, int64_t l, int f) {
+    const int64_t hq = m->heads * m->head_dim, width = hq + 2 * m->kv_heads * m->head_dim;
+    switch (f) {
+    case W_QKV: return (next_matmul){field(m, l, W_O), m->hidden, hq};
+    case W_O: return (next_matmul){field(m, l, W_GATE_UP), 2 * m->inter, m->hidden};
+    case W_GATE_UP: return (next_matmul){field(m, l, W_DOWN), m->hidden, m->inter};
+    default: return l + 1 < m->layers ? (next_matmul){field(m, l + 1, W_QKV), width, m->hidden} : (next_matmul){0};
+    }
+}
+
 /* y = x @ w^T (+ bias) (+ residual) for field f of layer l (and its scales, where int8),
  * shared out over the team (x packed into the scratch where the rows are many, int8 panels
- * dequantized there too without AVX-512); a barrier ends it. */
+ * dequantized there too without AVX-512; float32 dot products prefetching the next matmul's
+ * weights as they end); a barrier ends it. */
 static void step_linear(const me_decoder *m, int64_t l, int f, int scales_field, const float *x, int64_t rows,
                         int64_t k, int64_t n, const float *bias, const float *residual, float *y,
                         const step_scratch *sc) {
@@ -83,7 +96,7 @@ static void step_linear(const me_decoder *m, int64_t l, int f, int scales_field,
         const q8_weight q = {(const int8_t *)w, scales};
         q8_linear_team(x, rows, k, q, n, k, bias, residual, n, y, n, sc->avx512, sc->xp, sc->wq);
     } else {
-        weight_linear_team(x, rows, k, w, n, k, bias, residual, n, y, n, sc->avx512, sc->xp);
+        weight_linear_team(x, rows, k, w, n, k, bias, residual, n, y, n, sc->avx512, sc->xp, next_of(m, l, f));
     }
 }
 

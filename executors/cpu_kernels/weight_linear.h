@@ -4,21 +4,54 @@
 #ifndef MODELEXEC_WEIGHT_LINEAR_H
 #define MODELEXEC_WEIGHT_LINEAR_H
 
+#include <omp.h>
+
 #include "weight_panel512.h"
+
+/* The matmul a step runs after this one (its weight panels, outputs and inputs), for the dot
+ * products to prefetch: panels NULL for none. */
+typedef struct {
+    const float *panels;
+    int64_t n, k;
+} next_matmul;
+
+/* Thread t of T's share [*g0, *g1) of `groups` groups: the dot products share them out by
+ * hand, not by `omp for`, so that a thread knows its first group of the next matmul. */
+static inline void dot_share(int64_t groups, int t, int T, int64_t *g0, int64_t *g1) {
+    *g0 = groups * t / T;
+    *g1 = groups * (t + 1) / T;
+}
 
 /* y[:m, :n] = x @ w^T (+ bias) (+ residual) over the calling team, the tiles on AVX-512 where
  * avx512 (the caller's use_avx512(), the same for the whole team). Up to DOT_ROWS rows read
- * x in place; more are packed chunk by chunk into xp (wpanel_x_floats(m, k) floats, shared
- * by the team). Ends with a barrier: the caller may read y and reuse xp at once. */
+ * x in place, each thread prefetching its next group as it goes and, in its last, its first
+ * group of `next` where that is given: a decode step's matmuls follow each other with little
+ * between, and each thread's share would otherwise start cold (the one-call step's batch-1
+ * matmuls ran at ~40 GB/s where one matmul alone streams at ~60, RESULTS run 22). More rows are
+ * packed chunk by chunk into xp (wpanel_x_floats(m, k) floats, shared by the team). Ends with
+ * a barrier: the caller may read y and reuse xp at once. */
 static inline void weight_linear_team(const float *x, int64_t m, int64_t ldx, const float *panels, int64_t n,
                                       int64_t k, const float *bias, const float *residual, int64_t ldr, float *y,
-                                      int64_t ldy, int avx512, float *xp) {
+                                      int64_t ldy, int avx512, float *xp, next_matmul next) {
     const int64_t count = (n + WPANEL - 1) / WPANEL;
     if (m <= 0 || k <= 0) return;  /* the whole team returns (the caller handles k = 0) */
     if (m <= DOT_ROWS) {
-        #pragma omp for schedule(static)
-        for (int64_t g = 0; g < (count + dot_group(m) - 1) / dot_group(m); g++)
-            weight_dot_group(x, ldx, m, panels, n, k, bias, residual, ldr, y, ldy, g);
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t group = dot_group(m), bytes = dot_group_bytes(m, k);
+        int64_t g0, g1;
+        dot_share((count + group - 1) / group, t, T, &g0, &g1);
+        for (int64_t g = g0; g < g1; g++) {
+            const char *ahead = (const char *)(panels + (g + 1) * group * k * WPANEL);
+            int64_t ahead_bytes = bytes;
+            if (g + 1 == g1 && next.panels) {  /* this thread's first group of the next matmul */
+                int64_t n0, n1;
+                dot_share(((next.n + WPANEL - 1) / WPANEL + group - 1) / group, t, T, &n0, &n1);
+                ahead = (const char *)(next.panels + n0 * group * next.k * WPANEL);
+                ahead_bytes = dot_group_bytes(m, next.k);
+            }
+            weight_dot_group(x, ldx, m, panels, n, k, bias, residual, ldr, y, ldy, g, ahead, ahead_bytes);
+        }
+        #pragma omp barrier
         return;
     }
     const int64_t chunk = wpanel_chunk_rows(m, k);

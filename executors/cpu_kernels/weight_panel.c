@@ -28,7 +28,7 @@ int me_weight_linear_f32(const float *x, int64_t m, int64_t ldx, const float *pa
     float *xp = floats ? malloc(sizeof(float) * (size_t)floats) : NULL;
     if (floats && !xp) return -1;
     #pragma omp parallel num_threads(threads)
-    weight_linear_team(x, m, ldx, panels, n, k, bias, residual, ldr, y, ldy, use_avx512(), xp);
+    weight_linear_team(x, m, ldx, panels, n, k, bias, residual, ldr, y, ldy, use_avx512(), xp, (next_matmul){0});
     free(xp);
     return 0;
 }

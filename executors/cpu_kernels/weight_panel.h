@@ -195,19 +195,22 @@ static inline __attribute__((always_inline)) void weight_tile(const float *wa, c
  * in place, rows ldx apart): per k, one load of each panel's six floats (eight lanes, two
  * ignored) and a broadcast of each row's x, each output one FMA chain over k as in the
  * tiles; the accumulators are named registers (an array of them spills). The last k-step
- * loads six lanes only, so that no read passes the weights' end. Each k-step prefetches its
- * line of the np panels after these (the thread's next group under a static schedule): a
- * decode row streams the weights ~1.3x faster than the hardware's prefetchers alone make it
- * (bench/RESULTS.md run 21). */
+ * loads six lanes only, so that no read passes the weights' end. As it walks k it prefetches
+ * the ahead_bytes at `ahead`, front to back as one stream: the thread's next group, or its
+ * first of the step's next matmul (weight_linear.h). One stream runs 5-7 % faster than a
+ * stream a panel (three; RESULTS run 22), and a decode row streams the weights 1.3-1.5x
+ * faster than the hardware's prefetchers alone make it (run 21). */
 static inline __attribute__((always_inline)) void weight_dot(const float *w, const int np, const float *x,
                                                              int64_t ldx, const int mr, int64_t k, int cols,
                                                              const float *bias, const float *residual,
-                                                             int64_t ldr, float *y, int64_t ldy) {
+                                                             int64_t ldr, float *y, int64_t ldy, const char *ahead,
+                                                             int64_t ahead_bytes) {
     const int64_t stride = k * WPANEL;
     const __m256 z = _mm256_setzero_ps();
     __m256 c00 = z, c01 = z, c02 = z, c10 = z, c11 = z, c12 = z, c20 = z, c21 = z, c22 = z, c30 = z, c31 = z,
            c32 = z, c40 = z, c41 = z, c42 = z, c50 = z, c51 = z, c52 = z;
     const __m256i six = tail_mask(WPANEL);
+    const int64_t per = (ahead_bytes + k - 1) / k;  /* bytes of `ahead` to prefetch a k-step */
 #define DOT_ROW(i, step)                                                \
     if (mr > i) {                                                      \
         const __m256 s = _mm256_broadcast_ss(x + i * ldx + (step));    \
@@ -225,7 +228,7 @@ static inline __attribute__((always_inline)) void weight_dot(const float *w, con
 #define LOAD8(at) _mm256_loadu_ps(at)
 #define LOAD6(at) _mm256_maskload_ps(at, six)
     for (int64_t c = 0; c + 1 < k; c++) {
-        for (int p = np; p < 2 * np; p++) _mm_prefetch((const char *)(w + p * stride + c * WPANEL), _MM_HINT_T0);
+        for (int64_t o = 0; o <= per; o += 64) _mm_prefetch(ahead + c * per + o, _MM_HINT_T0);
         DOT_STEP(c, LOAD8)
     }
     DOT_STEP(k - 1, LOAD6)
@@ -251,10 +254,16 @@ static inline __attribute__((always_inline)) void weight_dot(const float *w, con
 /* Weight panels a dot call takes for mr rows: as many as the sixteen registers hold. */
 static inline int64_t dot_group(int64_t mr) { return mr <= DOT_WIDE_ROWS ? 3 : 2; }
 
-/* Group g of dot_group(mr) weight panels against the mr (<= DOT_ROWS) rows of x. */
+/* Bytes of a group of dot_group(mr) panels at inner dimension k. */
+static inline int64_t dot_group_bytes(int64_t mr, int64_t k) {
+    return dot_group(mr) * k * WPANEL * (int64_t)sizeof(float);
+}
+
+/* Group g of dot_group(mr) weight panels against the mr (<= DOT_ROWS) rows of x, prefetching
+ * the ahead_bytes at `ahead` as it goes (weight_dot). */
 static inline void weight_dot_group(const float *x, int64_t ldx, int64_t mr, const float *panels, int64_t n,
                                     int64_t k, const float *bias, const float *residual, int64_t ldr, float *y,
-                                    int64_t ldy, int64_t g) {
+                                    int64_t ldy, int64_t g, const char *ahead, int64_t ahead_bytes) {
     const int64_t group = dot_group(mr), col = g * group * WPANEL, count = (n + WPANEL - 1) / WPANEL - g * group;
     const int np = count < group ? (int)count : (int)group;
     const int cols = (int)(n - col < group * WPANEL ? n - col : group * WPANEL);
@@ -262,9 +271,9 @@ static inline void weight_dot_group(const float *x, int64_t ldx, int64_t mr, con
     const float *r = residual ? residual + col : NULL;
 #define DOT_CASE(rows)                                                                         \
     case rows:                                                                                 \
-        if (np == 3) weight_dot(w, 3, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);        \
-        else if (np == 2) weight_dot(w, 2, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);   \
-        else weight_dot(w, 1, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);                \
+        if (np == 3) weight_dot(w, 3, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy, ahead, ahead_bytes);      \
+        else if (np == 2) weight_dot(w, 2, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy, ahead, ahead_bytes); \
+        else weight_dot(w, 1, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy, ahead, ahead_bytes);              \
         break;
     switch (mr) { DOT_CASE(6) DOT_CASE(5) DOT_CASE(4) DOT_CASE(3) DOT_CASE(2) default: DOT_CASE(1) }
 #undef DOT_CASE
