@@ -21,6 +21,11 @@
  *   1.1x at 64, 3 % faster at 128).
  * - With AVX2, more rows dequantize a panel into three float32 6-column panels in a thread's
  *   scratch, which the float32 tiles then read from the L1/L2 for every chunk of rows.
+ * - As they walk k, the dot products of a step of up to two blocks of rows (32 with AVX-512)
+ *   prefetch the same k-step of the np panels after theirs (the thread's next group under a
+ *   static schedule), as the float32 ones do: the hardware's prefetchers alone left a decode
+ *   row at half the memory's rate (bench/RESULTS.md run 21). A step of more blocks reads
+ *   every panel once a block, and there the prefetches cost 8-12 % (128 rows, run 22).
  */
 #ifndef MODELEXEC_WEIGHT_Q8_H
 #define MODELEXEC_WEIGHT_Q8_H
@@ -67,7 +72,7 @@ static inline void store_row8(__m256 v, int cols, const float *bias, const float
 static inline __attribute__((always_inline)) void q8_dot(q8_weight w, const int np, const float *x, int64_t ldx,
                                                          const int mr, int64_t k, int cols, const float *bias,
                                                          const float *residual, int64_t ldr, float *y,
-                                                         int64_t ldy) {
+                                                         int64_t ldy, int prefetch) {
     const int64_t stride = k * Q8PANEL, groups = q8_groups(k), sstride = groups * Q8PANEL;
     const __m256 z = _mm256_setzero_ps();
     __m256 c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z, c20 = z, c21 = z, c22 = z,
@@ -90,7 +95,8 @@ static inline __attribute__((always_inline)) void q8_dot(q8_weight w, const int 
         const int64_t end = (g + 1) * QGROUP < k ? (g + 1) * QGROUP : k;
         for (int64_t c = g * QGROUP; c < end; c++) {
             const int8_t *at = w.q + c * Q8PANEL;
-            for (int p = np; p < 2 * np; p++) _mm_prefetch((const char *)(at + p * stride), _MM_HINT_T0);
+            if (prefetch)
+                for (int p = np; p < 2 * np; p++) _mm_prefetch((const char *)(at + p * stride), _MM_HINT_T0);
             const __m256 w0 = q8_load8(at, s0), w1 = q8_load8(at + 8, s1),
                          w2 = np > 1 ? q8_load8(at + stride, s2) : z, w3 = np > 1 ? q8_load8(at + stride + 8, s3) : z;
             Q8_ROW(0, c) Q8_ROW(1, c) Q8_ROW(2, c) Q8_ROW(3, c) Q8_ROW(4, c) Q8_ROW(5, c)
@@ -128,10 +134,12 @@ static inline ME_AVX512 void store_row16(__m512 v, int cols, const float *bias, 
  * DOT_ROWS rows this is what the AVX2 path packs and tiles for: here the weights convert in
  * registers for every 16 rows, with no scratch. */
 #define Q8_ROWS512 16
+#define Q8_PREFETCH_BLOCKS 2  /* steps of up to this many blocks of rows prefetch (run 22) */
 static inline ME_AVX512 __attribute__((always_inline)) void q8_dot512(q8_weight w, const int np, const float *x,
                                                                       int64_t ldx, const int mr, int64_t k, int cols,
                                                                       const float *bias, const float *residual,
-                                                                      int64_t ldr, float *y, int64_t ldy) {
+                                                                      int64_t ldr, float *y, int64_t ldy,
+                                                                      int prefetch) {
     const int64_t stride = k * Q8PANEL, groups = q8_groups(k), sstride = groups * Q8PANEL;
     const __m512 z = _mm512_setzero_ps();
     __m512 a0_0 = z, a0_1 = z, a0_2 = z, a1_0 = z, a1_1 = z, a1_2 = z, a2_0 = z, a2_1 = z, a2_2 = z, a3_0 = z, a3_1 = z, a3_2 = z, a4_0 = z, a4_1 = z, a4_2 = z, a5_0 = z, a5_1 = z, a5_2 = z, a6_0 = z, a6_1 = z, a6_2 = z, a7_0 = z, a7_1 = z, a7_2 = z, a8_0 = z, a8_1 = z, a8_2 = z, a9_0 = z, a9_1 = z, a9_2 = z, a10_0 = z, a10_1 = z, a10_2 = z, a11_0 = z, a11_1 = z, a11_2 = z, a12_0 = z, a12_1 = z, a12_2 = z, a13_0 = z, a13_1 = z, a13_2 = z, a14_0 = z, a14_1 = z, a14_2 = z, a15_0 = z, a15_1 = z, a15_2 = z;
@@ -149,7 +157,8 @@ static inline ME_AVX512 __attribute__((always_inline)) void q8_dot512(q8_weight 
         const int64_t end = (g + 1) * QGROUP < k ? (g + 1) * QGROUP : k;
         for (int64_t c = g * QGROUP; c < end; c++) {
             const int8_t *at = w.q + c * Q8PANEL;
-            for (int p = np; p < 2 * np; p++) _mm_prefetch((const char *)(at + p * stride), _MM_HINT_T0);
+            if (prefetch)
+                for (int p = np; p < 2 * np; p++) _mm_prefetch((const char *)(at + p * stride), _MM_HINT_T0);
             const __m512 w0 = q8_load16(at, s0), w1 = np > 1 ? q8_load16(at + stride, s1) : z,
                          w2 = np > 2 ? q8_load16(at + 2 * stride, s2) : z;
             Q8_ROW(0, c) Q8_ROW(1, c) Q8_ROW(2, c) Q8_ROW(3, c) Q8_ROW(4, c) Q8_ROW(5, c) Q8_ROW(6, c) Q8_ROW(7, c)
@@ -189,23 +198,24 @@ static inline int64_t q8_dot_group(int64_t mr, int avx512) {
     const float *b = bias ? bias + col : NULL, *r = residual ? residual + col : NULL;
 #define Q8_NP3(DOT, rows)                                                                    \
     case rows:                                                                               \
-        if (np == 3) DOT(q, 3, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);              \
-        else if (np == 2) DOT(q, 2, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);         \
-        else DOT(q, 1, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);                      \
+        if (np == 3) DOT(q, 3, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy, prefetch);              \
+        else if (np == 2) DOT(q, 2, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy, prefetch);         \
+        else DOT(q, 1, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy, prefetch);                      \
         break;
 #define Q8_NP2(DOT, rows)                                                                    \
     case rows:                                                                               \
-        if (np == 2) DOT(q, 2, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);              \
-        else DOT(q, 1, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);                      \
+        if (np == 2) DOT(q, 2, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy, prefetch);              \
+        else DOT(q, 1, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy, prefetch);                      \
         break;
 #define Q8_NP1(DOT, rows)                                                                    \
     case rows:                                                                               \
-        DOT(q, 1, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy);                           \
+        DOT(q, 1, x, ldx, rows, k, cols, b, r, ldr, y + col, ldy, prefetch);                           \
         break;
 
 static inline void q8_dot_group_avx2(const float *x, int64_t ldx, int64_t mr, q8_weight w, int64_t n, int64_t k,
                                      const float *bias, const float *residual, int64_t ldr, float *y, int64_t ldy,
                                      int64_t g) {
+    const int prefetch = 1;  /* up to DOT_ROWS rows, all in one block: each weight streams once */
     Q8_GROUP_PROLOGUE(0)
     switch (mr) {
     Q8_NP2(q8_dot, 6) Q8_NP2(q8_dot, 5) Q8_NP2(q8_dot, 4) Q8_NP2(q8_dot, 3) Q8_NP2(q8_dot, 2)
@@ -213,18 +223,25 @@ static inline void q8_dot_group_avx2(const float *x, int64_t ldx, int64_t mr, q8
     }
 }
 
-static ME_AVX512 void q8_dot_group_avx512(const float *x, int64_t ldx, int64_t mr, q8_weight w, int64_t n,
-                                          int64_t k, const float *bias, const float *residual, int64_t ldr,
-                                          float *y, int64_t ldy, int64_t g) {
-    Q8_GROUP_PROLOGUE(1)
-    switch (mr) {
-    Q8_NP1(q8_dot512, 16) Q8_NP1(q8_dot512, 15) Q8_NP1(q8_dot512, 14) Q8_NP1(q8_dot512, 13)
-    Q8_NP1(q8_dot512, 12) Q8_NP1(q8_dot512, 11) Q8_NP1(q8_dot512, 10) Q8_NP1(q8_dot512, 9)
-    Q8_NP2(q8_dot512, 8) Q8_NP2(q8_dot512, 7) Q8_NP2(q8_dot512, 6) Q8_NP2(q8_dot512, 5)
-    Q8_NP3(q8_dot512, 4) Q8_NP3(q8_dot512, 3) Q8_NP3(q8_dot512, 2)
-    default: Q8_NP3(q8_dot512, 1)
+/* One copy that prefetches (steps of up to Q8_PREFETCH_BLOCKS blocks of rows) and one that
+ * does not: a run-time test in the loop made both slower, 30 % at 128 rows (run 22). */
+#define Q8_GROUP_AVX512(NAME, PREFETCH)                                                                   \
+    static ME_AVX512 void NAME(const float *x, int64_t ldx, int64_t mr, q8_weight w, int64_t n, int64_t k, \
+                               const float *bias, const float *residual, int64_t ldr, float *y, int64_t ldy, \
+                               int64_t g) {                                                               \
+        const int prefetch = PREFETCH;                                                                    \
+        Q8_GROUP_PROLOGUE(1)                                                                              \
+        switch (mr) {                                                                                     \
+        Q8_NP1(q8_dot512, 16) Q8_NP1(q8_dot512, 15) Q8_NP1(q8_dot512, 14) Q8_NP1(q8_dot512, 13)          \
+        Q8_NP1(q8_dot512, 12) Q8_NP1(q8_dot512, 11) Q8_NP1(q8_dot512, 10) Q8_NP1(q8_dot512, 9)           \
+        Q8_NP2(q8_dot512, 8) Q8_NP2(q8_dot512, 7) Q8_NP2(q8_dot512, 6) Q8_NP2(q8_dot512, 5)              \
+        Q8_NP3(q8_dot512, 4) Q8_NP3(q8_dot512, 3) Q8_NP3(q8_dot512, 2)                                   \
+        default: Q8_NP3(q8_dot512, 1)                                                                     \
+        }                                                                                                 \
     }
-}
+Q8_GROUP_AVX512(q8_dot_group_avx512, 1)
+Q8_GROUP_AVX512(q8_dot_group_avx512_blocks, 0)
+#undef Q8_GROUP_AVX512
 #undef Q8_GROUP_PROLOGUE
 #undef Q8_NP3
 #undef Q8_NP2
@@ -288,8 +305,9 @@ static inline void q8_linear_team(const float *x, int64_t m, int64_t ldx, q8_wei
             const int64_t block = task / groups < blocks - 1 ? task / groups : blocks - 1;
             const int64_t g = block < blocks - 1 ? task % groups : task - (blocks - 1) * groups;
             const int64_t r0 = block * Q8_ROWS512, rows = block < blocks - 1 ? Q8_ROWS512 : last;
-            q8_dot_group_avx512(x + r0 * ldx, ldx, rows, w, n, k, bias, residual ? residual + r0 * ldr : NULL, ldr,
-                                y + r0 * ldy, ldy, g);
+            const float *res = residual ? residual + r0 * ldr : NULL;
+            if (blocks <= Q8_PREFETCH_BLOCKS) q8_dot_group_avx512(x + r0 * ldx, ldx, rows, w, n, k, bias, res, ldr, y + r0 * ldy, ldy, g);
+            else q8_dot_group_avx512_blocks(x + r0 * ldx, ldx, rows, w, n, k, bias, res, ldr, y + r0 * ldy, ldy, g);
         }
         return;
     }
