@@ -1,11 +1,12 @@
-"""float32 kernels for the small steps of decode on a CPU (AVX2 + FMA, built by build.py).
+"""float32 kernels for the steps of a model on a CPU (AVX2 + FMA, AVX-512 where the CPU has
+it; built by build.py).
 
 - weight_panel.c: the projections and the lm_head of steps of every size over weights
   stored in 6-column panels (panels.py, the weights' one copy): decode rows stream them at
-  the memory's rate, 16-64 rows at 150-185 GFLOP/s with the weights from memory, prefills
-  near MKL's best sgemm (bench/RESULTS.md runs 11 and 16); or as int8 16-column panels with
-  float32 scales (qpanels.py, weight_q8.h), computing exactly what the float32 panels of
-  their dequantized weights would;
+  the memory's rate, steps of more rows run tiles at 85-95 % of the FMA units' rate where
+  the CPU has AVX-512 (weight_panel512.h; bench/RESULTS.md run 21), the AVX2 ones otherwise;
+  or as int8 16-column panels with float32 scales (qpanels.py, weight_q8.h), computing
+  exactly what the float32 panels of their dequantized weights would;
 - pointwise.c: RMSNorm, the rotary embedding and the gated activation without torch's
   per-op set-up;
 - paged_attention.c: the new tokens' K and V stored into the pool, and decode attention

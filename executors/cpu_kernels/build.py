@@ -9,7 +9,8 @@ and the model runs its matmuls through torch as before.
 
 The flags name AVX2 and FMA rather than -march=native: a cache shared between machines
 (a container image built on one host, run on another) must not hold code for the build
-host's newer instructions.
+host's newer instructions. The AVX-512 paths are functions of their own target attribute,
+run only where the CPU says it has AVX-512 (isa.h).
 """
 
 from __future__ import annotations
