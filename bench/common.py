@@ -96,8 +96,8 @@ def prefill_flops(ex: LlmExecutor, prompts: int, prompt_len: int) -> int:
     (dense models): every token through every layer's matmuls, the lm_head for one token a
     prompt (its logits are the last token's), and causal attention (q.k and p.v, 2 x 2 x
     head_dim a query-key pair and head). The embedding's lookup computes nothing: counting the
-    checkpoint's parameters for every token would add a tied SmolLM2's 28 M-row lm_head 4096
-    times over a 32 x 128 batch, ~26 % more than it does."""
+    checkpoint's parameters for every token would add a tied SmolLM2's 28 M-parameter lm_head
+    4096 times over a 32 x 128 batch, ~24 % more than it does."""
     cfg = ex.model.config
     head = cfg.vocab_size * cfg.hidden_size
     layers = ex.num_parameters - head * (1 if cfg.tie_word_embeddings else 2)  # the norms' few thousand too

@@ -3,7 +3,7 @@ it; built by build.py).
 
 - weight_panel.c: the projections and the lm_head of steps of every size over weights
   stored in 6-column panels (panels.py, the weights' one copy): decode rows stream them at
-  the memory's rate, steps of more rows run tiles at 85-95 % of the FMA units' rate where
+  the memory's rate, steps of more rows run tiles at 80-95 % of the FMA units' rate where
   the CPU has AVX-512 (weight_panel512.h; bench/RESULTS.md run 21), the AVX2 ones otherwise;
   or as int8 16-column panels with float32 scales (qpanels.py, weight_q8.h), computing
   exactly what the float32 panels of their dequantized weights would;
