@@ -2,6 +2,10 @@
 
 import sys
 
-from bench.suite import main
+from executors.omp_pool import spin_briefly
+
+spin_briefly()  # as `python -m service` does, before torch loads its OpenMP runtime
+
+from bench.suite import main  # noqa: E402  (after the setting above)
 
 sys.exit(main())

@@ -43,6 +43,7 @@ import torch
 from bench.common import (ARGMAX, MODEL_DIR, PROMPT_LEN, ROOT, SEED, Loop, executor, prefill_flops, prompts, serve,
                           timed)
 from executors.cpu_kernels import cpu_kernels
+from executors.omp_pool import in_passing_thread
 from executors.types import PrefillInput
 
 PEERS_DIR = ROOT / "models" / "peers"
@@ -62,7 +63,12 @@ def missing() -> str | None:
 
 
 def sgemm_gflops() -> float:
-    """A 2048-cube torch sgemm's rate."""
+    """A 2048-cube torch sgemm's rate, on a thread that ends with it: the OpenMP pool it makes
+    goes along, and the executor's worker keeps the process's only one (omp_pool.py)."""
+    return in_passing_thread(_sgemm_gflops)
+
+
+def _sgemm_gflops() -> float:
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     a @ b
     best = min(timed(lambda: a @ b)[0] for _ in range(7))
@@ -71,10 +77,15 @@ def sgemm_gflops() -> float:
 
 def fma_peak_gflops() -> float:
     """The FMA units' rate on torch's threads (fma_rate.c), best of 5 calls of ~0.1 s each;
-    a torch sgemm's where the kernels cannot be built (then the model runs on torch's too)."""
+    a torch sgemm's where the kernels cannot be built (then the model runs on torch's too).
+    On a thread that ends with it, as the sgemm."""
+    return in_passing_thread(_fma_peak_gflops)
+
+
+def _fma_peak_gflops() -> float:
     kernels = cpu_kernels()
     if kernels is None:
-        return sgemm_gflops()
+        return _sgemm_gflops()
     kernels.fma_flops(10_000)
     runs = [timed(kernels.fma_flops, 2_000_000) for _ in range(5)]
     return max(flops / seconds for seconds, flops in runs) / 1e9

@@ -11,6 +11,7 @@ import time
 import torch
 
 from bench.common import ARGMAX, MODEL_DIR, PROMPT_LEN, SEED, Loop, executor, prompts, serve, timed, weight_bytes
+from executors.omp_pool import in_passing_thread
 from executors.types import DecodeInput, PrefillInput
 
 
@@ -120,7 +121,10 @@ def bench_hf(args, dtypes) -> list[dict]:
     reps = 2 if args.quick else 3
     for dtype in dtypes:
         tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=tdt).eval()
+        # transformers loads on a thread that ends and generates on the executor's worker: a
+        # second OpenMP pool would slow both sides (omp_pool.py).
+        hf = in_passing_thread(lambda: transformers.AutoModelForCausalLM.from_pretrained(str(MODEL_DIR),
+                                                                                       dtype=tdt).eval())
         hf.generation_config.eos_token_id = None
         ex = executor(dtype)
         loop = Loop()
@@ -130,10 +134,13 @@ def bench_hf(args, dtypes) -> list[dict]:
             ids = torch.tensor(ps)
             mask = torch.ones_like(ids)
 
-            def gen(n):
+            def generate(n):
                 with torch.inference_mode():
                     return hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                        pad_token_id=0, cache_implementation="static")
+
+            def gen(n):
+                return ex.worker.schedule(generate, n).result()
 
             gen(2)  # warm-up
             # generate(1) is the prefill; generate(1 + n) - generate(1), paired, is n decode steps.

@@ -40,6 +40,7 @@ from executors.kv_sizing import kv_bytes_per_block
 from executors.kv_step import run_step
 from executors.logits import to_host_tensor
 from executors.lora_calls import add_adapter_now, lora_metrics, remove_adapter_now, require_loras
+from executors.omp_pool import off_worker
 from executors.stats import ExecutorStats
 from executors.step_items import ItemSpec, Rows, StepItem, StepLogits, StepResult
 from executors.types import (
@@ -213,7 +214,7 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
     async def load_lora_adapter(self, name: str, source: LoraSource) -> LoraAdapterInfo:
         # Reading and validating stay off the worker, so steps keep running meanwhile.
         loras = require_loras(self.loras, self.name)
-        adapter = await asyncio.to_thread(loras.read, name, source)
+        adapter = await off_worker(loras.read, name, source)
         return await self._run(add_adapter_now, loras, adapter)
 
     async def unload_lora_adapter(self, name: str) -> LoraAdapterInfo:

@@ -8,7 +8,6 @@ hashing the weights of a large model takes seconds and must not stall steps.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Sequence
 
@@ -16,6 +15,7 @@ from executors.errors import FailedPrecondition, InvalidParameter, OutOfRange, U
 from executors.identity import current_identity
 from executors.kv_transfer import KvExport, KvImport, check_description, export_description
 from executors.lora_calls import named_adapter
+from executors.omp_pool import off_worker
 from executors.transfer_types import DEFAULT_MAX_CHUNK_BYTES, CacheInfo, KvExportDescription, KvFingerprint
 from executors.types import DType
 from kvcache.manager import CACHE_ID_PATTERN
@@ -29,7 +29,7 @@ class KvMoves:
         if self._fingerprint is None:
             async with self._fingerprint_lock:
                 if self._fingerprint is None:
-                    digest = await asyncio.to_thread(self._weights_digest)
+                    digest = await off_worker(self._weights_digest)
                     p = self.pool
                     self._fingerprint = KvFingerprint(self.model_id, digest,
                                                       DType(str(p.dtype).removeprefix("torch.")), p.num_layers,

@@ -26,6 +26,7 @@ from executors.models.config import DecoderConfig
 from executors.models.decoder import DecoderLM
 from executors.models.loader import load_model
 from executors.models.moe import load_report
+from executors.omp_pool import in_passing_thread
 from executors.step_plan import StepPlan, plan_step, run_plan, run_sequence
 from executors.triton_setup import attention_backend, fused_ops
 from executors.types import (
@@ -151,6 +152,20 @@ class LlmExecutor(KvCacheExecutor):
         backend); True on a CPU runs the same fixed-shape decode step eagerly, for tests.
         `served_config`: the whole model's config when `model` is one rank's shard of it
         (tensor parallelism); what GetInfo reports and adapters are checked against."""
+        args = (config, model, reference, memory_probe, decode_graphs, served_config)
+        if config.device == "cpu" and self.builds_in_passing_thread:
+            in_passing_thread(self._build, *args)  # its OpenMP pool goes with it (omp_pool.py)
+        else:
+            self._build(*args)
+
+    # The load and the KV pool's fill run on a thread that ends with them, so that the worker
+    # keeps the process's one OpenMP pool (omp_pool.py). Tensor parallelism loads its shard
+    # before, on the caller's thread, and keeps its collectives there.
+    builds_in_passing_thread = True
+
+    def _build(self, config: LlmExecutorConfig, model: DecoderLM | None, reference: bool,
+               memory_probe: MemoryProbe | None, decode_graphs: bool | None,
+               served_config: DecoderConfig | None) -> None:
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
         self.config = config

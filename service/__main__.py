@@ -22,6 +22,9 @@ def _serve(config) -> int:
     # Importing torch and grpc takes seconds on a cold start: say so before it starts.
     what = "the paged reference executor" if config.executor == "paged" else config.model
     print(f"modelexec: starting: importing torch and grpc, then loading {what}", flush=True)
+    from executors.omp_pool import spin_briefly
+
+    spin_briefly()  # before torch loads its OpenMP runtime, which reads the setting then
     from executors.errors import ExecutorError
     from executors.models.config import UnsupportedModel
     from executors.parallel.comm import world_from_env

@@ -56,11 +56,24 @@ static inline ME_AVX512 __attribute__((always_inline)) void weight_tile512(const
     if (nw > p) {                                                                                      \
         T512_COL(p, 0) T512_COL(p, 1) T512_COL(p, 2) T512_COL(p, 3) T512_COL(p, 4) T512_COL(p, 5)      \
     }
+    /* The first `ahead` k-steps each fetch one row of the tile's residual and its output, which
+     * the store then finds in the cache: a miss a row there held a prefill's o and down
+     * matmuls 4-11 % below the others (bench/RESULTS.md run 23). */
+    const int64_t ahead = rows < k ? rows : k;
+    const int span = cols * (int)sizeof(float) - 1;  /* the row's last byte, maybe a line further */
     for (int64_t c = 0; c < k; c++) {
         const __m512 x0 = _mm512_loadu_ps(xa + c * XPANEL16);
         const __m512 x1 = nx > 1 ? _mm512_loadu_ps(xa + xstride + c * XPANEL16) : z;
         const float *wc = w + c * WPANEL;
         for (int p = nw; p < 2 * nw; p++) _mm_prefetch((const char *)(wc + p * wstride), _MM_HINT_T0);
+        if (c < ahead) {
+            if (residual) {
+                _mm_prefetch((const char *)(residual + c * ldr), _MM_HINT_T0);
+                _mm_prefetch((const char *)(residual + c * ldr) + span, _MM_HINT_T0);
+            }
+            __builtin_prefetch(y + c * ldy, 1, 3);
+            __builtin_prefetch((const char *)(y + c * ldy) + span, 1, 3);
+        }
         T512_PANEL(0) T512_PANEL(1) T512_PANEL(2) T512_PANEL(3)
     }
 #undef T512_PANEL

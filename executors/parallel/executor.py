@@ -53,6 +53,7 @@ class MirroredKvPool(PagedKvPool):
 
 class TensorParallelExecutor(LlmExecutor):
     pool_class = MirroredKvPool
+    builds_in_passing_thread = False  # the shard loads here first; the collectives stay on this thread
 
     def __init__(self, config: LlmExecutorConfig, group: TpGroup, *, launcher: str,
                  children: list[subprocess.Popen] | None = None, heartbeat_s: float | None = None,
