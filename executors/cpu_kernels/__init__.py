@@ -74,6 +74,8 @@ class CpuKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._linear = _bind(library, "me_weight_linear_f32", [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I, _C],
                              ctypes.c_int)
+        self._glu_linear = _bind(library, "me_glu_linear_f32", [_P, _I, _I, _C, _P, _I, _I, _P, _P, _I, _P, _I, _C],
+                                 ctypes.c_int)
         self._linear_q8 = _bind(library, "me_weight_linear_q8",
                                 [_P, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I, _C], ctypes.c_int)
         self._isa = _bind(library, "me_isa", [_C], ctypes.c_int)
@@ -99,11 +101,15 @@ class CpuKernels:
         return heads <= MAX_HEADS and heads % kv_heads == 0 and head_dim % 8 == 0
 
     def linear(self, x: torch.Tensor, w: Panels | QPanels, bias: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
+               residual: torch.Tensor | None = None, glu: str | None = None) -> torch.Tensor:
         """x @ w.T (+ bias) (+ residual): x [m, k], w [n, k] as float32 panels (panels.pack) or
-        int8 ones (qpanels.quantize), bias [n], residual [m, n]."""
+        int8 ones (qpanels.quantize), bias [n], residual [m, n]. Where `glu` names an activation
+        (as glu's), x is a gated MLP's gate/up output [m, 2 k] and the rows multiplied are
+        glu(x, glu): float32 panels compute it as they pack x, with no [m, k] tensor between."""
         if x.dtype is not _F32 or x.ndim != 2 or not x.is_cpu:
             raise _refused("linear", "x", x, "a float32 CPU matrix [m, k]", _F32)
+        if glu is not None and (type(w) is not Panels or x.shape[0] == 0):
+            x, glu = self.glu(x, glu), None
         kind = type(w)
         if kind is not Panels and kind is not QPanels:
             raise TypeError(f"CpuKernels.linear: w must be Panels (panels.pack) or QPanels (qpanels.quantize), "
@@ -114,6 +120,12 @@ class CpuKernels:
             raise _refused("linear", "w.data", data, f"a contiguous {dtype} CPU tensor [ceil(n / {panel}), k, "
                            f"{panel}]", dtype)
         m, k = x.shape
+        if glu is not None:
+            act = GLU_ACTIVATIONS.get(glu)
+            if act is None or k % 2:
+                raise ValueError(f"CpuKernels.linear: glu takes a gate/up output [m, 2 k] and one of "
+                                 f"{sorted(GLU_ACTIVATIONS)}, not {k} columns and {glu!r}")
+            k //= 2
         count, kw, width = data.shape
         if k != kw:
             raise ValueError(f"CpuKernels.linear: x has {k} columns, the weight {kw}")
@@ -144,7 +156,9 @@ class CpuKernels:
         y = torch.empty(m, n, dtype=torch.float32)
         tail = (None if bias is None else bias.data_ptr(), None if residual is None else residual.data_ptr(), ldr,
                 y.data_ptr(), n, torch.get_num_threads())
-        if kind is Panels:
+        if glu is not None:
+            failed = self._glu_linear(x.data_ptr(), m, sx[0], act, data.data_ptr(), n, k, *tail)
+        elif kind is Panels:
             failed = self._linear(x.data_ptr(), m, sx[0], data.data_ptr(), n, k, *tail)
         else:
             failed = self._linear_q8(x.data_ptr(), m, sx[0], data.data_ptr(), w.scales.data_ptr(), n, k, *tail)
@@ -153,9 +167,9 @@ class CpuKernels:
         return y
 
     def residual_linear(self, x: torch.Tensor, a: torch.Tensor, w: Panels | QPanels,
-                        bias: torch.Tensor | None) -> torch.Tensor:
-        """x + a @ w.T (+ bias): the residual add in the kernel's store."""
-        return self.linear(a, w, bias, residual=x)
+                        bias: torch.Tensor | None, glu: str | None = None) -> torch.Tensor:
+        """x + a @ w.T (+ bias): the residual add in the kernel's store (`glu` as linear's)."""
+        return self.linear(a, w, bias, residual=x, glu=glu)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """F.rms_norm over the last dimension of x ([m, n], or [m, heads, n] with heads n apart)."""

@@ -30,9 +30,9 @@ import torch
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("weight_panel.c", "pointwise.c", "paged_attention.c", "prefill_attention.c",
                                            "argmax.c", "decode_step.c", "fma_rate.c"))
-HEADERS = tuple(HERE / name for name in ("simd.h", "isa.h", "panel.h", "weight_panel.h", "weight_panel512.h",
-                                          "weight_linear.h", "weight_q8_dot.h", "weight_q8.h", "pointwise.h",
-                                          "attention_row.h"))
+HEADERS = tuple(HERE / name for name in ("simd.h", "isa.h", "panel.h", "weight_panel.h", "pack_x.h",
+                                          "weight_panel512.h", "weight_linear.h", "weight_q8_dot.h", "weight_q8.h",
+                                          "pointwise.h", "attention_row.h"))
 FLAGS = ("-O3", "-std=c11", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror")
 LIBS = ("-lm",)
 LIBRARY = "libmodelexec_cpu.so"

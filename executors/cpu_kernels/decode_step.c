@@ -9,6 +9,9 @@
  *   RMSNorm | q/k/v matmul | q/k norm, rotation, K/V store | attention from the pool |
  *   o matmul + residual | RMSNorm | gate/up matmul, activation | down matmul + residual
  *
+ * (past DOT_ROWS rows of float32 weights the down matmul computes the activation as it packs
+ * its rows: no phase of its own.)
+ *
  * The matmuls read the weights as float32 6-column panels (weight_panel.h) or int8 16-column
  * ones with float32 scales (weight_q8.h), x packed once per matmul into a scratch the team
  * shares. The layers are Llama / Qwen2 / Qwen3 /
@@ -157,6 +160,23 @@ static const float *step_glu(const me_decoder *m, const me_step *s, int64_t l, c
     return s->act;
 }
 
+/* x += down(act(gate) * up) of the normed rows h (the MLP). Past DOT_ROWS rows of float32
+ * weights, the down matmul computes the activation as it packs its rows (pack_x.h): no
+ * activation buffer and no phase of its own. */
+static void step_mlp(const me_decoder *m, const me_step *s, int64_t l, const float *h, const step_scratch *sc,
+                     float *own) {
+    const int64_t rows = s->rows, inter = m->inter, hidden = m->hidden;
+    if (!own && !field(m, l, W_DOWN_SCALES)) {
+        step_linear(m, l, W_GATE_UP, W_GATE_UP_SCALES, h, rows, hidden, 2 * inter, field(m, l, W_GATE_UP_BIAS),
+                    NULL, s->gu, sc);
+        weight_rows_team(s->gu, s->gu + inter, m->activation, rows, 2 * inter, field(m, l, W_DOWN), hidden, inter,
+                         field(m, l, W_DOWN_BIAS), s->x, hidden, s->x, hidden, sc->avx512, sc->xp);
+        return;
+    }
+    const float *a = step_glu(m, s, l, h, sc, own);
+    step_linear(m, l, W_DOWN, W_DOWN_SCALES, a, rows, inter, hidden, field(m, l, W_DOWN_BIAS), s->x, s->x, sc);
+}
+
 /* Keys a query sees in every layer: the widest window, 0 where some layer sees them all. */
 static int64_t widest_window(const me_decoder *m) {
     int64_t widest = 0;
@@ -262,9 +282,7 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
                 /* x += attn @ o^T; the MLP */
                 step_linear(m, l, W_O, W_O_SCALES, s->attn, rows, hq, hidden, field(m, l, W_O_BIAS), s->x, s->x, &sc);
                 own_norm(s->x, rows, hidden, field(m, l, W_POST_NORM), m->eps, h);
-                const float *a = step_glu(m, s, l, h, &sc, act);
-                step_linear(m, l, W_DOWN, W_DOWN_SCALES, a, rows, inter, hidden, field(m, l, W_DOWN_BIAS), s->x, s->x,
-                            &sc);
+                step_mlp(m, s, l, h, &sc, act);
             }
             step_norm(s->x, rows, hidden, m->final_norm, m->eps, s->x);
         }

@@ -6,6 +6,7 @@
 
 #include <omp.h>
 
+#include "pack_x.h"
 #include "weight_panel512.h"
 
 /* The matmul a step runs after this one (its weight panels, outputs and inputs), for the dot
@@ -20,6 +21,32 @@ typedef struct {
 static inline void dot_share(int64_t groups, int t, int T, int64_t *g0, int64_t *g1) {
     *g0 = groups * t / T;
     *g1 = groups * (t + 1) / T;
+}
+
+/* The tiles' half of weight_linear_team (m > DOT_ROWS rows), over the calling team; where up
+ * is set, x and up are a gated MLP's gate and up halves (rows ldx apart, k columns each) and
+ * the rows multiplied are act(x) * up, computed as they are packed (pack_x.h). */
+static inline void weight_rows_team(const float *x, const float *up, int activation, int64_t m, int64_t ldx,
+                                    const float *panels, int64_t n, int64_t k, const float *bias,
+                                    const float *residual, int64_t ldr, float *y, int64_t ldy, int avx512,
+                                    float *xp) {
+    const int64_t count = (n + WPANEL - 1) / WPANEL, chunk = wpanel_chunk_rows(m, k);
+    for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+        const int64_t rows = m - m0 < chunk ? m - m0 : chunk;
+        const float *r = residual ? residual + m0 * ldr : NULL, *u = up ? up + m0 * ldx : NULL;
+        float *out = y + m0 * ldy;
+        if (avx512) {
+            pack_x_team(x + m0 * ldx, u, activation, rows, ldx, k, XPANEL16, xp);
+            #pragma omp for schedule(static)
+            for (int64_t p = 0; p < count; p += panels512(rows))
+                weight_rows512(xp, rows, panels, p, n, k, bias, r, ldr, out, ldy);
+        } else {
+            pack_x_team(x + m0 * ldx, u, activation, rows, ldx, k, XPANEL, xp);
+            #pragma omp for schedule(static)
+            for (int64_t p = 0; p < count; p += rows <= XPANEL ? 2 : 1)
+                weight_panel_rows(xp, rows, panels + p * k * WPANEL, p * WPANEL, n, k, bias, r, ldr, out, ldy, 1);
+        }
+    }
 }
 
 /* y[:m, :n] = x @ w^T (+ bias) (+ residual) over the calling team, the tiles on AVX-512 where
@@ -54,23 +81,7 @@ static inline void weight_linear_team(const float *x, int64_t m, int64_t ldx, co
         #pragma omp barrier
         return;
     }
-    const int64_t chunk = wpanel_chunk_rows(m, k);
-    for (int64_t m0 = 0; m0 < m; m0 += chunk) {
-        const int64_t rows = m - m0 < chunk ? m - m0 : chunk;
-        const float *r = residual ? residual + m0 * ldr : NULL;
-        float *out = y + m0 * ldy;
-        if (avx512) {
-            pack_x_team(x + m0 * ldx, rows, ldx, k, XPANEL16, xp);
-            #pragma omp for schedule(static)
-            for (int64_t p = 0; p < count; p += panels512(rows))
-                weight_rows512(xp, rows, panels, p, n, k, bias, r, ldr, out, ldy);
-        } else {
-            pack_x_team(x + m0 * ldx, rows, ldx, k, XPANEL, xp);
-            #pragma omp for schedule(static)
-            for (int64_t p = 0; p < count; p += rows <= XPANEL ? 2 : 1)
-                weight_panel_rows(xp, rows, panels + p * k * WPANEL, p * WPANEL, n, k, bias, r, ldr, out, ldy, 1);
-        }
-    }
+    weight_rows_team(x, NULL, 0, m, ldx, panels, n, k, bias, residual, ldr, y, ldy, avx512, xp);
 }
 
 #endif

@@ -33,6 +33,31 @@ int me_weight_linear_f32(const float *x, int64_t m, int64_t ldx, const float *pa
     return 0;
 }
 
+/* y = act(gu[:, :k]) * gu[:, k:] @ w^T (+ bias) (+ residual): a gated MLP's down projection
+ * over its gate/up output gu (m rows ldg apart, 2 k columns), exactly what me_glu_f32 then
+ * me_weight_linear_f32 give, without the [m, k] activation between them: past DOT_ROWS rows
+ * the activation is computed as the rows are packed (pack_x.h); up to DOT_ROWS, into a
+ * scratch first (the dot products read x in place). activation as me_glu_f32's. Returns 0,
+ * or -1 when a scratch could not be allocated. */
+int me_glu_linear_f32(const float *gu, int64_t m, int64_t ldg, int activation, const float *panels, int64_t n,
+                      int64_t k, const float *bias, const float *residual, int64_t ldr, float *y, int64_t ldy,
+                      int threads) {
+    if (m <= DOT_ROWS) {
+        float *act = malloc(sizeof(float) * (size_t)(m * k + 1));
+        if (!act) return -1;
+        for (int64_t r = 0; r < m; r++) glu_row(gu + r * ldg, gu + r * ldg + k, k, activation, act + r * k);
+        const int failed = me_weight_linear_f32(act, m, k, panels, n, k, bias, residual, ldr, y, ldy, threads);
+        free(act);
+        return failed;
+    }
+    float *xp = malloc(sizeof(float) * (size_t)wpanel_x_floats(m, k));
+    if (!xp) return -1;
+    #pragma omp parallel num_threads(threads)
+    weight_rows_team(gu, gu + k, activation, m, ldg, panels, n, k, bias, residual, ldr, y, ldy, use_avx512(), xp);
+    free(xp);
+    return 0;
+}
+
 /* The same with w as int8 panels q (ceil(n / 16) x [k, 16] bytes) and their float32 scales
  * (ceil(n / 16) x [ceil(k / 32), 16]): exactly what me_weight_linear_f32 gives for the
  * panels of the dequantized weights. Returns 0, or -1 when a scratch could not be allocated. */

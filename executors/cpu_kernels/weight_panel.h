@@ -63,43 +63,6 @@ static inline int64_t wpanel_x_floats(int64_t m, int64_t k) {
         r6 = _mm256_permute2f128_ps(u2, u6, 0x31); r7 = _mm256_permute2f128_ps(u3, u7, 0x31);        \
     } while (0)
 
-/* Columns [c0, c1) of rows [r0, r0 + 8) of x into `out`, column c at out + c * width (an x
- * panel [k, 8] where width is 8; half of a 16-row one [k, 16] where 16), rows past m zero. */
-static inline void pack_x_block(const float *x, int64_t m, int64_t ldx, int64_t r0, int64_t c0, int64_t c1,
-                                int64_t width, float *out) {
-    const int64_t valid = m - r0 < XPANEL ? m - r0 : XPANEL;
-    int64_t c = c0;
-    if (valid == XPANEL) {
-        for (; c + 8 <= c1; c += 8) {
-            const float *s = x + r0 * ldx + c;
-            __m256 v0 = _mm256_loadu_ps(s), v1 = _mm256_loadu_ps(s + ldx), v2 = _mm256_loadu_ps(s + 2 * ldx),
-                   v3 = _mm256_loadu_ps(s + 3 * ldx), v4 = _mm256_loadu_ps(s + 4 * ldx),
-                   v5 = _mm256_loadu_ps(s + 5 * ldx), v6 = _mm256_loadu_ps(s + 6 * ldx),
-                   v7 = _mm256_loadu_ps(s + 7 * ldx);
-            TRANSPOSE8(v0, v1, v2, v3, v4, v5, v6, v7);
-            float *d = out + c * width;
-            _mm256_storeu_ps(d, v0); _mm256_storeu_ps(d + width, v1); _mm256_storeu_ps(d + 2 * width, v2);
-            _mm256_storeu_ps(d + 3 * width, v3); _mm256_storeu_ps(d + 4 * width, v4);
-            _mm256_storeu_ps(d + 5 * width, v5); _mm256_storeu_ps(d + 6 * width, v6);
-            _mm256_storeu_ps(d + 7 * width, v7);
-        }
-    }
-    for (; c < c1; c++)
-        for (int64_t i = 0; i < XPANEL; i++) out[c * width + i] = i < valid ? x[(r0 + i) * ldx + c] : 0.0f;
-}
-
-/* x[:m] as ceil(m / width) x panels of width (8 or 16) rows [k, width], shared out over the
- * team 8 rows at a time (the rows past m zero), a barrier at the end. */
-static inline void pack_x_team(const float *x, int64_t m, int64_t ldx, int64_t k, int64_t width, float *xp) {
-    const int64_t blocks = (k + 63) / 64, halves = (m + width - 1) / width * (width / XPANEL);
-    #pragma omp for schedule(static)
-    for (int64_t task = 0; task < halves * blocks; task++) {
-        const int64_t h = task / blocks, c0 = task % blocks * 64, c1 = c0 + 64 < k ? c0 + 64 : k;
-        const int64_t q = h * XPANEL / width, lane = h * XPANEL % width;
-        pack_x_block(x, m, ldx, h * XPANEL, c0, c1, width, xp + q * width * k + lane);
-    }
-}
-
 /* Two floats at p (a float's alignment) as the low lanes of a vector, the others zero, and
  * back: a memcpy through a double, one 64-bit move (vmovq / vmovlps) once compiled, as the
  * _mm_load_sd / _mm_store_sd through a cast pointer were. Such a cast (double *) of a row

@@ -32,6 +32,7 @@
 
 #include <omp.h>
 
+#include "pack_x.h"
 #include "weight_q8_dot.h"
 
 /* Panels a dot call takes for mr rows: as many as the registers hold (16 ymm, 32 zmm). */
@@ -177,7 +178,7 @@ static inline void q8_linear_team(const float *x, int64_t m, int64_t ldx, q8_wei
     const int64_t chunk = wpanel_chunk_rows(m, k);
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
         const int64_t rows = m - m0 < chunk ? m - m0 : chunk;
-        pack_x_team(x + m0 * ldx, rows, ldx, k, XPANEL, xp);
+        pack_x_team(x + m0 * ldx, NULL, 0, rows, ldx, k, XPANEL, xp);
         const float *r = residual ? residual + m0 * ldr : NULL;
         float *out = y + m0 * ldy;
         #pragma omp for schedule(static)

@@ -2,7 +2,8 @@
 
 The default forward once `DecoderLM.fuse()` ran. It walks plain FusedLayer tuples instead
 of the modules: q/k/v in one matmul, gate and up in one, the residual adds folded into the
-o and down matmuls (addmm), one fused RMSNorm op, the rotary tables looked up once per step,
+o and down matmuls (addmm), the activation into the down matmul where the CPU kernels pack
+its rows (step_ops.StepOps.glu_down), one fused RMSNorm op, the rotary tables looked up once per step,
 and the planned attention of attention.py. step_ops.for_step picks those ops for the step
 (the CPU kernels, oneDNN's packed copies or plain torch); a float32 CPU decode step the
 kernels accept runs whole in FusedDecode instead (fused_decode.py). It computes what the
@@ -48,7 +49,7 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
         out = model.fused_decode.hidden_states(x, positions, ctx)
         if out is not None:
             return out
-    layers, linear, residual_linear, norm, rotate, glu = step_ops.for_step(
+    layers, linear, residual_linear, norm, rotate, glu, glu_down = step_ops.for_step(
         positions, model.fused, model.fused_fp32_packed, model.cpu_kernels, model.rope, model.rope_local, x.dtype,
         c.hidden_act)
     if model.cpu_kernels is not None and model.cpu_kernels.attention_accepts(heads, kv_heads, d):
@@ -58,6 +59,7 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
     prologue = ctx.prologue if ctx.backend == "triton" and ctx.pool is not None else None
     if ctx.backend == "triton" and ctx.glu is not None:
         glu = ctx.glu
+        glu_down = step_ops.glu_then(residual_linear, glu)
     blocked_mlp = m > MLP_ROWS and lora is None and model.cpu_kernels is not None and linear == model.cpu_kernels.linear
     for i, w in enumerate(layers):
         sliding = c.window(i) is not None
@@ -98,13 +100,16 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
             x = x + (norm(y, w.post_ff_norm, eps) if w.post_ff_norm is not None else y)
             continue
         if blocked_mlp and w.post_ff_norm is None and reduce is None:
-            x = torch.cat([residual_linear(x[r:r + MLP_ROWS], glu(linear(h[r:r + MLP_ROWS], w.gate_up, w.gate_up_bias)),
-                                           w.down, w.down_bias) for r in range(0, m, MLP_ROWS)])
+            x = torch.cat([glu_down(x[r:r + MLP_ROWS], linear(h[r:r + MLP_ROWS], w.gate_up, w.gate_up_bias),
+                                    w.down, w.down_bias) for r in range(0, m, MLP_ROWS)])
             continue
         gu = linear(h, w.gate_up, w.gate_up_bias)
         if lora is not None:  # before the SiLU
             lora.apply(i, "gate_proj", h, gu[:, :inter])
             lora.apply(i, "up_proj", h, gu[:, inter:])
+        elif w.post_ff_norm is None and reduce is None:
+            x = glu_down(x, gu, w.down, w.down_bias)
+            continue
         act = glu(gu)
         if w.post_ff_norm is not None or reduce is not None:
             y = linear(act, w.down, w.down_bias)

@@ -42,6 +42,8 @@ ResidualLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tens
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x, weight, eps) over the last dim
 Rotate = Callable[[torch.Tensor, bool], torch.Tensor]  # (x [m, heads, d], local table?) -> rotated
 Glu = Callable[[torch.Tensor], torch.Tensor]  # gate_up [m, 2 I] -> act(gate) * up [m, I]
+# (residual, gate_up, weight, bias) -> residual + glu(gate_up) @ weight.T + bias: a gated MLP's down
+GluResidualLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 class StepOps(NamedTuple):
@@ -53,6 +55,9 @@ class StepOps(NamedTuple):
     norm: Norm
     rotate: Rotate  # may rotate x in place (the kernels do) and returns it
     glu: Glu
+    # The kernels compute the activation as the down matmul packs its rows (pack_x.h): no
+    # [m, I] tensor between, the same bits.
+    glu_down: GluResidualLinear
 
 
 def for_step(positions: torch.Tensor, fused: list[FusedLayer], packed: list[FusedLayer] | None,
@@ -70,15 +75,23 @@ def for_step(positions: torch.Tensor, fused: list[FusedLayer], packed: list[Fuse
     if kernels is not None and fits:
         norm, rotate = kernels.rms_norm, _kernel_rotate(kernels, positions, rope, rope_local or rope)
         glu = functools.partial(kernels.glu, activation=activation)
+        glu_down = functools.partial(kernels.residual_linear, glu=activation)
     else:
         norm = kernels.rms_norm if kernels is not None else torch_norm
         rotate = _torch_rotate(positions, rope, rope_local, dtype)
         glu = functools.partial(torch_glu, act=layers.activation(activation))
+        glu_down = None
     if kernels is not None:  # the weights are panels (panel_modules.py): every step through the kernels
-        return StepOps(fused, kernels.linear, kernels.residual_linear, norm, rotate, glu)
+        return StepOps(fused, kernels.linear, kernels.residual_linear, norm, rotate, glu,
+                       glu_down or glu_then(kernels.residual_linear, glu))
     if packed is not None and rows in PACKED_FP32_ROWS:
-        return StepOps(packed, linear, residual_linear, norm, rotate, glu)
-    return StepOps(fused, linear, residual_linear, norm, rotate, glu)
+        return StepOps(packed, linear, residual_linear, norm, rotate, glu, glu_then(residual_linear, glu))
+    return StepOps(fused, linear, residual_linear, norm, rotate, glu, glu_then(residual_linear, glu))
+
+
+def glu_then(residual_linear: ResidualLinear, glu: Glu) -> GluResidualLinear:
+    """A gated MLP's down projection as two calls: the activation, then the matmul."""
+    return lambda residual, gate_up, weight, bias: residual_linear(residual, glu(gate_up), weight, bias)
 
 
 def torch_glu(gu: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

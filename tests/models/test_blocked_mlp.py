@@ -31,14 +31,15 @@ def _run(family: str, prompts: list[list[int]], monkeypatch, rows: int):
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_a_prefill_in_mlp_blocks_is_the_unblocked_one_bit_for_bit(family, monkeypatch):
-    calls: list[int] = []
-    original = cpu_kernels_module.CpuKernels.glu
+    calls: list[int] = []  # the rows of each down projection (its activation computed as it packs them)
+    original = cpu_kernels_module.CpuKernels.linear
 
-    def counted(self, *args, **kwargs):
-        calls.append(args[0].shape[0])
-        return original(self, *args, **kwargs)
+    def counted(self, x, *args, **kwargs):
+        if kwargs.get("glu") is not None:
+            calls.append(x.shape[0])
+        return original(self, x, *args, **kwargs)
 
-    monkeypatch.setattr(cpu_kernels_module.CpuKernels, "glu", counted)
+    monkeypatch.setattr(cpu_kernels_module.CpuKernels, "linear", counted)
     prompts = [tokens(n) for n in (9, 3, 14, 6)]  # 32 rows: blocks of 5, the last of 2
     blocked = _run(family, prompts, monkeypatch, 5)
     assert 5 in calls and 2 in calls and 32 not in calls  # the prefill's MLPs ran in blocks
