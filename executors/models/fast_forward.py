@@ -3,8 +3,8 @@
 The default forward once `DecoderLM.fuse()` ran. It walks plain FusedLayer tuples instead
 of the modules: q/k/v in one matmul, gate and up in one, the residual adds folded into the
 o and down matmuls (addmm), the activation into the down matmul where the CPU kernels pack
-its rows (step_ops.StepOps.glu_down), one fused RMSNorm op, the rotary tables looked up once per step,
-and the planned attention of attention.py. step_ops.for_step picks those ops for the step
+its rows (StepOps.glu_down), one fused RMSNorm op, the rotary tables looked up once per
+step, and the planned attention of attention.py. step_ops.for_step picks those ops for the step
 (the CPU kernels, oneDNN's packed copies or plain torch); a float32 CPU decode step the
 kernels accept runs whole in FusedDecode instead (fused_decode.py). It computes what the
 reference forward of decoder_modules.py computes.
