@@ -63,10 +63,13 @@ SCRIPT = textwrap.dedent("""
         ex.worker.close()
 
     asyncio.run(serve())
-    # A fresh loop's fresh thread (the first loop's thread was pinned for the digest already).
     counts["closed"] = native(settle_to=counts["base"] + 1)  # the worker's pool went with it
-    asyncio.run(omp_pool.off_worker(parallel_op))
-    counts["off_worker"] = native()
+
+    async def pinned():  # on a fresh loop's fresh thread (the first loop's was pinned for the digest)
+        await omp_pool.off_worker(parallel_op)
+        counts["off_worker"] = native()  # while that thread lives: a pool of its own would count
+
+    asyncio.run(pinned())
     print(json.dumps(counts))
 """)
 
