@@ -50,6 +50,8 @@ _RUNTIMES = ("libgomp", "libomp", "libiomp5")
 def openmp_runtime() -> str | None:
     """The path of the OpenMP runtime loaded into this process (torch's), or None where none is
     found (no /proc, or a torch built without OpenMP)."""
+    import torch  # noqa: F401  (loads the runtime, before it is looked for)
+
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "/" in line}
