@@ -170,10 +170,9 @@ static void fetch_o_while_attending(const me_decoder *m, int64_t l, int64_t rows
     const int64_t k = m->heads * m->head_dim, count = (m->hidden + WPANEL - 1) / WPANEL, group = dot_group(rows);
     int64_t g0, g1;
     dot_share((count + group - 1) / group, omp_get_thread_num(), omp_get_num_threads(), &g0, &g1);
-    const char *from = (const char *)(field(m, l, W_O) + g0 * group * k * WPANEL);
-    const int64_t last = count * k * WPANEL * (int64_t)sizeof(float) - g0 * group * k * WPANEL * (int64_t)sizeof(float);
-    int64_t bytes = (g1 - g0) * dot_group_bytes(rows, k);
-    bytes = bytes < last ? bytes : last;
+    const int64_t first = g0 * group, end = g1 * group < count ? g1 * group : count;  /* its panels */
+    const char *from = (const char *)(field(m, l, W_O) + first * k * WPANEL);
+    const int64_t bytes = (end - first) * k * WPANEL * (int64_t)sizeof(float);
     for (int64_t at = 0; at < bytes && __atomic_load_n(attended, __ATOMIC_ACQUIRE) < goal; at += 512)
         for (int64_t line = 0; line < 512; line += 64) _mm_prefetch(from + at + line, _MM_HINT_T0);
 }

@@ -54,8 +54,7 @@ static inline void weight_rows_team(const float *x, const float *up, int activat
  * x in place, each thread prefetching its next group as it goes and, in its last, its first
  * group of `next` where that is given: a decode step's matmuls follow each other with little
  * between, and each thread's share would otherwise start cold (3-4 % of a batch-1 step's
- * kernel, RESULTS run 22; it does not explain why those matmuls stream at ~40 GB/s where one
- * alone reaches ~60). More rows are packed chunk by chunk into xp (wpanel_x_floats(m, k)
+ * kernel, RESULTS run 22). More rows are packed chunk by chunk into xp (wpanel_x_floats(m, k)
  * floats, shared by the team). Ends with a barrier: the caller may read y and reuse xp at once. */
 static inline void weight_linear_team(const float *x, int64_t m, int64_t ldx, const float *panels, int64_t n,
                                       int64_t k, const float *bias, const float *residual, int64_t ldr, float *y,
