@@ -10,7 +10,8 @@ On a CUDA machine, in under 10 minutes:
    float32 on the CPU;
 3. bench part (e) on the Qwen3-0.6B-shaped model in bfloat16 (bench/gpu.py, ~3 minutes), with
    `--offline` also the offline-throughput part (bench/offline.py, ~3 more), and with
-   `--profile` where a decode step's time goes (bench/gpu_profile.py, ~1 more).
+   `--profile` where a decode step's time goes (bench/gpu_profile.py, ~1 more), and with
+   `--gemv` the few-row Triton matmul against torch's (bench/gpu_gemv.py, ~1 more).
 
 It writes one report, <out>/<date>-gpu-check-<gpu>.txt, and beside it the JSON of the
 environment, every test's outcome and the bench rows. Each stage runs in a process of its
@@ -47,8 +48,8 @@ from bench.outcome_log import PATH_VARIABLE
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_TESTS = ["tests/models/test_triton_attention.py", "tests/models/test_triton_prologue.py",
-              "tests/models/test_triton_glu.py", "tests/models/test_triton_paths.py", "tests/test_kv_sizing.py",
-              "tests/gpu"]
+              "tests/models/test_triton_glu.py", "tests/models/test_triton_paths.py",
+              "tests/models/test_triton_gemv.py", "tests/models/test_moe.py", "tests/test_kv_sizing.py", "tests/gpu"]
 ENV_SCRIPT = r"""
 import json, platform, subprocess
 info = {"python": platform.python_version()}
@@ -146,6 +147,11 @@ def report(results: dict) -> str:
         lines += [""] + table_lines(bench.get("gpu", []) + bench.get("offline", []))
     if results.get("profile"):
         lines += ["", "where a decode step's time goes (bench/gpu_profile.py): the -profile.txt beside this"]
+    if results.get("gemv"):
+        lines += ["", "the few-row Triton matmul against torch's (bench/gpu_gemv.py), device us a call:"]
+        lines += [f"    {r['matmul']:8s} {r['n']:6d}x{r['k']:<5d} rows {r['rows']}: torch {r['torch_us']:7.2f} "
+                  f"({r['torch_gb_s']:5.0f} GB/s), best triton {r['best']} {r['triton'][r['best']]['us']:7.2f}: "
+                  f"{r['speedup']:.2f}x" for r in results["gemv"] if "best" in r]
     return "\n".join(lines) + "\n"
 
 
@@ -161,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also where a decode step's time goes (bench/gpu_profile.py), into <stem>-profile.txt")
     p.add_argument("--profile-s", type=float, default=90, help="with --profile, kept for it (default %(default)s)")
+    p.add_argument("--gemv", action="store_true",
+                   help="also the few-row Triton matmul against torch's (bench/gpu_gemv.py), into <stem>-gemv.json")
+    p.add_argument("--gemv-s", type=float, default=60, help="with --gemv, kept for it (default %(default)s)")
     p.add_argument("--skip-tests", action="store_true", help="the environment and the bench only")
     p.add_argument("--skip-bench", action="store_true", help="the environment and the tests only")
     args = p.parse_args(argv)
@@ -185,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     # Each stage's limit is what is left less what the later stages keep, so time one stage does
     # not use goes to the next, and a stage that hangs cannot starve the ones after it.
     parts = ([] if args.skip_bench else ["gpu"] + (["offline"] if args.offline else [])) + (
-        ["profile"] if args.profile else [])
-    kept = {"gpu": args.bench_s, "offline": args.offline_s, "profile": args.profile_s}
+        ["profile"] if args.profile else []) + (["gemv"] if args.gemv else [])
+    kept = {"gpu": args.bench_s, "offline": args.offline_s, "profile": args.profile_s, "gemv": args.gemv_s}
     if not args.skip_tests:
         outcomes = out / f"{stem}-tests.jsonl"
         outcomes.unlink(missing_ok=True)
@@ -207,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
             results["stages"].append(run_stage(part, [sys.executable, "-m", "bench.gpu_profile", "--out", str(tables)],
                                                limit, out / f"{stem}-profile.log"))
             results["profile"] = tables.read_text() if tables.is_file() else None
+            continue
+        if part == "gemv":
+            rows_json = out / f"{stem}-gemv.json"
+            results["stages"].append(run_stage(part, [sys.executable, "-m", "bench.gpu_gemv", "--out", str(rows_json)],
+                                               limit, out / f"{stem}-gemv.log"))
+            results["gemv"] = json.loads(rows_json.read_text()) if rows_json.is_file() else None
             continue
         rows_file = out / f"{stem}-{part}.jsonl"
         rows_file.unlink(missing_ok=True)

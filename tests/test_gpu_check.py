@@ -70,17 +70,19 @@ def test_the_report_names_failures_budgets_and_targets():
 def test_the_check_runs_its_stages_and_keeps_what_a_stopped_stage_made(tmp_path):
     """The whole check on a CPU, tests left out: the environment, bench part (e) in a stage of its
     own (which finds no GPU), the report and its JSON."""
-    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--skip-tests", "--profile", "--out",
-                           str(tmp_path), "--budget-s", "200", "--bench-s", "100", "--profile-s", "60"],
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--skip-tests", "--profile", "--gemv", "--out",
+                           str(tmp_path), "--budget-s", "260", "--bench-s", "100", "--profile-s", "60",
+                           "--gemv-s", "60"],
                           check=False, cwd=REPO, capture_output=True, text=True, timeout=300)
     (report,) = [p for p in tmp_path.glob("*-gpu-check-*.txt") if not p.name.endswith("-profile.txt")]
     text = report.read_text()
-    assert "gpu      ok" in text and "profile  ok" in text and "skipped: no GPU" in text, text
+    assert "gpu      ok" in text and "profile  ok" in text and "gemv     ok" in text, text
+    assert "skipped: no GPU" in text, text
     results = json.loads(report.with_suffix(".json").read_text())
     assert results["bench"]["gpu"] == [{"skipped": "no GPU"}]
     assert results["environment"]["cuda_available"] is False and results["profile"] == "skipped: no GPU\n"
     assert sorted(p.name.removeprefix(report.stem) for p in tmp_path.iterdir()) == [
-        "-gpu.log", "-profile.log", "-profile.txt", ".json", ".txt"]
+        "-gemv.log", "-gpu.log", "-profile.log", "-profile.txt", ".json", ".txt"]
     assert done.returncode == 0, done.stdout[-2000:]
     # A second run that day gets a name of its own.
     again = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--skip-tests", "--out", str(tmp_path),
