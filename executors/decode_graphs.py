@@ -127,10 +127,13 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= n)
 
     def _pad(self, lo: int, hi: int) -> None:
-        """Rows lo..hi-1 become padding: token 0 at position 0 in the scratch block."""
-        scratch = self.pool.scratch_block
+        """Rows lo..hi-1 become padding: token 0 at position 0 in the scratch block, its K and V
+        stored in the block's last slot. Not slot 0: _verify's rows live in the scratch block from
+        slot 0 up, and a padding row storing other K and V where a check row stores its own races
+        with it on a GPU (run 24: logits 7.02 apart on an H100)."""
+        scratch, bs = self.pool.scratch_block, self.pool.block_size
         self._long_np[:, lo:hi] = 0
-        self._long_np[2, lo:hi] = scratch * self.pool.block_size
+        self._long_np[2, lo:hi] = scratch * bs + bs - 1
         self._long_np[3, lo:hi] = 1
         self._int_np[lo:hi, 0] = scratch
 
