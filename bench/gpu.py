@@ -49,19 +49,22 @@ class Sizes:
     prefill_prompts: int = 32
     grpc_batch: int = 32
     hf_batches: tuple[int, ...] = (1, 32)
-    # (attention backend, CUDA graphs, the fused prologue and GLU kernels); the last is the fast
-    # path that the later sections use, the one before it the same without the fused kernels.
-    variants: tuple[tuple[str, bool, bool], ...] = (("sdpa", False, False), ("triton", False, True),
-                                                    ("triton", True, False), ("triton", True, True))
+    # (attention backend, CUDA graphs, the fused prologue and GLU kernels, the few-row matmuls of
+    # few_row_matmuls.py); the last is the default fast path that the later sections use, the
+    # ones before it the same without the fused kernels and with the few-row matmuls.
+    variants: tuple[tuple[str, bool, bool, bool], ...] = (
+        ("sdpa", False, False, False), ("triton", False, True, False), ("triton", True, False, False),
+        ("triton", True, True, True), ("triton", True, True, False))
 
 
 # A dry run of this code on a CPU (the tests run it): every section, small, SDPA only.
 DRY_RUN = Sizes(decode_batches=(1, 4), max_seq=256, prefill_prompts=4, grpc_batch=4, hf_batches=(1, 4),
-                variants=(("sdpa", False, False),))
+                variants=(("sdpa", False, False, False),))
 
 
-def variant_name(backend: str, graphs: bool, prologue: bool = True) -> str:
-    return backend + (" + graphs" if graphs else "") + ("" if prologue or backend != "triton" else ", unfused")
+def variant_name(backend: str, graphs: bool, prologue: bool = True, gemv: bool = False) -> str:
+    return (backend + (" + graphs" if graphs else "") + ("" if prologue or backend != "triton" else ", unfused")
+            + (" + gemv" if gemv else ""))
 
 
 def sizes(args) -> Sizes:
@@ -141,13 +144,14 @@ def run_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
-def new_executor(model, device: str, backend: str, graphs: bool, size: Sizes, prologue: bool = True) -> LlmExecutor:
+def new_executor(model, device: str, backend: str, graphs: bool, size: Sizes, prologue: bool = True,
+                 gemv: bool = False) -> LlmExecutor:
     dtype = str(run_dtype(device)).removeprefix("torch.")
     return LlmExecutor(LlmExecutorConfig(model_dir="qwen3-0.6b-random", dtype=dtype, device=device, num_blocks=4096,
                                          max_batch_size=max(size.decode_batches), max_sequence_length=size.max_seq,
                                          prefix_caching=False,
                                          attention_backend=backend, cuda_graphs=graphs,
-                                         triton_fused_ops=prologue), model)
+                                         triton_fused_ops=prologue, triton_gemv=gemv), model)
 
 
 def decode_steps(loop: Loop, ex: LlmExecutor, batch: int, reps: int, vocab: int) -> tuple[float, int]:
@@ -184,9 +188,9 @@ def bench_decode_variants(loop, model, shape, args, ceilings, rows) -> dict:
     reps = 6 if args.quick else 21
     step_ms: dict[tuple[str, int], float] = {}
     variants = sizes(args).variants
-    for backend, graphs, prologue in variants:
-        name = variant_name(backend, graphs, prologue)
-        ex = new_executor(model, args.device, backend, graphs, sizes(args), prologue)
+    for backend, graphs, prologue, gemv in variants:
+        name = variant_name(backend, graphs, prologue, gemv)
+        ex = new_executor(model, args.device, backend, graphs, sizes(args), prologue, gemv)
         try:
             for b in sizes(args).decode_batches:
                 ms, context = decode_steps(loop, ex, b, reps, shape["vocab_size"])
@@ -201,7 +205,12 @@ def bench_decode_variants(loop, model, shape, args, ceilings, rows) -> dict:
                 print(f"  decode {name:24s} batch {b:2d}: {ms:7.3f} ms/step, {b / ms * 1e3:8.0f} tok/s, "
                       f"{moved / ms / 1e6:6.0f} GB/s, {ms / floor_ms:.2f}x the floor ({floor_ms:.3f} ms){extra}",
                       flush=True)
-            if (backend, graphs, prologue) == variants[-1]:
+            if gemv and ex.graphs is not None and ex.graphs.matmuls is not None:
+                chosen = ex.graphs.matmuls.chosen()
+                rows.append({"what": "few_row_matmuls", "chosen": chosen,
+                             "timings_ms": {str(k[:5]): v for k, v in ex.graphs.matmuls.timings.items()}})
+                print("  few-row matmuls chosen: " + ", ".join(f"{k} {v}" for k, v in chosen.items()), flush=True)
+            if (backend, graphs, prologue, gemv) == variants[-1]:
                 bench_prefill(loop, ex, shape, args, ceilings, rows)
                 bench_grpc(loop, ex, shape, args, rows)
         finally:

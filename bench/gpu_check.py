@@ -36,6 +36,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -49,7 +50,8 @@ from bench.outcome_log import PATH_VARIABLE
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_TESTS = ["tests/models/test_triton_attention.py", "tests/models/test_triton_prologue.py",
               "tests/models/test_triton_glu.py", "tests/models/test_triton_paths.py",
-              "tests/models/test_triton_gemv.py", "tests/models/test_moe.py", "tests/test_kv_sizing.py", "tests/gpu"]
+              "tests/models/test_triton_gemv.py", "tests/models/test_few_row_matmuls.py", "tests/models/test_moe.py",
+              "tests/test_kv_sizing.py", "tests/gpu"]
 ENV_SCRIPT = r"""
 import json, platform, subprocess
 info = {"python": platform.python_version()}
@@ -127,7 +129,7 @@ def report(results: dict) -> str:
     for t in tests:
         counts[t["outcome"]] = counts.get(t["outcome"], 0) + 1
     ran_tests = any(st["stage"] == "tests" for st in results["stages"])
-    lines += ["", f"CUDA tests ({', '.join(CUDA_TESTS)}): "
+    lines += ["", f"CUDA tests ({results.get('tests_run') or ', '.join(CUDA_TESTS)}): "
               + (", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or ("no results" if ran_tests else "not run"))]
     for t in tests:
         if t["outcome"] in ("failed", "error"):
@@ -170,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gemv", action="store_true",
                    help="also the few-row Triton matmul against torch's (bench/gpu_gemv.py), into <stem>-gemv.json")
     p.add_argument("--gemv-s", type=float, default=60, help="with --gemv, kept for it (default %(default)s)")
+    p.add_argument("--tests", default=None, metavar="PYTEST_ARGS",
+                   help="pytest's arguments instead of every CUDA test (a rerun of some: 'FILE -k NAME')")
     p.add_argument("--skip-tests", action="store_true", help="the environment and the bench only")
     p.add_argument("--skip-bench", action="store_true", help="the environment and the tests only")
     args = p.parse_args(argv)
@@ -196,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = ([] if args.skip_bench else ["gpu"] + (["offline"] if args.offline else [])) + (
         ["profile"] if args.profile else []) + (["gemv"] if args.gemv else [])
     kept = {"gpu": args.bench_s, "offline": args.offline_s, "profile": args.profile_s, "gemv": args.gemv_s}
+    tests = shlex.split(args.tests) if args.tests else CUDA_TESTS
     if not args.skip_tests:
         outcomes = out / f"{stem}-tests.jsonl"
         outcomes.unlink(missing_ok=True)
@@ -204,9 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         # benchmark, ...) were built for its pytest, not necessarily the one pinned here.
         os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
         results["stages"].append(run_stage("tests", [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p",
-                                                     "no:cacheprovider", "-p", "bench.outcome_log", *CUDA_TESTS],
+                                                     "no:cacheprovider", "-p", "bench.outcome_log", *tests],
                                            max(left() - sum(kept[x] for x in parts), 60), out / f"{stem}-tests.log"))
         results["tests"] = read_rows(outcomes)  # there even when the stage was stopped
+        results["tests_run"] = " ".join(tests)
         outcomes.unlink(missing_ok=True)
     results["bench"] = {}
     for i, part in enumerate(parts):

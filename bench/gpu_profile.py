@@ -5,6 +5,7 @@ bench/gpu.py says how long a step takes; this says why, for the next change:
   of a step that the graph itself runs in a fraction of;
 - the device side of eager steps (torch.profiler, CUDA activity): which kernels take the
   step's device time, without graphs, at batch 1 and 32;
+- the server's side of ARGMAX steps at batch 32 through gRPC from a client process (cProfile);
 - where eager steps synchronize with the device (CUDA's sync-debug mode);
 - why a decode-graph capture fails, if it does (last).
 Tables go to stdout and, with --out FILE, to FILE. `--device cpu --shape tiny`
@@ -54,6 +55,42 @@ def host_profile(loop: Loop, ex, batch: int, vocab: int, steps: int) -> str:
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
     return f"-- host, batch {batch}, {steps} steps (per step: divide by {steps})\n{buf.getvalue()}"
+
+
+def grpc_profile(loop: Loop, ex, batch: int, vocab: int, rounds: int) -> str:
+    """cProfile of the server (every thread on 3.12; the event loop's on 3.11) while a client in
+    a process of its own (bench/grpc_client.py) runs `rounds` ARGMAX steps of `batch` rows
+    through BatchDecode, UnifiedDecode and a StepSession: where a step's time over gRPC goes
+    beyond the in-process step's."""
+    import json
+    import statistics
+    import subprocess
+    import sys
+    import tempfile
+
+    from bench.common import ROOT, serve
+
+    server = serve(loop, ex, unix_socket=tempfile.mktemp(prefix="modelexec-profile-", suffix=".sock"))
+    prof = cProfile.Profile()
+    try:
+        loop.run(_call(prof.enable))
+        done = subprocess.run([sys.executable, "-m", "bench.grpc_client", "--address", server.address,
+                               "--batch", str(batch), "--rounds", str(rounds), "--prompt-len", str(PROMPT_LEN),
+                               "--vocab", str(vocab), "--policies", "ARGMAX", "--walls"],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT, check=True)
+        loop.run(_call(prof.disable))
+    finally:
+        loop.run(server.stop(0))
+    walls = {rpc: statistics.median(d["ARGMAX"]) * 1e3
+             for rpc, d in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    return (f"-- gRPC server, batch {batch}, {rounds} steps per RPC (median wall ms a step, under the profiler: "
+            + ", ".join(f"{rpc} {ms:.3f}" for rpc, ms in walls.items()) + f")\n{buf.getvalue()}")
+
+
+async def _call(fn):
+    fn()
 
 
 def device_profile(loop: Loop, ex, batch: int, vocab: int, device: str) -> str:
@@ -161,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                     for b in (1, 32 if cuda else 4):
                         sections.append(host_profile(loop, ex, b, shape["vocab_size"], args.steps))
                         print(sections[-1], flush=True)
+                    sections.append(grpc_profile(loop, ex, 32 if cuda else 4, shape["vocab_size"], args.steps // 4))
+                    print(sections[-1], flush=True)
                 else:
                     for b in (1, 32 if cuda else 4):
                         sections.append(device_profile(loop, ex, b, shape["vocab_size"], args.device))

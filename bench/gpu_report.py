@@ -73,6 +73,9 @@ def table_lines(rows: list[dict]) -> list[str]:
             out.append(f"    vs transformers ({x['mode']:8s}) batch {x['batch']:2d}: {x['ours_step_ms']:.3f} vs "
                        f"{x['hf_step_ms']:.3f} ms/step: {x['ratio']:.1f}x  [target >= {need}x: "
                        f"{_verdict(x['ratio'] >= need)}]")
+        elif what == "few_row_matmuls":
+            out.append("    few-row matmuls chosen at capture: "
+                       + (", ".join(f"{k} {v}" for k, v in x["chosen"].items()) or "none"))
         elif what == "offline throughput":
             out.append(f"    offline {x['requests']} requests, {x['engine']}: {x['generated']} tokens in "
                        f"{x['elapsed_s']:.1f} s = {x['tok_s']:.0f} tok/s")

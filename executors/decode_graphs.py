@@ -41,6 +41,7 @@ import torch
 from executors.logits import argmax_pairs
 from executors.models.attention import StepContext
 from executors.models.decoder import DecoderLM
+from executors.models.few_row_matmuls import FewRowMatmuls
 from executors.models.triton_attention import DecodeLaunch, KernelPlan, decode_partitions, partition_length
 from executors.models.triton_glu import FusedGlu
 from executors.models.triton_prologue import QkvPrologue
@@ -80,11 +81,13 @@ class DecodeGraphs:
     """The decode step at fixed shapes: captured as CUDA graphs, or eager on a CPU."""
 
     def __init__(self, model: DecoderLM, pool: PagedKvPool, max_batch: int, max_sequence_length: int,
-                 *, capture: bool, prologue: QkvPrologue | None = None, glu: FusedGlu | None = None) -> None:
-        """`prologue`, `glu`: the executor's fused kernels (triton_prologue.py, triton_glu.py), or None."""
+                 *, capture: bool, prologue: QkvPrologue | None = None, glu: FusedGlu | None = None,
+                 matmuls: FewRowMatmuls | None = None) -> None:
+        """`prologue`, `glu`: the executor's fused kernels (triton_prologue.py, triton_glu.py), or None;
+        `matmuls`: the few-row matmuls (few_row_matmuls.py) for buckets of up to 8 rows, or None."""
         if pool.scratch_block is None:
             raise ValueError("decode graphs need a pool with a scratch block for padding rows")
-        self.model, self.pool, self.prologue, self.glu = model, pool, prologue, glu
+        self.model, self.pool, self.prologue, self.glu, self.matmuls = model, pool, prologue, glu, matmuls
         self.buckets = buckets_up_to(max_batch)
         self.max_sequence_length = max_sequence_length
         dev = pool.device
@@ -145,7 +148,7 @@ class DecodeGraphs:
         launch = DecodeLaunch(self._rows[:b], self._int[:b], self._long[3, :b], parts,
                               partition_length(self.max_sequence_length, parts))
         ctx = StepContext([], self.pool, self._long[2, :b], backend="triton", kernel_plan=KernelPlan(None, launch),
-                          prologue=self.prologue, glu=self.glu)
+                          prologue=self.prologue, glu=self.glu, matmuls=self.matmuls)
         hidden = self.model.hidden_states(self._long[0, :b], self._long[1, :b], ctx)
         logits = self.model.logits(hidden)
         return logits, argmax_pairs(logits)

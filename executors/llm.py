@@ -28,7 +28,7 @@ from executors.models.loader import load_model
 from executors.models.moe import load_report
 from executors.omp_pool import in_passing_thread
 from executors.step_plan import StepPlan, plan_step, run_plan, run_sequence
-from executors.triton_setup import attention_backend, fused_ops
+from executors.triton_setup import attention_backend, few_row_matmuls, fused_ops
 from executors.types import (
     AttentionType,
     DType,
@@ -84,6 +84,10 @@ class LlmExecutorConfig:
     # (executors/models/triton_prologue.py) and the GLU as one (triton_glu.py), each once its
     # start-up check passed; False runs them as torch ops (the bench compares the two).
     triton_fused_ops: bool = True
+    # With decode CUDA graphs: the matmuls of buckets of up to 8 rows through the faster, shape
+    # by shape, of torch's and a Triton kernel that streams the weight once
+    # (executors/models/few_row_matmuls.py), chosen by timing both at capture.
+    triton_gemv: bool = False
     # float32 on a CPU: decode steps through the AVX2 kernels of executors/cpu_kernels (built
     # with the system C compiler once per machine); off, or where they cannot be built, torch's
     # ops (MKL, oneDNN, SDPA) run them.
@@ -170,6 +174,8 @@ class LlmExecutor(KvCacheExecutor):
             raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
         self.config = config
         self.reference = reference
+        if model is not None and not config.cpu_kernels:  # as load_model does for the models it loads
+            model.use_cpu_kernels = False
         self.model = (model or load_model(config.model_dir, config.torch_dtype, config.device,
                                           cpu_kernels=config.cpu_kernels,
                                           quantize_weights=config.quantization == "int8")).fuse()
@@ -213,12 +219,15 @@ class LlmExecutor(KvCacheExecutor):
 
             try:
                 self.graphs = DecodeGraphs(self.model, self.pool, config.max_batch_size, max_sequence_length,
-                                           capture=cuda, prologue=self.qkv_prologue, glu=self.fused_glu)
+                                           capture=cuda, prologue=self.qkv_prologue, glu=self.fused_glu,
+                                           matmuls=few_row_matmuls(config, self.model))
             except Exception as e:  # a capture that fails leaves eager decode, which works
                 if not cuda:
                     raise
                 log.warning("decode CUDA graphs are off, decode steps run eagerly: the capture failed: %s",
                             describe_failure(e))
+        if config.triton_gemv and self.graphs is None:
+            log.warning("triton_gemv is on but decode CUDA graphs are not: it applies only to their steps")
         self.num_parameters = self.model.num_parameters()
         # What the weights take in memory as stored (float32 CPU panels: their padding included).
         self._param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -330,6 +339,8 @@ class LlmExecutor(KvCacheExecutor):
                       "triton_fused_ops": [name for name, op in (("prologue", self.qkv_prologue),
                                                                  ("glu", self.fused_glu)) if op is not None],
                       "weight_quantization": self.config.quantization,
+                      "few_row_matmuls": (self.graphs.matmuls.chosen() if self.graphs is not None
+                                          and self.graphs.matmuls is not None else {}),
                       "cuda_graph_buckets": self.graphs.captured if self.graphs is not None else []},
         )
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from executors.llm import LlmExecutorConfig
     from executors.models.config import DecoderConfig
     from executors.models.decoder import DecoderLM
+    from executors.models.few_row_matmuls import FewRowMatmuls
     from executors.models.triton_glu import FusedGlu
     from executors.models.triton_prologue import QkvPrologue
 
@@ -73,3 +74,18 @@ def fused_ops(config: LlmExecutorConfig, model: DecoderLM) -> tuple[QkvPrologue 
     else:
         log.warning("the fused GLU is off, the activation and the multiply run as torch ops: %s", problem)
     return prologue, glu
+
+
+def few_row_matmuls(config: LlmExecutorConfig, model: DecoderLM) -> FewRowMatmuls | None:
+    """The decode graphs' few-row matmuls (executors/models/few_row_matmuls.py) where the config
+    asks for them: timed against torch's on CUDA, the first block shape that computes right in
+    Triton's interpreter (tests on a CPU)."""
+    if not config.triton_gemv:
+        return None
+    if model.cpu_kernels is not None:  # a CPU's float32 weights are the kernels' panels: those run them
+        log.warning("triton_gemv is on but the CPU kernels run this model's matmuls: it does not apply")
+        return None
+    from executors.models import few_row_matmuls as matmuls
+
+    weights = [t for w in model.fused for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]
+    return matmuls.FewRowMatmuls(weights, timer=matmuls.device_ms if config.device.startswith("cuda") else None)

@@ -22,7 +22,7 @@ REFLECTION_MODES = ("on", "off", "authenticated")
 LLM_ONLY_FLAGS = {"model": "--model", "dtype": "--dtype", "device": "--device",
                   "kv_memory_fraction": "--kv-memory-fraction", "attention_backend": "--attention-backend",
                   "cuda_graphs": "--no-cuda-graphs", "triton_fused_ops": "--no-fused-kernels",
-                  "cpu_kernels": "--no-cpu-kernels",
+                  "triton_gemv": "--triton-gemv", "cpu_kernels": "--no-cpu-kernels",
                   "quantization": "--quantization", "lora_dir": "--lora-dir",
                   "max_loras": "--max-loras", "max_lora_rank": "--max-lora-rank",
                   "tensor_parallel_size": "--tensor-parallel-size",
@@ -55,6 +55,9 @@ class ServeConfig:
     # The triton path's fused kernels (the attention prologue, the GLU), each once its start-up
     # check passed; off: those steps run as torch ops.
     triton_fused_ops: bool = True
+    # Decode graphs of up to 8 rows: each matmul shape through the faster of torch's and a
+    # Triton kernel that streams the weight once, timed at capture (few_row_matmuls.py).
+    triton_gemv: bool = False
     # float32 on a CPU: decode steps through the AVX2 kernels of executors/cpu_kernels (built
     # with the system C compiler once per machine); off, or where they cannot be built, torch's ops.
     cpu_kernels: bool = True
@@ -217,6 +220,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ServeConfig:
     p.add_argument("--no-fused-kernels", dest="triton_fused_ops", action="store_false",
                    help="with the Triton attention backend: run q/k norm, rotation, the K/V store and the MLP's "
                         "activation as torch ops instead of the fused Triton kernels")
+    p.add_argument("--triton-gemv", dest="triton_gemv", action="store_true",
+                   help="with decode CUDA graphs: run each matmul shape of buckets of up to 8 rows through the "
+                        "faster of torch's and a Triton kernel that streams the weight once, timed at capture")
     p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
                    help="float32 on a CPU: run decode steps on torch's ops (MKL, oneDNN) instead of the "
                         "AVX2 kernels of executors/cpu_kernels (matvecs, norms, paged decode attention)")

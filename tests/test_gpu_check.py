@@ -99,8 +99,8 @@ def test_the_profile_runs_on_a_cpu(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     text = out.read_text()
-    for section in ("-- host, batch 1, 5 steps", "-- host, batch 4", "-- device, batch 1, 3 eager steps",
-                    "-- device, batch 4"):
+    for section in ("-- host, batch 1, 5 steps", "-- host, batch 4", "-- gRPC server, batch 4, 1 steps per RPC",
+                    "-- device, batch 1, 3 eager steps", "-- device, batch 4"):
         assert section in text, text[:2000]
     assert "run_step" in text  # the executor's own step shows in the host profile
 

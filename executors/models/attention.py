@@ -65,6 +65,7 @@ from kvcache.kv_pool import PagedKvPool
 if TYPE_CHECKING:
     from executors.cpu_kernels import CpuKernels
     from executors.lora_batch import LoraBatch
+    from executors.models.few_row_matmuls import FewRowMatmuls
     from executors.models.triton_attention import KernelPlan
     from executors.models.triton_glu import FusedGlu
     from executors.models.triton_prologue import QkvPrologue
@@ -116,6 +117,9 @@ class StepContext:
     # MLP's activation-and-multiply as one (triton_glu.FusedGlu).
     prologue: QkvPrologue | None = None
     glu: FusedGlu | None = None
+    # A decode graph's step: each few-row matmul shape through the faster of torch's and the
+    # Triton one (few_row_matmuls.py), where the executor turned them on.
+    matmuls: FewRowMatmuls | None = None
 
     def layer(self, i: int) -> LayerAttention:
         return self.layers[i] if self.layers else PLAIN

@@ -46,6 +46,9 @@ from tests.models.tiny_models import VOCAB, build
 
 FAMILIES = ("qwen3", "llama", "qwen2")
 DTYPES = ("float32", "bfloat16")
+# Servers beside those: a key's flags after its family and dtype. qwen2 has q/k/v biases, so the
+# few-row matmuls (executors/models/few_row_matmuls.py) run with and without bias and residual.
+EXTRA_SERVERS = {"qwen2-bfloat16-gemv": ["--triton-gemv"]}
 FP32_TOL = 1e-4
 BF16_REL_TOL = 3e-2
 BLOCK = 16  # the production block size: sequences below cross block boundaries
@@ -99,6 +102,7 @@ class Served:
     device: str
     server: server_process.ServerProcess
     client: ExecutorClient
+    flags: list[str] = field(default_factory=list)  # beyond every server's
 
     def close(self, actual: np.ndarray, expected: np.ndarray) -> None:
         """actual against the float32 reference, within this dtype's tolerance."""
@@ -124,7 +128,8 @@ class Served:
 
 def pytest_generate_tests(metafunc):
     if "served" in metafunc.fixturenames:
-        metafunc.parametrize("served", [f"{f}-{d}" for f in FAMILIES for d in DTYPES], indirect=True)
+        metafunc.parametrize("served", [f"{f}-{d}" for f in FAMILIES for d in DTYPES] + list(EXTRA_SERVERS),
+                             indirect=True)
 
 
 @pytest.fixture(scope="module")
@@ -142,20 +147,22 @@ def fleet(device, tmp_path_factory):
     families = {f: make_family(f, tmp_path_factory.mktemp(f)) for f in FAMILIES}
     servers = {}
     try:
-        for f, fam in families.items():
-            for dtype in DTYPES:
-                servers[f"{f}-{dtype}"] = server_process.start(
-                    "--executor", "llm", "--model", str(fam.model_dir), "--device", device, "--dtype", dtype,
-                    "--block-size", str(BLOCK), "--num-blocks", "96", "--max-batch-size", str(MAX_BATCH),
-                    "--lora-dir", str(fam.lora_dir), "--max-loras", "2", "--max-lora-rank", "8",
-                    "--cache-ttl-seconds", "0",
-                    *(["--attention-backend", "triton"] if device.startswith("cuda") else []))
+        keys = [f"{f}-{d}" for f in FAMILIES for d in DTYPES] + list(EXTRA_SERVERS)
+        for key in keys:
+            f, dtype = key.split("-")[:2]
+            servers[key] = server_process.start(
+                "--executor", "llm", "--model", str(families[f].model_dir), "--device", device, "--dtype", dtype,
+                "--block-size", str(BLOCK), "--num-blocks", "96", "--max-batch-size", str(MAX_BATCH),
+                "--lora-dir", str(families[f].lora_dir), "--max-loras", "2", "--max-lora-rank", "8",
+                "--cache-ttl-seconds", "0", *EXTRA_SERVERS.get(key, []),
+                *(["--attention-backend", "triton"] if device.startswith("cuda") else []))
         for server in servers.values():
             server_process.ready(server, timeout=300)
         served = {}
         for key, server in servers.items():
-            f, dtype = key.split("-")
-            served[key] = Served(families[f], dtype, device, server, ExecutorClient(server.target, timeout=120))
+            f, dtype = key.split("-")[:2]
+            served[key] = Served(families[f], dtype, device, server, ExecutorClient(server.target, timeout=120),
+                                 EXTRA_SERVERS.get(key, []))
         yield served
         for s in served.values():
             s.client.close()
@@ -186,6 +193,9 @@ def test_info_says_where_and_how_it_runs(served):
         assert meta["cuda_graph_buckets"] == [1, 2, 4, 8]
         # The fused kernels passed their start-up checks on this device.
         assert meta["triton_fused_ops"] == ["prologue", "glu"]
+        # With --triton-gemv every bucket's matmul shapes were timed and chosen before capture.
+        gemv = "--triton-gemv" in served.flags
+        assert {key.split("x")[0] for key in meta["few_row_matmuls"]} == ({"1", "2", "4", "8"} if gemv else set())
     log = served.server.output()
     assert "are off" not in log and "is off" not in log and "Traceback" not in log, log[-3000:]
 
@@ -341,7 +351,7 @@ def test_report_bf16_error_budget(served, record_property):
     def rel(x):
         return float(np.max(np.linalg.norm(x - ref, axis=-1) / np.linalg.norm(ref, axis=-1)))
 
-    figures = {"family": fam.name, "ours_max_rel": rel(ours), "transformers_bf16_max_rel": rel(hf16)}
+    figures = {"family": " ".join([fam.name, *served.flags]), "ours_max_rel": rel(ours), "transformers_bf16_max_rel": rel(hf16)}
     print("bf16 error budget:", json.dumps(figures))
     record_property("bf16_budget", json.dumps(figures))
     assert figures["ours_max_rel"] <= BF16_REL_TOL

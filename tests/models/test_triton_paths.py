@@ -38,14 +38,14 @@ CUDA = torch.cuda.is_available()
 class Trio:
     """A triton executor, a triton executor with decode graphs and a reference, in lockstep."""
 
-    def __init__(self, family: str, num_blocks: int = 40, max_batch_size: int = 6) -> None:
+    def __init__(self, family: str, num_blocks: int = 40, max_batch_size: int = 6, **config) -> None:
         model = tiny_model(family)
         device = "cuda" if CUDA else "cpu"
         if CUDA:
             model = model.to(device)
         cfg = LlmExecutorConfig(model_dir=f"/nonexistent/{family}", block_size=BLOCK, num_blocks=num_blocks,
                                 device=device, dtype="float32", max_batch_size=max_batch_size,
-                                attention_backend="triton", max_sequence_length=160)
+                                attention_backend="triton", max_sequence_length=160, **config)
         self.executors = [
             LlmExecutor(cfg, model, decode_graphs=False),
             LlmExecutor(cfg, model, decode_graphs=True),
@@ -228,6 +228,36 @@ def test_a_wrong_kernel_is_refused_at_start_up(monkeypatch):
     with pytest.raises(ValueError, match="attention_backend triton: the kernels differ from SDPA"):
         LlmExecutor(LlmExecutorConfig(model_dir="x", num_blocks=8, attention_backend="triton", device=device,
                                       dtype="float32"), tiny_model("llama").to(device))
+
+
+def test_decode_graphs_with_the_few_row_matmuls():
+    """triton_gemv: the graphs' matmuls of up to 8 rows go through triton_gemv.py where its
+    result matched torch's (untimed here, on a CPU; timed against torch's on a GPU), qwen2's
+    biases too; every bucket's logits match the reference's, and status names the choices."""
+    t = Trio("qwen2", triton_gemv=True, cpu_kernels=False)  # the CPU kernels' panels would take the matmuls
+    try:
+        matmuls = t.graphed.graphs.matmuls
+        assert t.executors[0].graphs is None  # the eager executor has no graphs, so none of this
+        outs = t.all("batch_prefill", [PrefillInput(input_ids=tokens(n)) for n in (3, 9, 17, 5, 1, 12)])
+        handles = [o.kv_cache for o in outs[0]]
+        for n in (6, 1, 3):
+            step = t.all("batch_decode", [DecodeInput(token_id=x, kv_cache=h) for x, h in zip(tokens(n), handles)])
+            for group in zip(*step):
+                same(*group)
+            handles = [x.kv_cache for x in step[0]] + handles[n:]
+        chosen = t.graphed.info().metadata["few_row_matmuls"]
+        assert chosen == matmuls.chosen()
+        rows = {key.split("x")[0] for key in chosen}
+        # On a GPU each bucket chose in its warm-up before the capture; on a CPU (no capture)
+        # each bucket chooses at its first step: 6, 1 and 3 rows ran the buckets 6, 1 and 4.
+        assert rows == ({"1", "2", "4", "6"} if CUDA else {"1", "4", "6"}), chosen
+        if CUDA:  # timed: torch's may win a shape
+            assert set(matmuls.timings) == set(matmuls.choice), matmuls.timings
+        else:
+            assert all(v.startswith("triton ") for v in chosen.values()), chosen
+        assert any("+bias" in key for key in chosen) and any("+residual" in key for key in chosen)
+    finally:
+        t.close()
 
 
 def test_decode_graph_check_rows_stay_in_the_scratch_block():
