@@ -272,8 +272,9 @@ def test_decode_graph_check_rows_stay_in_the_scratch_block():
         for n in (3, 4):  # 3 rows replay in the graph of 4: one padding row beside them
             graphs._verify(n)
             # The padding row stores its K and V elsewhere: where it shared slot 0 with the first
-            # check row, the two raced on a GPU (run 24), and on a CPU the padding's K won.
-            assert torch.equal(pool._storage[:, :, pool.scratch_block, 0], first_slot)
+            # check row, the two raced on a GPU (run 24), and on a CPU the padding's K won. (Not
+            # bit for bit: on a GPU the buckets' matmuls round differently.)
+            torch.testing.assert_close(pool._storage[:, :, pool.scratch_block, 0], first_slot, atol=1e-4, rtol=0)
         assert torch.equal(pool._storage[:, :, :pool.num_blocks], before)
         assert torch.count_nonzero(pool._storage[:, :, pool.scratch_block]) > 0
     finally:
