@@ -257,7 +257,9 @@ def bench_prefill(loop, ex, shape, args, ceilings, rows) -> None:
 
 def bench_grpc(loop, ex, shape, args, rows) -> None:
     """The decode step at batch 32 with ARGMAX in-process and over gRPC (unix socket) from a
-    client in a process of its own: BatchDecode, UnifiedDecode and a StepSession stream."""
+    client in a process of its own: BatchDecode, UnifiedDecode, a StepSession stream step by
+    step, and one keeping two steps in flight that feed the sampled tokens (the time between
+    two results)."""
     batch, rounds = sizes(args).grpc_batch, 10 if args.quick else 30
     server = serve(loop, ex, unix_socket=tempfile.mktemp(prefix="modelexec-bench-", suffix=".sock"))
     try:
@@ -277,7 +279,8 @@ def bench_grpc(loop, ex, shape, args, rows) -> None:
         inproc = statistics.median(walls)
         proc = subprocess.run([sys.executable, "-m", "bench.grpc_client", "--address", server.address,
                                "--batch", str(batch), "--rounds", str(rounds), "--prompt-len", str(PROMPT_LEN),
-                               "--vocab", str(shape["vocab_size"]), "--policies", "ARGMAX", "--walls"],
+                               "--vocab", str(shape["vocab_size"]), "--policies", "ARGMAX", "--walls",
+                               "--pipelined"],
                               capture_output=True, text=True, timeout=600, cwd=ROOT, check=True)
         for rpc, by_policy in json.loads(proc.stdout.strip().splitlines()[-1]).items():
             remote = statistics.median(by_policy["ARGMAX"]) * 1e3

@@ -70,6 +70,7 @@ def unified_item_to_proto(item: UnifiedBatchItem, msg: pb.UnifiedBatchItem | Non
     msg.q_tokens.extend(token_list(item.q_tokens, "q_tokens"))
     msg.pos_offset = int(item.pos_offset)
     msg.is_final_chunk = bool(item.is_final_chunk)
+    msg.feed_sampled_token = bool(item.feed_sampled_token)
     if item.metadata or item.lora_adapter is not None:
         _item_metadata(item.metadata, item.lora_adapter, msg.metadata)
     _set_policy(msg, item.logits_policy)

@@ -207,6 +207,9 @@ class UnifiedBatchItem:
     metadata: Metadata | None = None
     logits_policy: LogitsPolicy | None = None
     lora_adapter: str | None = None
+    # Instead of q_tokens (then empty): the token the cache's latest step sampled, so the next
+    # step can be sent before that step's result is read (StepSession.send; the proto says more).
+    feed_sampled_token: bool = False
 
 
 @dataclass(slots=True)

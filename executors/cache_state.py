@@ -113,6 +113,9 @@ class CacheRegistry:
             return last.result
         return None
 
+    def last_step(self, cache_id: str) -> StepRecord | None:
+        return self._states[cache_id].last_step
+
     def record(self, cache_id: str, start: int, tokens: Sequence[int], request: Any, result: Any) -> None:
         self._states[cache_id].last_step = StepRecord(start, tuple(tokens), request, result)
 

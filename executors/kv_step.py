@@ -32,13 +32,14 @@ if TYPE_CHECKING:
 def replay_key(s: ItemSpec) -> tuple:
     """What else a retry must repeat to be replayed: the rows it wants and, when it wants
     any, their policy (an item that returns no logits ignores its policy, even a NaN one,
-    which would never equal itself)."""
-    return (s.rows, None if s.rows is Rows.NONE else s.policy)
+    which would never equal itself), and whether its token was fed."""
+    return (s.rows, None if s.rows is Rows.NONE else s.policy, s.feed)
 
 
 def run_step(ex: KvCacheExecutor, specs: list[ItemSpec], identity: str | None) -> list[StepResult]:
     """Run the specs as one forward; a spec that repeats its cache's last step is replayed."""
     started = time.perf_counter_ns()
+    specs = [feed(ex, s, identity) if s.feed else s for s in specs]
     ex.stats.begin(len(specs))
     created: dict[str, int] = {}  # cache id -> creation serial
     # Server-chosen ids never equal an id a caller names anywhere in this call.
@@ -92,6 +93,37 @@ def run_step(ex: KvCacheExecutor, specs: list[ItemSpec], identity: str | None) -
     return results
 
 
+def feed(ex: KvCacheExecutor, s: ItemSpec, identity: str | None) -> ItemSpec:
+    """A feed_sampled_token item with its token: the one its cache's latest step sampled, when
+    that step made the cache's length the item's position; for a retry of a fed step that
+    succeeded, the token that step ran (resolve then replays its record)."""
+    table = ex.kv.get(s.cache_id)  # raises CacheNotFound
+    ex.caches.touch(s.cache_id, identity, s.where)  # the owner's only
+    last = ex.caches.last_step(s.cache_id)
+    end = last.start + len(last.tokens) if last is not None else -1
+    if last is not None and table.num_tokens == end:
+        if s.expected_length == end:
+            outs = getattr(last.result, "outputs", None)  # an imported cache records no step result
+            out = outs[-1] if outs else None
+            if out is not None and out.kind in (LogitsKind.ARGMAX, LogitsKind.SAMPLE):
+                return dataclasses.replace(s, tokens=[out.token_id])
+        elif s.expected_length == last.start and last.request == replay_key(s):
+            return dataclasses.replace(s, tokens=list(last.tokens))
+    if table.num_tokens != s.expected_length:
+        raise _stale(s, table.num_tokens)
+    raise FailedPrecondition(
+        f"{s.where}.feed_sampled_token: cache {s.cache_id!r} has no sampled token to feed at position "
+        f"{s.expected_length}: its latest step returned no ARGMAX or SAMPLE token, or the cache changed since",
+        field=f"{s.where}.feed_sampled_token", reason="NO_SAMPLED_TOKEN", cache_id=s.cache_id)
+
+
+def _stale(s: ItemSpec, length: int) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"{s.where}: cache {s.cache_id!r} holds {length} tokens but the request continues it at "
+        f"{s.expected_length}; the caller's handle is stale",
+        field=s.where, reason="STALE_CACHE_HANDLE", cache_id=s.cache_id, cache_length=length)
+
+
 def resolve(ex: KvCacheExecutor, s: ItemSpec, created: dict[str, int], identity: str | None,
             named: frozenset[str]) -> StepItem | StepResult:
     if s.cache_id is not None and s.cache_id in ex.kv:
@@ -102,10 +134,7 @@ def resolve(ex: KvCacheExecutor, s: ItemSpec, created: dict[str, int], identity:
                                         replay_key(s))
             if replayed is not None:
                 return dataclasses.replace(replayed, created=False)  # a retry of a step that succeeded
-            raise FailedPrecondition(
-                f"{s.where}: cache {s.cache_id!r} holds {table.num_tokens} tokens but the request "
-                f"continues it at {s.expected_length}; the caller's handle is stale",
-                field=s.where, reason="STALE_CACHE_HANDLE", cache_id=s.cache_id, cache_length=table.num_tokens)
+            raise _stale(s, table.num_tokens)
         cache_id = s.cache_id
         if s.adapter is not None and s.adapter != (adapter.name if adapter else None):
             bound = f"LoRA adapter {adapter.name!r}" if adapter else "no LoRA adapter"

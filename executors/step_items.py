@@ -41,6 +41,8 @@ class ItemSpec:
     policy: LogitsPolicy
     is_decode: bool
     adapter: str | None = None  # the LoRA adapter named in the request's metadata
+    # tokens is empty until the worker puts the cache's last sampled token there (kv_step.feed)
+    feed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -171,6 +171,12 @@ class UnifiedBatchItem:
     is_final_chunk: bool
     metadata: Metadata = field(default_factory=dict)
     logits_policy: LogitsPolicy = LogitsPolicy()
+    # Instead of q_tokens: the token the cache's latest step sampled (the proto's comment says when).
+    feed_sampled_token: bool = False
+
+    @property
+    def token_count(self) -> int:
+        return 1 if self.feed_sampled_token else len(self.q_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,6 +85,8 @@ def decode_spec(inp: DecodeInput, where: str, vocab_size: int) -> ItemSpec:
 
 
 def unified_spec(it: UnifiedBatchItem, where: str, vocab_size: int) -> ItemSpec:
+    if it.feed_sampled_token:
+        return _fed_spec(it, where, vocab_size)
     tokens = check_tokens(it.q_tokens, f"{where}.q_tokens", vocab_size)
     if it.is_final_chunk:
         it.logits_policy.validate(vocab_size, f"{where}.logits_policy")
@@ -94,6 +96,22 @@ def unified_spec(it: UnifiedBatchItem, where: str, vocab_size: int) -> ItemSpec:
     rows = Rows.LAST if it.is_final_chunk else Rows.NONE
     return ItemSpec(where, it.seq_id or None, it.pos_offset, it.pos_offset == 0, tokens, rows,
                     it.logits_policy, is_decode, _adapter_name(it.metadata, where))
+
+
+def _fed_spec(it: UnifiedBatchItem, where: str, vocab_size: int) -> ItemSpec:
+    """A decode step of the token the cache's latest step sampled (found on the worker)."""
+    if len(it.q_tokens) > 0:
+        raise InvalidParameter(f"{where}.q_tokens must be empty when feed_sampled_token is set: the token "
+                               "is the one the cache's latest step sampled", field=f"{where}.q_tokens")
+    if not it.is_final_chunk:
+        raise InvalidParameter(f"{where}.is_final_chunk must be true with feed_sampled_token: a fed token is "
+                               "a decode step", field=f"{where}.is_final_chunk")
+    if not it.seq_id or it.pos_offset == 0:
+        raise InvalidParameter(f"{where}: feed_sampled_token continues a cache: seq_id and a pos_offset > 0 "
+                               "are required", field=f"{where}.pos_offset" if it.seq_id else f"{where}.seq_id")
+    it.logits_policy.validate(vocab_size, f"{where}.logits_policy")
+    return ItemSpec(where, it.seq_id, it.pos_offset, False, [], Rows.LAST, it.logits_policy, True,
+                    _adapter_name(it.metadata, where), feed=True)
 
 
 def verify_spec(kv_cache: KvCacheHandle, tokens: Sequence[int], policy: LogitsPolicy, vocab_size: int) -> ItemSpec:

@@ -186,6 +186,7 @@ def unified_item(msg: pb.UnifiedBatchItem, where: str) -> t.UnifiedBatchItem:
         is_final_chunk=msg.is_final_chunk,
         metadata=metadata(fields, f"{where}.metadata") if fields else {},
         logits_policy=logits_policy(msg.logits_policy, f"{where}.logits_policy"),
+        feed_sampled_token=msg.feed_sampled_token,
     )
 
 

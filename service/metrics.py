@@ -151,8 +151,9 @@ class ServiceMetrics:
 def _unified_work(request: Any) -> tuple[tuple[tuple[str, int], ...], int]:
     # A one-token item continuing a cache is a decode step; anything else a prefill chunk.
     items = request.batch.items
-    decode = sum(1 for i in items if len(i.q_tokens) == 1 and i.pos_offset > 0)
-    return (("decode", decode), ("prefill", sum(len(i.q_tokens) for i in items) - decode)), len(items)
+    decode = sum(1 for i in items if (len(i.q_tokens) == 1 or i.feed_sampled_token) and i.pos_offset > 0)
+    tokens = sum(max(len(i.q_tokens), i.feed_sampled_token) for i in items)
+    return (("decode", decode), ("prefill", tokens - decode)), len(items)
 
 
 WORK: dict[str, Callable[[Any], tuple[tuple[tuple[str, int], ...], int | None]]] = {

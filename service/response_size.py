@@ -82,7 +82,7 @@ class ResponseBudget:
 
     def unified(self, items: Sequence[UnifiedBatchItem]) -> int:
         return RESPONSE_FRAMING + sum((self.row(i.logits_policy) if i.is_final_chunk else 0)
-                                      + self.handle(i.seq_id, i.pos_offset + len(i.q_tokens), len(i.seq_id))
+                                      + self.handle(i.seq_id, i.pos_offset + i.token_count, len(i.seq_id))
                                       for i in items)
 
     def verify(self, handle: KvCacheHandle, tokens: int, policy: LogitsPolicy) -> int:

@@ -8,6 +8,7 @@ in nanoseconds.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Awaitable, Callable
 
@@ -25,6 +26,8 @@ from service.errors import _malformed, _Undecodable, to_status_error
 from service.response_size import ResponseBudget
 
 SERVER_VERSION = "0.1.0"
+# StepSession: steps read and queued on the executor ahead of the one being answered.
+STEP_READ_AHEAD = 4
 
 
 class _Call:
@@ -150,7 +153,7 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
     async def UnifiedDecode(self, request: pb.UnifiedDecodeRequest, context) -> pb.UnifiedDecodeResponse:
         call = _Call()
         items = request.batch.items
-        self._check_size(len(items), sum(len(i.q_tokens) for i in items), "batch.items")
+        self._check_size(len(items), sum(max(len(i.q_tokens), i.feed_sampled_token) for i in items), "batch.items")
         unified = [convert.unified_item(m, f"batch.items[{i}]") for i, m in enumerate(items)]
         self.responses.check_unified(unified, "batch.items")
         results = await self.executor.unified_decode(unified)
@@ -159,24 +162,47 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
     async def StepSession(self, requests, context):
         # Steps run in order, each as UnifiedDecode would; a failed step is answered with its
         # status and the session goes on, so one bad step does not cost the scheduler its stream.
-        async for request in requests:
-            call = _Call()
-            try:
-                if isinstance(request, _Undecodable):
-                    raise _malformed(request)
-                items = request.batch.items
-                self._check_size(len(items), sum(len(i.q_tokens) for i in items), "batch.items")
-                unified = [convert.unified_item(m, f"batch.items[{i}]") for i, m in enumerate(items)]
-                self.responses.check_unified(unified, "batch.items")
-                results = await self.executor.unified_decode(unified)
-            except Exception as exc:  # noqa: BLE001 - mapped exactly as the call wrapper maps unary calls
-                err = to_status_error(exc)
-                yield pb.StepSessionResponse(
-                    step_id=getattr(request, "step_id", 0), timing=call.timing(),
-                    error=pb.StepError(code=err.code.value[0], message=err.message, reason=err.reason,
-                                       metadata=err.metadata))
-                continue
-            yield call.stamp(convert.with_results(pb.StepSessionResponse(step_id=request.step_id), results))
+        # Up to STEP_READ_AHEAD steps are read, checked and queued on the executor's worker (in
+        # the order sent) before the oldest is answered: a scheduler that keeps steps in flight
+        # (feed_sampled_token) has the next one's conversion done while the device runs this one.
+        steps: collections.deque[asyncio.Task] = collections.deque()
+        incoming = aiter(requests)
+        reading: asyncio.Future | None = asyncio.ensure_future(anext(incoming, None))
+        try:
+            while reading is not None or steps:
+                if reading is not None and len(steps) < STEP_READ_AHEAD:
+                    # The next request or the oldest step's end, whichever comes first (a later
+                    # step can end sooner, refused before it reached the worker: it waits its turn).
+                    await asyncio.wait({reading, *list(steps)[:1]}, return_when=asyncio.FIRST_COMPLETED)
+                    if reading.done():
+                        request, reading = reading.result(), None
+                        if request is not None:
+                            steps.append(asyncio.ensure_future(self._session_step(request)))
+                            reading = asyncio.ensure_future(anext(incoming, None))
+                        continue
+                yield await steps.popleft()
+        finally:
+            for pending in (*steps, reading):
+                if pending is not None:
+                    pending.cancel()
+
+    async def _session_step(self, request) -> pb.StepSessionResponse:
+        call = _Call()
+        try:
+            if isinstance(request, _Undecodable):
+                raise _malformed(request)
+            items = request.batch.items
+            self._check_size(len(items), sum(max(len(i.q_tokens), i.feed_sampled_token) for i in items), "batch.items")
+            unified = [convert.unified_item(m, f"batch.items[{i}]") for i, m in enumerate(items)]
+            self.responses.check_unified(unified, "batch.items")
+            results = await self.executor.unified_decode(unified)
+        except Exception as exc:  # noqa: BLE001 - mapped exactly as the call wrapper maps unary calls
+            err = to_status_error(exc)
+            return pb.StepSessionResponse(
+                step_id=getattr(request, "step_id", 0), timing=call.timing(),
+                error=pb.StepError(code=err.code.value[0], message=err.message, reason=err.reason,
+                                   metadata=err.metadata))
+        return call.stamp(convert.with_results(pb.StepSessionResponse(step_id=request.step_id), results))
 
     # -- forward and speculative decoding -------------------------------------------------
     async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:

@@ -355,7 +355,7 @@ class BatchDecodeResponse(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[DecodeOutput, _Mapping]]] = ..., timing: _Optional[_Union[CallTiming, _Mapping]] = ...) -> None: ...
 
 class UnifiedBatchItem(_message.Message):
-    __slots__ = ("seq_id", "q_tokens", "pos_offset", "is_final_chunk", "metadata", "logits_policy")
+    __slots__ = ("seq_id", "q_tokens", "pos_offset", "is_final_chunk", "metadata", "logits_policy", "feed_sampled_token")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -369,13 +369,15 @@ class UnifiedBatchItem(_message.Message):
     IS_FINAL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     LOGITS_POLICY_FIELD_NUMBER: _ClassVar[int]
+    FEED_SAMPLED_TOKEN_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     q_tokens: _containers.RepeatedScalarFieldContainer[int]
     pos_offset: int
     is_final_chunk: bool
     metadata: _containers.MessageMap[str, _struct_pb2.Value]
     logits_policy: LogitsPolicy
-    def __init__(self, seq_id: _Optional[str] = ..., q_tokens: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., metadata: _Optional[_Mapping[str, _struct_pb2.Value]] = ..., logits_policy: _Optional[_Union[LogitsPolicy, _Mapping]] = ...) -> None: ...
+    feed_sampled_token: bool
+    def __init__(self, seq_id: _Optional[str] = ..., q_tokens: _Optional[_Iterable[int]] = ..., pos_offset: _Optional[int] = ..., is_final_chunk: _Optional[bool] = ..., metadata: _Optional[_Mapping[str, _struct_pb2.Value]] = ..., logits_policy: _Optional[_Union[LogitsPolicy, _Mapping]] = ..., feed_sampled_token: _Optional[bool] = ...) -> None: ...
 
 class UnifiedBatch(_message.Message):
     __slots__ = ("items",)
