@@ -81,7 +81,9 @@ def test_the_gpu_parts_dry_run_on_a_cpu():
     rows += bench_offline(args)
     kinds = {r["what"] for r in rows}
     assert kinds == {"ceilings", "decode", "batch_prefill", "grpc", "vs transformers", "offline throughput"}, kinds
-    assert len([r for r in rows if r["what"] == "grpc"]) == 3  # BatchDecode, UnifiedDecode, StepSession
+    # BatchDecode, UnifiedDecode, StepSession, and a StepSession keeping fed steps in flight
+    assert [r["rpc"] for r in rows if r["what"] == "grpc"] == ["BatchDecode", "UnifiedDecode", "StepSession",
+                                                              "StepSession pipelined"]
     offline = [r for r in rows if r["what"] == "offline throughput"]
     assert offline[0]["generated"] == offline[1]["generated"] > 0  # every request ran to its length on both
     text = "\n".join(gpu_report.table_lines(rows))
