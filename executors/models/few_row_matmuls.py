@@ -30,6 +30,14 @@ log = logging.getLogger(__name__)
 # (block_n, block_k, num_warps): narrow tiles keep every SM busy at N = 1024 (the o and down
 # projections of a 0.6B model: 256 programs at block_n 4), wider ones suit N of several thousand.
 CANDIDATES: tuple[tuple[int, int, int], ...] = ((4, 512, 4), (8, 256, 4), (16, 256, 4))
+# For one or two rows, also long tiles: on the H100 of run 24 the best shape above streamed at
+# 0.6-1.45 TB/s, each program with a single 4 KB tile in flight, too few bytes to cover the
+# memory's latency; 8-16 KB tiles put more in flight (untimed yet: the timing at capture decides).
+LONG_TILES: tuple[tuple[int, int, int], ...] = ((4, 1024, 4), (4, 2048, 8), (8, 1024, 8))
+
+
+def default_candidates(rows: int) -> tuple[tuple[int, int, int], ...]:
+    return CANDIDATES + LONG_TILES if rows <= 2 else CANDIDATES
 # A block shape whose result is further than this from torch's (relative L2) is not used:
 # float32 accumulation both ways, so only the inputs' rounding differs.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -59,15 +67,16 @@ def device_ms(fn: Callable[[], object], passes: int = 3) -> float:
 class FewRowMatmuls:
     """linear / residual_linear for steps of up to MAX_ROWS rows, each shape's choice made once."""
 
-    def __init__(self, weights: Iterable[torch.Tensor], candidates: Sequence[Config] = CANDIDATES,
+    def __init__(self, weights: Iterable[torch.Tensor], candidates: Sequence[Config] | None = None,
                  timer: Callable[[Callable[[], object]], float] | None = device_ms) -> None:
         """`weights`: every matmul weight a step reads, grouped here by shape for the timing.
+        `candidates`: the block shapes to try (default_candidates for the step's rows when None).
         `timer=None` (a CPU, in Triton's interpreter): the first block shape that computes
         right, untimed."""
         self.by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
         for w in weights:
             self.by_shape.setdefault(tuple(w.shape), []).append(w)
-        self.candidates, self.timer = tuple(candidates), timer
+        self.candidates, self.timer = (tuple(candidates) if candidates is not None else None), timer
         self.max_rows = MAX_ROWS
         self.choice: dict[Key, Config | None] = {}  # None: torch's matmul
         self.timings: dict[Key, dict[str, float]] = {}  # ms over every layer's weight, per contender
@@ -114,7 +123,7 @@ class FewRowMatmuls:
 
         want = with_torch(weight).float()
         passed = []
-        for cfg in self.candidates:
+        for cfg in self.candidates or default_candidates(key[0]):
             try:
                 got = gemv(x, weight, bias, residual, *cfg).float()
             except Exception as e:  # noqa: BLE001 - a shape Triton cannot build here is skipped, with why

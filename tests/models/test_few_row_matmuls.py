@@ -81,3 +81,16 @@ def test_untimed_the_first_right_block_shape_serves_and_large_steps_keep_torch()
     x = torch.randn(9, 96, device=DEVICE)  # past the kernel's 8 rows
     torch.testing.assert_close(m.linear(x, ws[0], None), F.linear(x, ws[0]))
     assert len(m.chosen()) == 1
+
+
+def test_one_and_two_rows_also_try_long_tiles_which_compute_right():
+    assert few_row_matmuls.default_candidates(2) == few_row_matmuls.CANDIDATES + few_row_matmuls.LONG_TILES
+    assert few_row_matmuls.default_candidates(3) == few_row_matmuls.CANDIDATES
+    (w,) = weights(n=40, k=300, count=1)
+    x, res = torch.randn(2, 300, device=DEVICE), torch.randn(2, 40, device=DEVICE)
+    for cfg in few_row_matmuls.LONG_TILES:  # K shorter than the tile: masked
+        got = few_row_matmuls.gemv(x, w, None, res, *cfg)
+        torch.testing.assert_close(got, res + F.linear(x, w), atol=1e-4, rtol=1e-5)
+    m = FewRowMatmuls([w], timer=Timer(*[9.0] * 6, 1.0))  # torch, then six block shapes: the last wins
+    m.linear(x[:1], w, None)
+    assert m.chosen() == {"1x40x300": "triton 8x1024/8"}
