@@ -8,7 +8,6 @@ in nanoseconds.
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from collections.abc import Awaitable, Callable
 
@@ -23,6 +22,7 @@ from generated.modelexec.v1 import executor_pb2_grpc as pb_grpc
 from service import convert, convert_describe, convert_transfer
 from service.config import ServeConfig
 from service.errors import _malformed, _Undecodable, to_status_error
+from service.read_ahead import answered_in_order
 from service.response_size import ResponseBudget
 
 SERVER_VERSION = "0.1.0"
@@ -165,26 +165,8 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         # Up to STEP_READ_AHEAD steps are read, checked and queued on the executor's worker (in
         # the order sent) before the oldest is answered: a scheduler that keeps steps in flight
         # (feed_sampled_token) has the next one's conversion done while the device runs this one.
-        steps: collections.deque[asyncio.Task] = collections.deque()
-        incoming = aiter(requests)
-        reading: asyncio.Future | None = asyncio.ensure_future(anext(incoming, None))
-        try:
-            while reading is not None or steps:
-                if reading is not None and len(steps) < STEP_READ_AHEAD:
-                    # The next request or the oldest step's end, whichever comes first (a later
-                    # step can end sooner, refused before it reached the worker: it waits its turn).
-                    await asyncio.wait({reading, *list(steps)[:1]}, return_when=asyncio.FIRST_COMPLETED)
-                    if reading.done():
-                        request, reading = reading.result(), None
-                        if request is not None:
-                            steps.append(asyncio.ensure_future(self._session_step(request)))
-                            reading = asyncio.ensure_future(anext(incoming, None))
-                        continue
-                yield await steps.popleft()
-        finally:
-            for pending in (*steps, reading):
-                if pending is not None:
-                    pending.cancel()
+        async for response in answered_in_order(requests, self._session_step, STEP_READ_AHEAD):
+            yield response
 
     async def _session_step(self, request) -> pb.StepSessionResponse:
         call = _Call()
