@@ -95,20 +95,24 @@ class DecodeGraphs:
         self.table_width = -(-max_sequence_length // pool.block_size)
         pinned = dev.type == "cuda"
         # Host staging: the rows of `_host_long` are ids, positions, slots and lengths (keys
-        # each row sees); `_host_int` holds the block tables.
-        self._host_long = torch.zeros(4, largest, dtype=torch.int64, pin_memory=pinned)
+        # each row sees), and in its fifth row's first column the decode partitions' length for
+        # the step's longest context; `_host_int` holds the block tables.
+        self._host_long = torch.zeros(5, largest, dtype=torch.int64, pin_memory=pinned)
         self._host_int = torch.zeros(largest, self.table_width, dtype=torch.int32, pin_memory=pinned)
         self._long_np, self._int_np = self._host_long.numpy(), self._host_int.numpy()
-        self._long = torch.zeros(4, largest, dtype=torch.int64, device=dev)
+        self._long = torch.zeros(5, largest, dtype=torch.int64, device=dev)
         self._int = torch.zeros(largest, self.table_width, dtype=torch.int32, device=dev)
         self._rows = torch.arange(largest, dtype=torch.int32, device=dev)
         self._copied = torch.cuda.Event() if pinned else None
         # Per bucket: the graph, and its static outputs (logits, argmax pairs).
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor] | None]] = {}
-        # Fixed per bucket, for the longest sequence: the kernel skips partitions past a row's length.
+        # Partitions per bucket, fixed for the longest sequence; their length is set each step
+        # for the step's longest context (`_long[4, 0]`), so short contexts split too.
         self._partitions = {b: decode_partitions(b, pool.num_kv_heads, max_sequence_length, dev)
                             for b in self.buckets}
         self._pad(0, largest)
+        # One partition's length covers any context: right for the warm-up and capture steps.
+        self._long_np[4, 0] = partition_length(max_sequence_length, 1)
         self._long.copy_(self._host_long)
         self._int.copy_(self._host_int)
         self.replays = 0
@@ -135,7 +139,7 @@ class DecodeGraphs:
         slot 0 up, and a padding row storing other K and V where a check row stores its own races
         with it on a GPU (run 24: logits 7.02 apart on an H100)."""
         scratch, bs = self.pool.scratch_block, self.pool.block_size
-        self._long_np[:, lo:hi] = 0
+        self._long_np[:4, lo:hi] = 0
         self._long_np[2, lo:hi] = scratch * bs + bs - 1
         self._long_np[3, lo:hi] = 1
         self._int_np[lo:hi, 0] = scratch
@@ -145,8 +149,7 @@ class DecodeGraphs:
         row's argmax id and log-probability ([2, b] float64, logits.argmax_pairs): an ARGMAX
         step then needs nothing after the replay but one copy to the host."""
         parts = self._partitions[b]
-        launch = DecodeLaunch(self._rows[:b], self._int[:b], self._long[3, :b], parts,
-                              partition_length(self.max_sequence_length, parts))
+        launch = DecodeLaunch(self._rows[:b], self._int[:b], self._long[3, :b], parts, self._long[4, :1])
         ctx = StepContext([], self.pool, self._long[2, :b], backend="triton", kernel_plan=KernelPlan(None, launch),
                           prologue=self.prologue, glu=self.glu, matmuls=self.matmuls)
         hidden = self.model.hidden_states(self._long[0, :b], self._long[1, :b], ctx)
@@ -201,12 +204,13 @@ class DecodeGraphs:
         bs = self.pool.block_size
         self._long_np[3, :n] = positions
         self._long_np[3, :n] += 1
+        self._long_np[4, 0] = partition_length(max(positions) + 1, self._partitions[b])
         for i, (table, pos) in enumerate(zip(tables, positions)):
             need = pos // bs + 1
             self._int_np[i, :need] = np.asarray(table[:need], dtype=np.int32)
         self._pad(n, b)
         nonblocking = self._copied is not None
-        # All of _long (4 x largest int64, a few KB): a column slice would not be contiguous,
+        # All of _long (5 x largest int64, a few KB): a column slice would not be contiguous,
         # and torch would stage a non-contiguous pinned source through pageable memory.
         self._long.copy_(self._host_long, non_blocking=nonblocking)
         self._int[:b].copy_(self._host_int[:b], non_blocking=nonblocking)

@@ -46,7 +46,7 @@ def compile_for(capability: int, dtype: str = "bf16", head_dim: int = 128, group
         constants = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
                          BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=64, SPLIT=split, IEEE=dtype == "fp32")
         pointers = {**io, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "tables_ptr": "*i32", "rows_ptr": "*i32",
-                    "lengths_ptr": "*i64"}
+                    "lengths_ptr": "*i64", "partition_tokens_ptr": "*i64"}
         compiled = triton.compile(ASTSource(_decode_kernel, signature(_decode_kernel, pointers, constants), constants),
                                   target=target)
         shared[f"decode{'_split' if split else ''}"] = compiled.metadata.shared

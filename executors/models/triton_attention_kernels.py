@@ -11,7 +11,8 @@ key by key through each sequence's block table, with an online (flash) softmax i
   (sequence, KV head, context partition) computes all the query heads that share the KV head
   at once (grouped-query attention without repeating K and V). Long contexts at small batch
   split over partitions (flash-decoding), merged exactly by log-sum-exp afterwards by
-  `_merge_kernel`; the partition count is a launch argument, so a CUDA graph can fix it once.
+  `_merge_kernel`; the partition count is a launch argument, so a CUDA graph can fix it once,
+  and their length is read from device memory, so the graph's step can set it.
 
 The new tokens' K and V are written into the pool (by slot mapping) before a kernel runs,
 so the kernels read every key from the pool. Keys past a sequence's length are masked out
@@ -131,10 +132,13 @@ def _decode_kernel(
     stride_qm, stride_qh, stride_om, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_t,
     stride_pb, stride_ph, stride_pp, stride_lb, stride_lh,
-    scale_log2, partition_tokens, window,
+    scale_log2, partition_tokens_ptr, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
 ):
+    # Keys per partition, read from the device: a decode graph captures the partition count
+    # for its bucket but sets their length each step, for the step's longest context.
+    partition_tokens = tl.load(partition_tokens_ptr).to(tl.int32)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)

@@ -265,6 +265,34 @@ def test_decode_graphs_with_the_few_row_matmuls(monkeypatch):
         t.close()
 
 
+def test_decode_graphs_size_their_partitions_for_each_step(monkeypatch):
+    """A bucket's partition count is fixed at capture and their length set each step for the
+    step's longest context, so short contexts split too: with 3 partitions a step up to 101
+    keys splits into 48-key partitions, a step of 7 keys into 16-key ones (a length fixed for
+    the longest sequence allowed would have been 64), and both give the reference's logits."""
+    from executors import decode_graphs
+    from executors.models.triton_attention import partition_length
+
+    monkeypatch.setattr(decode_graphs, "decode_partitions", lambda batch, kv_heads, max_length, device: 3)
+    t = Trio("llama")
+    try:
+        graphs = t.graphed.graphs
+        assert partition_length(graphs.max_sequence_length, 3) == 64
+        outs = t.all("batch_prefill", [PrefillInput(input_ids=tokens(n)) for n in (6, 100)])
+        step = t.all("batch_decode", [DecodeInput(token_id=x, kv_cache=o.kv_cache)
+                                      for x, o in zip(tokens(2), outs[0])])
+        for group in zip(*step):
+            same(*group)
+        assert graphs._long_np[4, 0] == partition_length(101, 3) == 48
+        alone = t.all("decode", DecodeInput(token_id=3, kv_cache=step[0][0].kv_cache))
+        same(*alone)
+        assert graphs._long_np[4, 0] == partition_length(8, 3) == 16
+        for h in (alone[0].kv_cache, step[0][1].kv_cache):
+            t.all("release_cache", h.cache_id)
+    finally:
+        t.close()
+
+
 def test_decode_graph_check_rows_stay_in_the_scratch_block():
     """The post-capture check's rows (distinct tokens and lengths, all in the scratch block) run
     through the static buffers without touching any sequence's blocks."""
