@@ -59,9 +59,11 @@ def launch(transport: str, args: list[str], *, torchrun_nproc: int | None = None
     with open(where / "server.log", "w") as out:
         runner = [sys.executable, "-m", "service"]
         if torchrun_nproc is not None:
-            runner = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-                      str(torchrun_nproc), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-                      "-m", "service"]
+            # --standalone: torchrun's rendezvous store binds a free port itself. A port picked
+            # here (bound, closed, passed on) could be taken by another process before torchrun,
+            # a second or so later, bound it: EADDRINUSE, seen once in a parallel test run.
+            runner = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                      "--nproc-per-node", str(torchrun_nproc), "-m", "service"]
         proc = subprocess.Popen([*runner, *listen, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     return Server(proc, address, where)
