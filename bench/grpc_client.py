@@ -11,9 +11,10 @@ minus the executor time the server reports, in seconds, per step]}}; with `--wal
 whole wall time of each step instead. With `--pipelined`, also "StepSession pipelined"
 (ARGMAX and SAMPLE only): decode steps that feed each cache's sampled token
 (feed_sampled_token), `--in-flight` of them sent ahead of the one being read, each sample
-the time between two results (the steps overlap, so it is always a wall time). It imports the client only (no torch), as a
-scheduler would, and tunes its process's malloc as a scheduler asking for FULL logits
-should (`client.keep_freed_memory`; `--default-malloc` leaves glibc's defaults).
+the time between two results (the steps overlap, so it is always a wall time). It imports
+the client only (no torch), as a scheduler would, and tunes its process's malloc as a
+scheduler asking for FULL logits should (`client.keep_freed_memory`; `--default-malloc`
+leaves glibc's defaults).
 """
 
 from __future__ import annotations
