@@ -1,8 +1,8 @@
 """A decode graph's few-row matmuls: per shape, the faster of torch's (cuBLAS) and triton_gemv.py's.
 
 On an H100 a batch-1 decode step spends about half its device time in one-row matmuls that
-cuBLAS streams at ~1.2-1.4 TB/s of the ~3 TB/s a copy reaches (bench/RESULTS.md, runs 20 and
-24). triton_gemv.py streams each weight once at full width, but which block shape does so
+cuBLAS streams at 0.45-1.5 TB/s, shape by shape, of the ~3 TB/s a copy reaches
+(bench/RESULTS.md, runs 20 and 24). triton_gemv.py streams each weight once at full width, but which block shape does so
 best depends on N, K and the row count, and for some shapes cuBLAS may stay ahead. So nothing
 is guessed: the first call of each (rows, N, K, bias?, residual?, dtype) outside a capture (a
 decode graph's warm-up step, which runs before its capture) checks each Triton block shape
@@ -35,9 +35,6 @@ CANDIDATES: tuple[tuple[int, int, int], ...] = ((4, 512, 4), (8, 256, 4), (16, 2
 # memory's latency; 8-16 KB tiles put more in flight (untimed yet: the timing at capture decides).
 LONG_TILES: tuple[tuple[int, int, int], ...] = ((4, 1024, 4), (4, 2048, 8), (8, 1024, 8))
 
-
-def default_candidates(rows: int) -> tuple[tuple[int, int, int], ...]:
-    return CANDIDATES + LONG_TILES if rows <= 2 else CANDIDATES
 # A block shape whose result is further than this from torch's (relative L2) is not used:
 # float32 accumulation both ways, so only the inputs' rounding differs.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -47,6 +44,10 @@ SLEEP_CYCLES = 10_000_000
 
 Key = tuple[int, int, int, bool, bool, torch.dtype]
 Config = tuple[int, int, int]
+
+
+def default_candidates(rows: int) -> tuple[Config, ...]:
+    return CANDIDATES + LONG_TILES if rows <= 2 else CANDIDATES
 
 
 def device_ms(fn: Callable[[], object], passes: int = 3) -> float:
