@@ -27,13 +27,17 @@ from executors.models.triton_gemv import MAX_ROWS, gemv
 
 log = logging.getLogger(__name__)
 
-# (block_n, block_k, num_warps): narrow tiles keep every SM busy at N = 1024 (the o and down
-# projections of a 0.6B model: 256 programs at block_n 4), wider ones suit N of several thousand.
-CANDIDATES: tuple[tuple[int, int, int], ...] = ((4, 512, 4), (8, 256, 4), (16, 256, 4))
-# For one or two rows, also long tiles: on the H100 of run 24 the best shape above streamed at
-# 0.6-1.45 TB/s, each program with a single 4 KB tile in flight, too few bytes to cover the
-# memory's latency; 8-16 KB tiles put more in flight (untimed yet: the timing at capture decides).
-LONG_TILES: tuple[tuple[int, int, int], ...] = ((4, 1024, 4), (4, 2048, 8), (8, 1024, 8))
+# (block_n, block_k, num_warps, split): narrow tiles keep every SM busy at N = 1024 (the o and
+# down projections of a 0.6B model: 256 programs at block_n 4). On the H100 of run 24 this one
+# beat 8x256 and 16x256 at every shape and row count, so those two are no longer tried (each
+# costs compilations at start-up).
+CANDIDATES: tuple[tuple[int, int, int, int], ...] = ((4, 512, 4, 1),)
+# It streamed at 0.6-1.45 TB/s there, each program with a single 4 KB tile in flight, too few
+# bytes to cover the memory's latency. More in flight, two ways (untimed yet: the timing at
+# capture decides): long tiles of 8-16 KB for one or two rows, and K split among 4-8 programs
+# per column block (their partial sums added by a second kernel) for up to four.
+LONG_TILES: tuple[tuple[int, int, int, int], ...] = ((4, 1024, 4, 1), (4, 2048, 8, 1), (8, 1024, 8, 1))
+SPLIT_TILES: tuple[tuple[int, int, int, int], ...] = ((8, 256, 4, 4), (8, 512, 4, 4), (16, 256, 4, 8))
 
 # A block shape whose result is further than this from torch's (relative L2) is not used:
 # float32 accumulation both ways, so only the inputs' rounding differs.
@@ -43,11 +47,18 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 SLEEP_CYCLES = 10_000_000
 
 Key = tuple[int, int, int, bool, bool, torch.dtype]
-Config = tuple[int, int, int]
+Config = tuple[int, ...]  # (block_n, block_k, num_warps[, split])
 
 
 def default_candidates(rows: int) -> tuple[Config, ...]:
-    return CANDIDATES + LONG_TILES if rows <= 2 else CANDIDATES
+    if rows <= 2:
+        return CANDIDATES + LONG_TILES + SPLIT_TILES
+    return CANDIDATES + SPLIT_TILES if rows <= 4 else CANDIDATES
+
+
+def config_name(cfg: Config) -> str:
+    block_n, block_k, warps, *split = cfg
+    return f"triton {block_n}x{block_k}/{warps}" + (f" split {split[0]}" if split and split[0] > 1 else "")
 
 
 def device_ms(fn: Callable[[], object], passes: int = 3) -> float:
@@ -97,7 +108,7 @@ class FewRowMatmuls:
     def chosen(self) -> dict[str, str]:
         """Each shape's choice, for status: "rows x N x K [+bias] [+residual]" -> "torch" or "triton BNxBK/W"."""
         return {f"{m}x{n}x{k}{'+bias' if b else ''}{'+residual' if r else ''}":
-                ("torch" if cfg is None else "triton {}x{}/{}".format(*cfg))
+                ("torch" if cfg is None else config_name(cfg))
                 for (m, n, k, b, r, _), cfg in sorted(self.choice.items(), key=str)}
 
     def _config(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -138,7 +149,7 @@ class FewRowMatmuls:
                             key[:5], cfg, err)
         if self.timer is None:
             return passed[0] if passed else None
-        named = {"triton {}x{}/{}".format(*cfg): cfg for cfg in passed}
+        named = {config_name(cfg): cfg for cfg in passed}
         times = {"torch": self.timer(lambda: [with_torch(w) for w in weights])}
         for name, cfg in named.items():
             times[name] = self.timer(lambda cfg=cfg: [gemv(x, w, bias, residual, *cfg) for w in weights])

@@ -80,11 +80,18 @@ def compile_for(capability: int, dtype: str = "bf16", head_dim: int = 128, group
         compiled = triton.compile(ASTSource(_glu_kernel, signature(_glu_kernel, pointers, constants), constants),
                                   target=target)
         shared[f"glu_{name}"] = compiled.metadata.shared
-    from executors.models.triton_gemv import _gemv_kernel  # the few-row matmul (bench.gpu_gemv)
+    from executors.models.triton_gemv import _gemv_kernel, _split_sum_kernel  # the few-row matmuls
 
-    constants = dict(HAS_BIAS=False, HAS_RES=True, BLOCK_M=1, BLOCK_N=16, BLOCK_K=256)
-    pointers = {name: f"*{dtype}" for name in ("x_ptr", "w_ptr", "bias_ptr", "res_ptr", "out_ptr")}
-    compiled = triton.compile(ASTSource(_gemv_kernel, signature(_gemv_kernel, pointers, constants), constants),
-                              target=target)
-    shared["gemv"] = compiled.metadata.shared
+    for partial in (False, True):  # whole rows; a split's float32 partial sums
+        constants = dict(HAS_BIAS=False, HAS_RES=not partial, PARTIAL=partial, BLOCK_M=1, BLOCK_N=16, BLOCK_K=256)
+        pointers = {name: f"*{dtype}" for name in ("x_ptr", "w_ptr", "bias_ptr", "res_ptr")}
+        pointers["out_ptr"] = "*fp32" if partial else f"*{dtype}"
+        compiled = triton.compile(ASTSource(_gemv_kernel, signature(_gemv_kernel, pointers, constants), constants),
+                                  target=target)
+        shared["gemv_partial" if partial else "gemv"] = compiled.metadata.shared
+    constants = dict(HAS_BIAS=True, HAS_RES=True, BLOCK_S=8, BLOCK_N=256)
+    pointers = {"part_ptr": "*fp32", "bias_ptr": f"*{dtype}", "res_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
+    compiled = triton.compile(ASTSource(_split_sum_kernel, signature(_split_sum_kernel, pointers, constants),
+                                        constants), target=target)
+    shared["gemv_split_sum"] = compiled.metadata.shared
     return shared

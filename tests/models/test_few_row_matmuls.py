@@ -59,8 +59,8 @@ def test_the_fastest_contender_serves_each_shape():
 def test_a_block_shape_that_computes_wrongly_is_not_a_contender(monkeypatch):
     real = few_row_matmuls.gemv
 
-    def off_by_one(x, w, bias, residual, block_n, block_k, warps):
-        out = real(x, w, bias, residual, block_n, block_k, warps)
+    def off_by_one(x, w, bias, residual, block_n, block_k, warps, split=1):
+        out = real(x, w, bias, residual, block_n, block_k, warps, split)
         return out + 1 if block_n == 8 else out
 
     monkeypatch.setattr(few_row_matmuls, "gemv", off_by_one)
@@ -83,14 +83,17 @@ def test_untimed_the_first_right_block_shape_serves_and_large_steps_keep_torch()
     assert len(m.chosen()) == 1
 
 
-def test_one_and_two_rows_also_try_long_tiles_which_compute_right():
-    assert few_row_matmuls.default_candidates(2) == few_row_matmuls.CANDIDATES + few_row_matmuls.LONG_TILES
-    assert few_row_matmuls.default_candidates(3) == few_row_matmuls.CANDIDATES
+def test_few_rows_also_try_long_and_split_tiles_which_compute_right():
+    fr = few_row_matmuls
+    assert fr.default_candidates(2) == fr.CANDIDATES + fr.LONG_TILES + fr.SPLIT_TILES
+    assert fr.default_candidates(3) == fr.default_candidates(4) == fr.CANDIDATES + fr.SPLIT_TILES
+    assert fr.default_candidates(8) == fr.CANDIDATES
     (w,) = weights(n=40, k=300, count=1)
     x, res = torch.randn(2, 300, device=DEVICE), torch.randn(2, 40, device=DEVICE)
-    for cfg in few_row_matmuls.LONG_TILES:  # K shorter than the tile: masked
-        got = few_row_matmuls.gemv(x, w, None, res, *cfg)
+    for cfg in fr.LONG_TILES + fr.SPLIT_TILES:  # K shorter than the tile, or than the splits: masked
+        got = fr.gemv(x, w, None, res, *cfg)
         torch.testing.assert_close(got, res + F.linear(x, w), atol=1e-4, rtol=1e-5)
-    m = FewRowMatmuls([w], timer=Timer(*[9.0] * 6, 1.0))  # torch, then six block shapes: the last wins
+    shapes = len(fr.default_candidates(1))
+    m = FewRowMatmuls([w], timer=Timer(*[9.0] * shapes, 1.0))  # torch, then every block shape: the last wins
     m.linear(x[:1], w, None)
-    assert m.chosen() == {"1x40x300": "triton 8x1024/8"}
+    assert m.chosen() == {"1x40x300": "triton 16x256/4 split 8"}

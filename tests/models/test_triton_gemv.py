@@ -36,3 +36,21 @@ def test_it_refuses_what_it_cannot_compute():
     column_major = torch.randn(32, 16, device=DEVICE).t()  # [16, 32], unit stride along N
     with pytest.raises(ValueError, match="row-major"):
         gemv(x[:2], column_major)
+
+
+@pytest.mark.parametrize("m", [1, 4, 8])
+@pytest.mark.parametrize("split", [2, 3, 5])
+@pytest.mark.parametrize("extras", ["none", "both"])
+def test_split_k_adds_the_partial_sums(m, split, extras):
+    """K divided among `split` programs per column block (200 inputs in tiles of 32: the last
+    split short or empty), their partial sums added by the second kernel."""
+    g = torch.Generator().manual_seed(m * 100 + split)
+    x = torch.randn(m, 200, generator=g).to(DEVICE)
+    w = torch.randn(40, 200, generator=g).to(DEVICE)
+    bias = torch.randn(40, generator=g).to(DEVICE) if extras == "both" else None
+    res = torch.randn(m, 40, generator=g).to(DEVICE) if extras == "both" else None
+    got = gemv(x, w, bias, res, block_n=8, block_k=32, split=split)
+    want = torch.nn.functional.linear(x, w, bias) + (res if res is not None else 0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="split"):
+        gemv(x, w, split=0)
