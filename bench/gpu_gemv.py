@@ -24,7 +24,10 @@ import torch
 
 from bench.gpu import QWEN3_06B
 
-CONFIGS = ((8, 256, 4), (16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 512, 8), (64, 256, 8))  # block_n, block_k, warps
+# (block_n, block_k, warps, split): run 24's winner (4x512), the long tiles and the split-K shapes
+# that few_row_matmuls.py tries, and two wide tiles for comparison.
+CONFIGS = ((4, 512, 4, 1), (4, 1024, 4, 1), (4, 2048, 8, 1), (8, 1024, 8, 1), (8, 256, 4, 4), (8, 512, 4, 4),
+           (16, 256, 4, 8), (16, 256, 4, 1), (32, 512, 8, 1))
 L2_FLUSH_BYTES = 256 << 20
 
 
@@ -76,13 +79,13 @@ def bench(device: str, cfg: dict, rows: tuple[int, ...], configs) -> list[dict]:
             torch_us = time_calls(lambda c, x=x, ws=weights: torch.nn.functional.linear(x, ws[c]), copies, cuda)
             row = {"matmul": name, "n": n, "k": k, "rows": m, "weight_mb": nbytes / 1e6, "torch_us": torch_us,
                    "torch_gb_s": nbytes / torch_us / 1e3, "triton": {}}
-            for block_n, block_k, warps in configs:
-                key = f"{block_n}x{block_k}/{warps}"
+            for block_n, block_k, warps, split in configs:
+                key = f"{block_n}x{block_k}/{warps}" + (f" split {split}" if split > 1 else "")
                 try:
-                    got = gemv(x, weights[0], block_n=block_n, block_k=block_k, num_warps=warps).float()
+                    got = gemv(x, weights[0], block_n=block_n, block_k=block_k, num_warps=warps, split=split).float()
                     err = ((got - want).norm() / want.norm()).item()
-                    us = time_calls(lambda c, x=x, ws=weights, bn=block_n, bk=block_k, w=warps:
-                                    gemv(x, ws[c], block_n=bn, block_k=bk, num_warps=w), copies, cuda)
+                    us = time_calls(lambda c, x=x, ws=weights, bn=block_n, bk=block_k, w=warps, s=split:
+                                    gemv(x, ws[c], block_n=bn, block_k=bk, num_warps=w, split=s), copies, cuda)
                     row["triton"][key] = {"us": us, "gb_s": nbytes / us / 1e3, "rel_err": err}
                 except Exception as e:  # noqa: BLE001 - a configuration that cannot build is a result too
                     row["triton"][key] = {"error": f"{type(e).__name__}: {e}"[:300]}
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cfg = {"hidden_size": 64, "head_dim": 16, "intermediate_size": 96, "num_attention_heads": 4,
                "num_key_value_heads": 2, "vocab_size": 80}
-        rows, configs = (1, 3), ((16, 32, 4),)
+        rows, configs = (1, 3), ((16, 32, 4, 1), (8, 32, 4, 3))
     results = bench(args.device, cfg, rows, configs)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
