@@ -376,8 +376,14 @@ class ServerFuzz(RuleBasedStateMachine):
         if cache_id is not None:
             item.seq_id = cache_id
             item.pos_offset = self.length(data, cache_id)
-            item.q_tokens.extend(data.draw(st.one_of(st.lists(st.integers(0, 255), min_size=1, max_size=1),
-                                                     TOKENS if self.wild else SANE_TOKENS)))
+            if not data.draw(st.integers(0, 3)):  # the token the cache's latest step sampled, if it sampled one
+                item.feed_sampled_token = True
+                item.is_final_chunk = item.is_final_chunk or not self.wild
+                if self.wild and data.draw(st.booleans()):  # with q_tokens too: refused
+                    item.q_tokens.extend(data.draw(TOKENS))
+            else:
+                item.q_tokens.extend(data.draw(st.one_of(st.lists(st.integers(0, 255), min_size=1, max_size=1),
+                                                         TOKENS if self.wild else SANE_TOKENS)))
         elif self.wild:  # a new sequence, or a caller-chosen id at 0
             item.seq_id = data.draw(st.one_of(st.just(""), st.sampled_from(CALLER_IDS), WEIRD_IDS))
             item.pos_offset = data.draw(st.one_of(st.just(0), st.just(0), U32))
