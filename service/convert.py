@@ -177,6 +177,11 @@ def decode_input(msg: pb.DecodeInput, where: str) -> t.DecodeInput:
     )
 
 
+def item_tokens(msg: pb.UnifiedBatchItem) -> int:
+    """Tokens a unified item runs: its q_tokens, or the one a fed item runs."""
+    return 1 if msg.feed_sampled_token else len(msg.q_tokens)
+
+
 def unified_item(msg: pb.UnifiedBatchItem, where: str) -> t.UnifiedBatchItem:
     fields = msg.metadata
     return t.UnifiedBatchItem(

@@ -32,6 +32,8 @@ from google.protobuf.message import Message
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
+
+from service.convert import item_tokens
 from prometheus_client.registry import Collector
 
 from executors.base import ModelExecutor
@@ -151,8 +153,8 @@ class ServiceMetrics:
 def _unified_work(request: Any) -> tuple[tuple[tuple[str, int], ...], int]:
     # A one-token item continuing a cache is a decode step; anything else a prefill chunk.
     items = request.batch.items
-    decode = sum(1 for i in items if (len(i.q_tokens) == 1 or i.feed_sampled_token) and i.pos_offset > 0)
-    tokens = sum(max(len(i.q_tokens), i.feed_sampled_token) for i in items)
+    decode = sum(1 for i in items if item_tokens(i) == 1 and i.pos_offset > 0)
+    tokens = sum(map(item_tokens, items))
     return (("decode", decode), ("prefill", tokens - decode)), len(items)
 
 

@@ -153,7 +153,7 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
     async def UnifiedDecode(self, request: pb.UnifiedDecodeRequest, context) -> pb.UnifiedDecodeResponse:
         call = _Call()
         items = request.batch.items
-        self._check_size(len(items), sum(max(len(i.q_tokens), i.feed_sampled_token) for i in items), "batch.items")
+        self._check_size(len(items), sum(map(convert.item_tokens, items)), "batch.items")
         unified = [convert.unified_item(m, f"batch.items[{i}]") for i, m in enumerate(items)]
         self.responses.check_unified(unified, "batch.items")
         results = await self.executor.unified_decode(unified)
@@ -174,7 +174,7 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
             if isinstance(request, _Undecodable):
                 raise _malformed(request)
             items = request.batch.items
-            self._check_size(len(items), sum(max(len(i.q_tokens), i.feed_sampled_token) for i in items), "batch.items")
+            self._check_size(len(items), sum(map(convert.item_tokens, items)), "batch.items")
             unified = [convert.unified_item(m, f"batch.items[{i}]") for i, m in enumerate(items)]
             self.responses.check_unified(unified, "batch.items")
             results = await self.executor.unified_decode(unified)

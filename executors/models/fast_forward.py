@@ -57,12 +57,14 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
     # Attention through the Triton kernels: q/k norm, rotation and the K/V store as one kernel,
     # and the GLU as one.
     prologue = ctx.prologue if ctx.backend == "triton" and ctx.pool is not None else None
-    if ctx.matmuls is not None and m <= ctx.matmuls.max_rows:  # a decode graph's: each shape's faster matmul
-        # over the plain weights (not oneDNN's packed copies, which only a CPU test run would have)
+    few_rows = ctx.matmuls is not None and m <= ctx.matmuls.max_rows
+    if few_rows:  # a decode graph's: each shape's faster matmul over the plain weights (not
+        # oneDNN's packed copies, which only a CPU test run would have)
         layers, linear, residual_linear = model.fused, ctx.matmuls.linear, ctx.matmuls.residual_linear
-        glu_down = step_ops.glu_then(residual_linear, glu)
-    if ctx.backend == "triton" and ctx.glu is not None:
+    fused_glu = ctx.backend == "triton" and ctx.glu is not None
+    if fused_glu:
         glu = ctx.glu
+    if few_rows or fused_glu:
         glu_down = step_ops.glu_then(residual_linear, glu)
     blocked_mlp = m > MLP_ROWS and lora is None and model.cpu_kernels is not None and linear == model.cpu_kernels.linear
     for i, w in enumerate(layers):

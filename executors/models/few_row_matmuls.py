@@ -79,6 +79,8 @@ def device_ms(fn: Callable[[], object], passes: int = 3) -> float:
 class FewRowMatmuls:
     """linear / residual_linear for steps of up to MAX_ROWS rows, each shape's choice made once."""
 
+    max_rows = MAX_ROWS  # read by fast_forward, which does not import triton
+
     def __init__(self, weights: Iterable[torch.Tensor], candidates: Sequence[Config] | None = None,
                  timer: Callable[[Callable[[], object]], float] | None = device_ms) -> None:
         """`weights`: every matmul weight a step reads, grouped here by shape for the timing.
@@ -89,7 +91,6 @@ class FewRowMatmuls:
         for w in weights:
             self.by_shape.setdefault(tuple(w.shape), []).append(w)
         self.candidates, self.timer = (tuple(candidates) if candidates is not None else None), timer
-        self.max_rows = MAX_ROWS
         self.choice: dict[Key, Config | None] = {}  # None: torch's matmul
         self.timings: dict[Key, dict[str, float]] = {}  # ms over every layer's weight, per contender
 
@@ -128,12 +129,16 @@ class FewRowMatmuls:
                 residual: torch.Tensor | None) -> Config | None:
         weights = self.by_shape.get(tuple(weight.shape), [weight])
 
-        def with_torch(w: torch.Tensor) -> torch.Tensor:  # out of place: `residual` is timed over and over
-            if residual is None:
-                return F.linear(x, w, bias)
-            return residual + F.linear(x, w, bias) if bias is not None else torch.addmm(residual, x, w.t())
+        # The reference out of place; torch timed as the step calls it, adding in place into a
+        # scratch copy of the residual (the step's residual must not change here).
+        want = F.linear(x, weight, bias).float() + (residual.float() if residual is not None else 0)
+        scratch = residual.clone() if residual is not None else None
 
-        want = with_torch(weight).float()
+        def with_torch(w: torch.Tensor) -> torch.Tensor:
+            if residual is None:
+                return step_ops.linear(x, w, bias)
+            return step_ops.residual_linear(scratch, x, w, bias)
+
         passed = []
         for cfg in self.candidates or default_candidates(key[0]):
             try:

@@ -124,7 +124,7 @@ class DecodeLaunch:
     tables: torch.Tensor  # [B, max blocks] int32
     lengths: torch.Tensor  # [B] int32: keys each row sees (its cached tokens plus itself)
     partitions: int  # context partitions per row (1: no split)
-    partition_tokens: torch.Tensor  # [1] int64: keys per partition (partition_length of the longest row)
+    partition_tokens: torch.Tensor  # [1] integer: keys per partition (partition_length of the longest row)
 
 
 def decode_partitions(batch: int, kv_heads: int, max_length: int, device: torch.device,
@@ -161,8 +161,9 @@ def decode_launch(rows: list[int], tables: list[list[int]], lengths: list[int], 
     def i32(values):
         return torch.tensor(values, dtype=torch.int32, device=device)
 
-    tokens = torch.tensor([partition_length(max(lengths), partitions)], dtype=torch.int64, device=device)
-    return DecodeLaunch(i32(rows), i32(padded), i32(lengths), partitions, tokens)
+    # The partitions' length rides after the lengths: one copy to the device for both.
+    counts = i32([*lengths, partition_length(max(lengths), partitions)])
+    return DecodeLaunch(i32(rows), i32(padded), counts[:-1], partitions, counts[-1:])
 
 
 def paged_decode(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
