@@ -8,8 +8,9 @@ import json
 import torch
 
 from bench.common import ARGMAX, PROMPT_LEN, SEED, Loop, executor, prompts, timed
+from executors.descriptions import LoraSource
 from executors.llm import LlmExecutor
-from executors.types import DecodeInput, LoraSource, PrefillInput
+from executors.types import DecodeInput, PrefillInput
 
 # -- (g) multi-LoRA: what adapters cost a decode step ----------------------------------------
 LORA_RANK = 16

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from executors.descriptions import LoraAdapterInfo, LoraSource
 from executors.errors import AlreadyExists, FailedPrecondition, InvalidParameter, NotFound, ResourceExhausted
 from executors.lora import LoraAdapter, LoraAdapterError, LoraTargets, build_adapter, read_peft_bytes, read_peft_dir
-from executors.types import LoraAdapterInfo, LoraSource
 
 # The names a request carries in metadata and an operator types: no paths, no spaces.
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9._:-]{1,128}")

@@ -12,22 +12,24 @@ import abc
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from executors.errors import InvalidParameter, Unsupported
-from executors.types import (
+from executors.descriptions import (
     CacheMetrics,
-    DecodeInput,
-    DecodeOutput,
-    DType,
     ExecutorCapabilities,
     ExecutorStatus,
-    ForwardKind,
-    HostTensor,
-    KvCacheHandle,
-    LogitsPolicy,
     LoraAdapterInfo,
     LoraMetrics,
     LoraSource,
     ModelInfo,
+)
+from executors.errors import InvalidParameter, Unsupported
+from executors.types import (
+    DecodeInput,
+    DecodeOutput,
+    DType,
+    ForwardKind,
+    HostTensor,
+    KvCacheHandle,
+    LogitsPolicy,
     PrefillInput,
     PrefillOutput,
     ReleaseResult,

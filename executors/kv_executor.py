@@ -33,6 +33,7 @@ from executors.adapters import LoraRegistry
 from executors.base import ModelExecutor
 from executors.cache_ops import reap_now, release_all_now, release_now, truncate_now, undo_created
 from executors.cache_state import CacheRegistry
+from executors.descriptions import CacheMetrics, ExecutorState, ExecutorStatus, LoraAdapterInfo, LoraMetrics, LoraSource
 from executors.errors import Unavailable, Unsupported
 from executors.identity import current_identity
 from executors.kv_moves import KvMoves
@@ -44,19 +45,13 @@ from executors.omp_pool import off_worker
 from executors.stats import ExecutorStats
 from executors.step_items import ItemSpec, Rows, StepItem, StepLogits, StepResult
 from executors.types import (
-    CacheMetrics,
     DecodeInput,
     DecodeOutput,
     DType,
-    ExecutorState,
-    ExecutorStatus,
     ForwardKind,
     HostTensor,
     KvCacheHandle,
     LogitsPolicy,
-    LoraAdapterInfo,
-    LoraMetrics,
-    LoraSource,
     PrefillInput,
     PrefillOutput,
     ReleaseResult,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import torch
+
 from executors.errors import FailedPrecondition, InvalidParameter, OutOfRange, Unsupported
 from executors.identity import current_identity
 from executors.kv_transfer import KvExport, KvImport, check_description, export_description
@@ -33,8 +35,22 @@ class KvMoves:
                     p = self.pool
                     self._fingerprint = KvFingerprint(self.model_id, digest,
                                                       DType(str(p.dtype).removeprefix("torch.")), p.num_layers,
-                                                      p.num_kv_heads, p.head_dim, p.device.type)
+                                                      self._moved_kv_heads, p.head_dim, p.device.type)
         return self._fingerprint
+
+    @property
+    def _moved_kv_heads(self) -> int:
+        """The KV heads a chunk carries: every head of the model (a tensor-parallel rank's pool holds a share)."""
+        return self.pool.num_kv_heads
+
+    def _read_kv(self, layer_start: int, layer_count: int, first_slot: int,
+                 count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ([layer_count, count, _moved_kv_heads, head_dim]) of consecutive slots: views here."""
+        return self.pool.view_layers(layer_start, layer_count, first_slot, count)
+
+    def _write_kv(self, layer_start: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K and V ([layers, n, _moved_kv_heads, head_dim]) at the given slots of layers layer_start..."""
+        self.pool.write_layers(layer_start, slots, k.to(self.pool.device), v.to(self.pool.device))
 
     model_id = ""  # ModelInfo.model_id; executors that move caches name their model
 

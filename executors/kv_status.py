@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from executors.types import (
+from executors.descriptions import (
     CacheMetrics,
-    DType,
     ExecutorLockMetrics,
     ExecutorState,
     ExecutorStatus,
     KvPoolStatus,
     MemoryUsage,
 )
+from executors.types import DType
 
 if TYPE_CHECKING:
     from executors.kv_executor import KvCacheExecutor

@@ -17,12 +17,13 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
+from executors.descriptions import ExecutorState
 from executors.errors import FailedPrecondition, OutOfRange
 from executors.kv_status import used_bytes
 from executors.logits import apply_policies
 from executors.lora_calls import named_adapter
 from executors.step_items import ItemSpec, Rows, StepItem, StepLogits, StepResult
-from executors.types import ExecutorState, LogitsKind, LogitsPolicy, LogitsResult
+from executors.types import LogitsKind, LogitsPolicy, LogitsResult
 
 if TYPE_CHECKING:
     from executors.kv_executor import KvCacheExecutor

@@ -103,10 +103,9 @@ class KvExport:
             self._ex.worker.submit(self._ex.kv.drop_hold, hold)
 
     def _read_now(self, span) -> tuple[bytes, bytes]:
-        pool, bs = self._ex.pool, self._ex.pool.block_size
         # A span lies inside one block (plan_chunks): its slots are a contiguous run, read as a view.
-        first = _slots(self._hold, bs, span.position_start, 1, "cpu")[0].item()
-        k, v = pool.view_layers(span.layer_start, span.layer_count, first, span.position_count)
+        first = _slots(self._hold, self._ex.pool.block_size, span.position_start, 1, "cpu")[0].item()
+        k, v = self._ex._read_kv(span.layer_start, span.layer_count, first, span.position_count)
         return _to_bytes(k), _to_bytes(v)
 
 
@@ -182,8 +181,7 @@ class KvImport:
 
     def _write_now(self, start: int, layer_start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         pool = self._ex.pool
-        slots = _slots(self._hold, pool.block_size, start, k.shape[1], pool.device)
-        pool.write_layers(layer_start, slots, k.to(pool.device), v.to(pool.device))
+        self._ex._write_kv(layer_start, _slots(self._hold, pool.block_size, start, k.shape[1], pool.device), k, v)
 
     def _adopt_now(self) -> tuple[ImportResult, tuple[int, int]]:
         ex, d, kv = self._ex, self.description, self._ex.kv

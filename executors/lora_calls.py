@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from executors.adapters import LoraRegistry
 from executors.cache_state import CacheRegistry
+from executors.descriptions import LoraAdapterInfo, LoraMetrics
 from executors.errors import NotFound, Unsupported
 from executors.lora import LoraAdapter
-from executors.types import LoraAdapterInfo, LoraMetrics
 
 
 def require_loras(loras: LoraRegistry | None, executor: str) -> LoraRegistry:

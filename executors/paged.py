@@ -18,16 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from executors.descriptions import AttentionType, ExecutorCapabilities, MemoryRequirements, ModelInfo, ModelType
 from executors.kv_executor import KvCacheExecutor, Rows, StepItem, StepLogits
 from executors.kv_transfer import digest_tensors
-from executors.types import (
-    AttentionType,
-    DType,
-    ExecutorCapabilities,
-    MemoryRequirements,
-    ModelInfo,
-    ModelType,
-)
+from executors.types import DType
 
 
 @dataclass(frozen=True, slots=True)

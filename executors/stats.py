@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from executors.types import DecodeBatchMetrics, ExecutorState
+from executors.descriptions import DecodeBatchMetrics, ExecutorState
 
 BUCKETS = (("m1", 1), ("m2", 2), ("m3_4", 4), ("m5_8", 8), ("m9_16", 16), ("m17_32", 32))
 

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from google.protobuf import json_format, struct_pb2
 
+from executors import descriptions as desc
 from executors import types as t
 from executors.adapters import ADAPTER_NAME
 from executors.errors import InvalidParameter
@@ -54,9 +55,9 @@ FORWARD_TO_PB = {
 }
 DEVICE_TYPE_TO_PB = {"cpu": pb.DEVICE_TYPE_CPU, "cuda": pb.DEVICE_TYPE_CUDA, "rocm": pb.DEVICE_TYPE_ROCM,
                      "mps": pb.DEVICE_TYPE_METAL, "metal": pb.DEVICE_TYPE_METAL}
-MODEL_TYPE_TO_PB = {m: pb.ModelType.Value(f"MODEL_TYPE_{m.name}") for m in t.ModelType}
-ATTENTION_TO_PB = {a: pb.AttentionType.Value(f"ATTENTION_TYPE_{a.name}") for a in t.AttentionType}
-STATE_TO_PB = {s: pb.ExecutorState.Value(f"EXECUTOR_STATE_{s.name}") for s in t.ExecutorState}
+MODEL_TYPE_TO_PB = {m: pb.ModelType.Value(f"MODEL_TYPE_{m.name}") for m in desc.ModelType}
+ATTENTION_TO_PB = {a: pb.AttentionType.Value(f"ATTENTION_TYPE_{a.name}") for a in desc.AttentionType}
+STATE_TO_PB = {s: pb.ExecutorState.Value(f"EXECUTOR_STATE_{s.name}") for s in desc.ExecutorState}
 
 
 def _dtype(value: int, where: str, default: t.DType | None = None) -> t.DType:
@@ -224,7 +225,7 @@ def lora_name(value: str) -> str:
     return value
 
 
-def lora_source(msg: pb.LoadLoraAdapterRequest) -> t.LoraSource:
+def lora_source(msg: pb.LoadLoraAdapterRequest) -> desc.LoraSource:
     lora_name(msg.name)
     which = msg.WhichOneof("source")
     if which is None:
@@ -233,11 +234,11 @@ def lora_source(msg: pb.LoadLoraAdapterRequest) -> t.LoraSource:
     if which == "path":
         if not msg.path:
             raise InvalidParameter("path must name a directory under the server's --lora-dir", field="path")
-        return t.LoraSource(path=msg.path)
+        return desc.LoraSource(path=msg.path)
     for name in ("adapter_config_json", "adapter_model_safetensors"):
         if not getattr(msg.inline, name):
             raise InvalidParameter(f"inline.{name} is empty", field=f"inline.{name}")
-    return t.LoraSource(config_json=msg.inline.adapter_config_json,
+    return desc.LoraSource(config_json=msg.inline.adapter_config_json,
                         safetensors=msg.inline.adapter_model_safetensors)
 
 

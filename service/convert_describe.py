@@ -9,7 +9,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from executors import types as t
+from executors import descriptions as desc
 from generated.modelexec.v1 import executor_pb2 as pb
 from service.convert import ATTENTION_TO_PB, DEVICE_TYPE_TO_PB, DTYPE_TO_PB, MODEL_TYPE_TO_PB, STATE_TO_PB, device
 
@@ -19,11 +19,11 @@ def _value_map(target: Any, values: dict[str, Any]) -> None:
         json_format.ParseDict(value, target[key])
 
 
-def parallel_layout(layout: t.ParallelLayout | None) -> pb.ParallelLayout:
+def parallel_layout(layout: desc.ParallelLayout | None) -> pb.ParallelLayout:
     """None (a single process) as tensor_parallel_size 1 with no ranks, so that a client
     always reads the size from ModelInfo.parallel."""
     if layout is None:
-        layout = t.ParallelLayout()
+        layout = desc.ParallelLayout()
     return pb.ParallelLayout(
         tensor_parallel_size=layout.tensor_parallel_size,
         backend=layout.backend,
@@ -32,7 +32,7 @@ def parallel_layout(layout: t.ParallelLayout | None) -> pb.ParallelLayout:
     )
 
 
-def rank_memory(m: t.RankMemory) -> pb.RankMemory:
+def rank_memory(m: desc.RankMemory) -> pb.RankMemory:
     return pb.RankMemory(
         rank=m.rank,
         parameter_bytes=m.parameter_bytes,
@@ -43,7 +43,7 @@ def rank_memory(m: t.RankMemory) -> pb.RankMemory:
     )
 
 
-def model_info(i: t.ModelInfo) -> pb.ModelInfo:
+def model_info(i: desc.ModelInfo) -> pb.ModelInfo:
     out = pb.ModelInfo(
         model_id=i.model_id,
         model_type=MODEL_TYPE_TO_PB[i.model_type],
@@ -68,7 +68,7 @@ def model_info(i: t.ModelInfo) -> pb.ModelInfo:
     return out
 
 
-def capabilities(c: t.ExecutorCapabilities, limits: pb.ServiceLimits) -> pb.ExecutorCapabilities:
+def capabilities(c: desc.ExecutorCapabilities, limits: pb.ServiceLimits) -> pb.ExecutorCapabilities:
     m = c.memory_requirements
     out = pb.ExecutorCapabilities(
         max_batch_size=c.max_batch_size,
@@ -102,7 +102,7 @@ def capabilities(c: t.ExecutorCapabilities, limits: pb.ServiceLimits) -> pb.Exec
     return out
 
 
-def status(s: t.ExecutorStatus) -> pb.ExecutorStatus:
+def status(s: desc.ExecutorStatus) -> pb.ExecutorStatus:
     mu, kv = s.memory_usage, s.kv_pool
     out = pb.ExecutorStatus(
         state=STATE_TO_PB[s.state],
@@ -143,7 +143,7 @@ def status(s: t.ExecutorStatus) -> pb.ExecutorStatus:
     return out
 
 
-def cache_metrics(m: t.CacheMetrics) -> pb.CacheMetrics:
+def cache_metrics(m: desc.CacheMetrics) -> pb.CacheMetrics:
     d, lock = m.decode_batch, m.executor_lock
     return pb.CacheMetrics(
         position=m.position,
@@ -179,7 +179,7 @@ def cache_metrics(m: t.CacheMetrics) -> pb.CacheMetrics:
     )
 
 
-def lora_adapter_info(i: t.LoraAdapterInfo) -> pb.LoraAdapterInfo:
+def lora_adapter_info(i: desc.LoraAdapterInfo) -> pb.LoraAdapterInfo:
     out = pb.LoraAdapterInfo(
         name=i.name,
         rank=i.rank,
@@ -195,7 +195,7 @@ def lora_adapter_info(i: t.LoraAdapterInfo) -> pb.LoraAdapterInfo:
     return out
 
 
-def lora_metrics(m: t.LoraMetrics) -> pb.LoraMetrics:
+def lora_metrics(m: desc.LoraMetrics) -> pb.LoraMetrics:
     return pb.LoraMetrics(
         enabled=m.enabled,
         adapter_count=m.adapter_count,

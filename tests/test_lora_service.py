@@ -26,7 +26,7 @@ from client import (
 )
 from client import convert as client_convert
 from client.__main__ import main as cli_main
-from executors import types as t
+from executors import descriptions as desc
 from executors.errors import AlreadyExists, InvalidParameter, NotFound
 from executors.paged import PagedAttentionExecutor
 from generated.modelexec.v1 import executor_pb2 as pb
@@ -148,27 +148,27 @@ class RegistryExecutor(PagedAttentionExecutor):
 
     def __init__(self) -> None:
         super().__init__()
-        self.sources: dict[str, t.LoraSource] = {}
+        self.sources: dict[str, desc.LoraSource] = {}
 
-    def _info(self, name: str) -> t.LoraAdapterInfo:
-        return t.LoraAdapterInfo(name=name, rank=8, alpha=16.0, scaling=2.0, target_modules=("q_proj", "v_proj"),
+    def _info(self, name: str) -> desc.LoraAdapterInfo:
+        return desc.LoraAdapterInfo(name=name, rank=8, alpha=16.0, scaling=2.0, target_modules=("q_proj", "v_proj"),
                                  source=self.sources[name].path or "inline", num_parameters=1024, bytes=4096,
                                  bound_caches=0, loaded_at_unix_s=1_700_000_000.5)
 
-    async def load_lora_adapter(self, name: str, source: t.LoraSource) -> t.LoraAdapterInfo:
+    async def load_lora_adapter(self, name: str, source: desc.LoraSource) -> desc.LoraAdapterInfo:
         if name in self.sources:
             raise AlreadyExists(f"a LoRA adapter named {name!r} is loaded already", field="name")
         self.sources[name] = source
         return self._info(name)
 
-    async def unload_lora_adapter(self, name: str) -> t.LoraAdapterInfo:
+    async def unload_lora_adapter(self, name: str) -> desc.LoraAdapterInfo:
         if name not in self.sources:
             raise NotFound(f"no LoRA adapter named {name!r} is loaded", field="name")
         info = self._info(name)
         del self.sources[name]
         return info
 
-    def list_lora_adapters(self) -> list[t.LoraAdapterInfo]:
+    def list_lora_adapters(self) -> list[desc.LoraAdapterInfo]:
         return [self._info(n) for n in sorted(self.sources)]
 
 
@@ -182,10 +182,10 @@ def test_load_list_unload_round_trip(make_server, tmp_path, capsys):
         assert (info.name, info.rank, info.alpha, info.scaling) == ("math", 8, 16.0, 2.0)
         assert list(info.target_modules) == ["q_proj", "v_proj"] and info.source == "adapters/math"
         assert info.loaded_at.ToNanoseconds() == 1_700_000_000_500_000_000
-        assert executor.sources["math"] == t.LoraSource(path="adapters/math")
+        assert executor.sources["math"] == desc.LoraSource(path="adapters/math")
 
         assert ex.upload_lora_adapter("code:v1", tmp_path / "local").source == "inline"
-        assert executor.sources["code:v1"] == t.LoraSource(config_json=b'{"r": 8}', safetensors=b"\x00" * 100)
+        assert executor.sources["code:v1"] == desc.LoraSource(config_json=b'{"r": 8}', safetensors=b"\x00" * 100)
         with pytest.raises(AlreadyExistsError):
             ex.load_lora_adapter("math", "elsewhere")
 

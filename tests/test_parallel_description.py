@@ -9,52 +9,53 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from client import ExecutorClient
+from executors import descriptions as desc
 from executors import types as t
 from generated.modelexec.v1 import executor_pb2 as pb
 from service import convert_describe
 from service.metrics import RANK_MEMORY_KINDS, ServiceMetrics
 
-LAYOUT = t.ParallelLayout(
+LAYOUT = desc.ParallelLayout(
     tensor_parallel_size=2,
     backend="nccl",
     launcher="spawn",
-    ranks=(t.RankInfo(rank=0, device="cuda:0", host="node-a", pid=4100),
-           t.RankInfo(rank=1, device="cuda:1", host="node-a", pid=4101)),
+    ranks=(desc.RankInfo(rank=0, device="cuda:0", host="node-a", pid=4100),
+           desc.RankInfo(rank=1, device="cuda:1", host="node-a", pid=4101)),
 )
 RANKS = (
-    t.RankMemory(rank=0, parameter_bytes=3 << 30, kv_pool_bytes=1 << 30, lora_bytes=4096,
+    desc.RankMemory(rank=0, parameter_bytes=3 << 30, kv_pool_bytes=1 << 30, lora_bytes=4096,
                  device_allocated_bytes=5 << 30, device_peak_bytes=6 << 30),
-    t.RankMemory(rank=1, parameter_bytes=(3 << 30) + 1, kv_pool_bytes=(1 << 30) + 2, lora_bytes=4097,
+    desc.RankMemory(rank=1, parameter_bytes=(3 << 30) + 1, kv_pool_bytes=(1 << 30) + 2, lora_bytes=4097,
                  device_allocated_bytes=(5 << 30) + 3, device_peak_bytes=(6 << 30) + 4),
 )
 
 
-def model_info(parallel: t.ParallelLayout | None = None) -> t.ModelInfo:
-    return t.ModelInfo(
-        model_id="m", model_type=t.ModelType.QWEN, model_type_name="", num_parameters=10, hidden_size=64,
+def model_info(parallel: desc.ParallelLayout | None = None) -> desc.ModelInfo:
+    return desc.ModelInfo(
+        model_id="m", model_type=desc.ModelType.QWEN, model_type_name="", num_parameters=10, hidden_size=64,
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=100, max_sequence_length=128,
         dtype=t.DType.BFLOAT16, device="cuda:0", parallel=parallel,
     )
 
 
-def capabilities(tensor_parallel_size: int = 1) -> t.ExecutorCapabilities:
+def capabilities(tensor_parallel_size: int = 1) -> desc.ExecutorCapabilities:
     kwargs = {} if tensor_parallel_size == 1 else {"tensor_parallel_size": tensor_parallel_size}
-    return t.ExecutorCapabilities(
-        max_batch_size=8, max_sequence_length=128, attention_mechanisms=(t.AttentionType.PAGED,),
+    return desc.ExecutorCapabilities(
+        max_batch_size=8, max_sequence_length=128, attention_mechanisms=(desc.AttentionType.PAGED,),
         supports_dynamic_batching=True, supports_continuous_batching=True, supports_speculative_decoding=False,
         supports_tensor_parallelism=tensor_parallel_size > 1, supports_pipeline_parallelism=False,
         supported_dtypes=(t.DType.BFLOAT16,), supported_devices=("cuda",),
-        memory_requirements=t.MemoryRequirements(1, 2, 3, 4), kv_capacity=None,
+        memory_requirements=desc.MemoryRequirements(1, 2, 3, 4), kv_capacity=None,
         supports_native_unified_decode=True, kv_block_size=16, kv_total_blocks=64, **kwargs,
     )
 
 
-def status(ranks: tuple[t.RankMemory, ...] = ()) -> t.ExecutorStatus:
-    return t.ExecutorStatus(
-        state=t.ExecutorState.READY, is_ready=True, current_batch_size=0, prefill_operations=0,
+def status(ranks: tuple[desc.RankMemory, ...] = ()) -> desc.ExecutorStatus:
+    return desc.ExecutorStatus(
+        state=desc.ExecutorState.READY, is_ready=True, current_batch_size=0, prefill_operations=0,
         decode_operations=0, avg_prefill_time_ms=0.0, avg_decode_time_ms=0.0,
-        memory_usage=t.MemoryUsage(1, 1, 1, 100.0), last_operation_unix_s=None,
-        kv_pool=t.KvPoolStatus(64, 0, 64, 16, 0, 0, 0), ranks=ranks,
+        memory_usage=desc.MemoryUsage(1, 1, 1, 100.0), last_operation_unix_s=None,
+        kv_pool=desc.KvPoolStatus(64, 0, 64, 16, 0, 0, 0), ranks=ranks,
     )
 
 
@@ -68,7 +69,7 @@ def test_the_defaults_describe_one_process():
     assert model_info().parallel is None
     assert capabilities().tensor_parallel_size == 1
     assert status().ranks == ()
-    layout = t.ParallelLayout()
+    layout = desc.ParallelLayout()
     assert (layout.tensor_parallel_size, layout.backend, layout.launcher, layout.ranks) == (1, "", "", ())
 
 
@@ -114,10 +115,10 @@ def test_a_single_process_server_says_so(client: ExecutorClient):
 
 # -- Prometheus -------------------------------------------------------------------------------
 class FakeExecutor:
-    def __init__(self, s: t.ExecutorStatus) -> None:
+    def __init__(self, s: desc.ExecutorStatus) -> None:
         self._status = s
 
-    def status(self) -> t.ExecutorStatus:
+    def status(self) -> desc.ExecutorStatus:
         return self._status
 
 

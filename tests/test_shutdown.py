@@ -270,7 +270,7 @@ def test_a_call_queued_behind_shutdown_is_refused_and_leaves_the_executor_shut_d
     import threading
 
     from client import ExecutorClient, KvCacheHandle
-    from executors.types import ExecutorState
+    from executors.descriptions import ExecutorState
 
     executor = SlowForward()
     running = make_server(instance=executor, allow_shutdown=True, grace_seconds=5.0)

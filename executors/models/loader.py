@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -144,3 +144,27 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     model.fuse()  # the fast forward's fused q/k/v and gate/up weights; the parameters become views
     log.info("loaded %s (%s) in %.1f s", model_dir.name, config.architecture, time.perf_counter() - started)
     return model.eval()
+
+
+def checkpoint_parameters(model_dir: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole model's parameters as one process serves them unquantized, read from the files
+    one at a time: named_parameters() order and names, each tensor in the serving dtype.
+
+    A tensor-parallel rank holds only its slices, yet its KV caches must carry the digest a
+    single process of the same checkpoint would compute (executors/kv_moves.py), so that caches
+    move between executors however each is split; tests/test_tensor_parallel_transfer.py checks
+    that this equals the loaded model's logical_parameters() for every family."""
+    model_dir = Path(model_dir)
+    config = DecoderConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        names = [name for name, _ in DecoderLM(config).named_parameters()]
+    found: dict[str, Path] = {}
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            found.update((name, path) for name in f.keys())
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise UnsupportedModel(f"{model_dir}: missing tensors: {', '.join(missing[:5])}")
+    for name in names:
+        with safe_open(str(found[name]), framework="pt", device="cpu") as f:
+            yield name, f.get_tensor(name).to(dtype)

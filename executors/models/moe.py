@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executors.descriptions import ExpertLoad
 from executors.models.config import DecoderConfig
 from executors.models.layers import MLP, activation
-from executors.types import ExpertLoad
 
 # Grouped GEMM implementation on CUDA: "torch" (torch._grouped_mm), "triton"
 # (moe_triton.py) or "loop" (the CPU loop); chosen at the first use by `grouped_backend`.

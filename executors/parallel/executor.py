@@ -9,6 +9,10 @@ it. Whatever touches the other ranks' shards or KV pools goes through one place:
   are gathered here, where the policies run;
 - a Forward without cache; block copies for copy-on-write (a pool that mirrors them);
 - an adapter loaded or unloaded: sent whole, each rank keeps its shard;
+- a moved cache's K and V (ExportKv, ImportKv): gathered from every rank's heads, or sent to
+  every rank for its heads, a chunk at a time (kv_ranks.py); the weights are named by the
+  digest one process of the checkpoint would give, so caches move to and from executors
+  split any other way;
 - a heartbeat every `heartbeat_s` that also brings back each rank's memory.
 
 All of it runs on the executor's one worker thread, so the ranks see one order. A failed
@@ -26,15 +30,18 @@ import threading
 
 import torch
 
+from executors.descriptions import ExecutorCapabilities, ExecutorStatus, ModelInfo, ParallelLayout
 from executors.errors import Unavailable, Unsupported
+from executors.kv_transfer import digest_tensors
 from executors.llm import LlmExecutor, LlmExecutorConfig
 from executors.lora import LoraAdapter
 from executors.models.decoder import DecoderLM
+from executors.models.loader import checkpoint_parameters
 from executors.parallel.comm import RankFailure, TpGroup
+from executors.parallel.kv_ranks import gather_heads, store_heads, write_bytes, write_shape
 from executors.parallel.protocol import Op, encode_adapter, encode_step, header, memory_words
 from executors.parallel.rank import agree, describe, load_shard, pad_logits, rank_memory
 from executors.step_plan import StepPlan
-from executors.types import ExecutorCapabilities, ExecutorStatus, ModelInfo, ParallelLayout
 from kvcache.kv_pool import PagedKvPool
 
 log = logging.getLogger(__name__)
@@ -197,10 +204,32 @@ class TensorParallelExecutor(LlmExecutor):
                 proc.kill()
                 proc.wait()
 
-    # -- description (memory_usage is rank 0's; status().ranks has every rank's) ---------------
+    # -- moving caches (kv_ranks.py) ---------------------------------------------------------
     def _weights_digest(self) -> str:
-        raise Unsupported("KV transfer is not available under tensor parallelism (each rank holds a share of "
-                          "the KV heads)")
+        # The digest one process of this checkpoint computes (this rank holds only its slices):
+        # caches then move between executors however each is split.
+        if self.config.quantization != "none":
+            raise Unsupported(f"KV transfer is not available under tensor parallelism with {self.config.quantization} "
+                              "weights: no rank holds the whole quantized model to name its weights")
+        return digest_tensors(checkpoint_parameters(self.config.model_dir, self.config.torch_dtype))
+
+    @property
+    def _moved_kv_heads(self) -> int:
+        return self.shard_plan.full.num_kv_heads
+
+    def _read_kv(self, layer_start: int, layer_count: int, first_slot: int,
+                 count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._send(header(Op.READ_KV, layer_start, layer_count, first_slot, count))
+        return gather_heads(self.group, self.shard_plan, self.pool, layer_start, layer_count, first_slot, count)
+
+    def _write_kv(self, layer_start: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        data = write_bytes(k, v, self.pool.dtype)
+        slots = slots.cpu()
+        self._send(header(Op.WRITE_KV, layer_start, k.shape[0], k.shape[1]), slots, data)
+        whole = data.view(self.pool.dtype).view(write_shape(self.shard_plan, k.shape[0], k.shape[1]))
+        store_heads(self.shard_plan, self.pool, layer_start, slots, whole)
+
+    # -- description (memory_usage is rank 0's; status().ranks has every rank's) ---------------
 
     def info(self) -> ModelInfo:
         return dataclasses.replace(super().info(), num_parameters=self.num_parameters,
@@ -212,7 +241,8 @@ class TensorParallelExecutor(LlmExecutor):
 
     def capabilities(self) -> ExecutorCapabilities:
         return dataclasses.replace(super().capabilities(), supports_tensor_parallelism=True,
-                                   supports_kv_transfer=False, tensor_parallel_size=self.group.world)
+                                   supports_kv_transfer=self.config.quantization == "none",
+                                   tensor_parallel_size=self.group.world)
 
     def status(self) -> ExecutorStatus:
         return dataclasses.replace(super().status(), ranks=self.rank_memory)

@@ -13,6 +13,10 @@ payload whose length the header gives. No pickles: a rank never waits on a Pytho
     DROP      [op, id]                         an adapter unloaded
     PING      [op]                             heartbeat; each rank answers with its memory
     STOP      [op]                             leave the loop
+    READ_KV   [op, layer, layers, slot, count] K and V of consecutive slots, gathered on rank 0
+              (an export's chunk; kv_ranks.py)
+    WRITE_KV  [op, layer, layers, count]       K and V of every head for `count` slots (an
+              import's chunk): the slots, then the bytes; each rank stores its heads
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class Op(enum.IntEnum):
     DROP = 5
     PING = 6
     STOP = 7
+    READ_KV = 8
+    WRITE_KV = 9
 
 
 def header(op: Op, *fields: int) -> torch.Tensor:

@@ -12,9 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from executors.descriptions import RankInfo, RankMemory
 from executors.lora import LoraAdapter
 from executors.models.decoder import DecoderLM
 from executors.parallel.comm import RankFailure, TpGroup
+from executors.parallel.kv_ranks import gather_heads, receive_write
 from executors.parallel.protocol import (
     HEADER_LEN,
     Op,
@@ -25,7 +27,6 @@ from executors.parallel.protocol import (
 )
 from executors.parallel.shard import ShardPlan
 from executors.step_plan import run_plan, run_sequence
-from executors.types import RankInfo, RankMemory
 from kvcache.kv_pool import PagedKvPool
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,10 @@ class RankLoop:
                                               source="rank 0")
         elif op is Op.DROP:
             self.adapters.pop(h[1], None)
+        elif op is Op.READ_KV:
+            gather_heads(g, self.plan, self.pool, *h[1:5])
+        elif op is Op.WRITE_KV:
+            receive_write(g, self.plan, self.pool, h)
         elif op is Op.PING:
             lora = sum(a.nbytes for a in self.adapters.values())
             g.gather_control(memory_words(self.parameter_bytes, self.pool.total_bytes, lora, self.device),

@@ -65,6 +65,14 @@ class ShardPlan:
             return self.rank * self.kv_heads
         return self.rank * self.full.num_kv_heads // self.world
 
+    def kv_head_owners(self) -> list[int]:
+        """Ranks whose KV heads, joined in rank order, are the model's KV heads once each: every
+        rank, or (fewer KV heads than ranks) the first of the ranks that hold each head."""
+        kv = self.full.num_kv_heads
+        if kv >= self.world:
+            return list(range(self.world))
+        return [head * self.world // kv for head in range(kv)]  # world is a multiple of kv (refusals)
+
     @property
     def vocab_chunk(self) -> int:
         return -(-self.full.vocab_size // self.world)
