@@ -25,7 +25,8 @@ SCRIPT = textwrap.dedent("""
     torch.set_num_threads(2)  # a pool of one more thread per thread that runs parallel ops
     from executors import omp_pool
     from executors.llm import LlmExecutor, LlmExecutorConfig
-    from executors.types import DecodeInput, LoraSource, PrefillInput
+    from executors.descriptions import LoraSource
+    from executors.types import DecodeInput, PrefillInput
 
     def native(settle_to=None):
         # A thread that ended is gone from Python before its OS thread and its pool have exited.
