@@ -230,7 +230,6 @@ class TensorParallelExecutor(LlmExecutor):
         store_heads(self.shard_plan, self.pool, layer_start, slots, whole)
 
     # -- description (memory_usage is rank 0's; status().ranks has every rank's) ---------------
-
     def info(self) -> ModelInfo:
         return dataclasses.replace(super().info(), num_parameters=self.num_parameters,
                                    parallel=self.layout())
