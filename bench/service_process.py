@@ -47,9 +47,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(transport: str, args: list[str], *, torchrun_nproc: int | None = None) -> Server:
+@dataclass(frozen=True)
+class TorchrunNode:
+    """One of `nodes` torchrun agents of a multi-node world, all on this host (loopback), as
+    separate hosts would run them: the rendezvous at 127.0.0.1:master_port, which node 0 serves."""
+
+    rank: int
+    nodes: int
+    master_port: int
+
+
+def launch(transport: str, args: list[str], *, torchrun_nproc: int | None = None,
+           torchrun_node: TorchrunNode | None = None) -> Server:
     """`torchrun_nproc`: run the service under torchrun with that many processes on this host
-    (tensor parallelism); the server then leads a process group of its own, which stop() ends."""
+    (tensor parallelism), as one node or, with `torchrun_node`, as one of several; the server
+    then leads a process group of its own, which stop() ends."""
     where = Path(tempfile.mkdtemp(prefix="mx-", dir="/tmp"))  # short: unix socket paths are capped
     if transport == "unix":
         listen, address = ["--unix-socket", str(where / "s.sock")], f"unix://{where / 's.sock'}"
@@ -62,7 +74,10 @@ def launch(transport: str, args: list[str], *, torchrun_nproc: int | None = None
             # --standalone: torchrun's rendezvous store binds a free port itself. A port picked
             # here (bound, closed, passed on) could be taken by another process before torchrun,
             # a second or so later, bound it: EADDRINUSE, seen once in a parallel test run.
-            runner = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+            nodes = (["--standalone", "--nnodes", "1"] if torchrun_node is None else
+                     ["--nnodes", str(torchrun_node.nodes), "--node-rank", str(torchrun_node.rank),
+                      "--master-addr", "127.0.0.1", "--master-port", str(torchrun_node.master_port)])
+            runner = [sys.executable, "-m", "torch.distributed.run", *nodes,
                       "--nproc-per-node", str(torchrun_nproc), "-m", "service"]
         proc = subprocess.Popen([*runner, *listen, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)

@@ -25,7 +25,15 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
-from bench.service_process import launch, session_members, stop, wait_ready, wait_session_gone
+from bench.service_process import (
+    TorchrunNode,
+    _free_port,
+    launch,
+    session_members,
+    stop,
+    wait_ready,
+    wait_session_gone,
+)
 from client import DecodeInput, ExecutorClient, ExecutorError, LogitsPolicy, PrefillInput, UnifiedBatchItem
 from executors.cpu_kernels import cpu_kernels
 from executors.llm import LlmExecutor, LlmExecutorConfig
@@ -217,6 +225,61 @@ def test_under_torchrun(name, models, references):
             same(scenario(c), references[name])
     finally:
         stop_and_check(server)
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def ancestors(pid: int) -> list[int]:
+    """The process's parents up to init (Linux /proc)."""
+    chain = []
+    while (fields := _stat(pid)) is not None and int(fields[1]) > 1:
+        pid = int(fields[1])
+        chain.append(pid)
+    return chain
+
+
+def alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads process parents from Linux /proc")
+def test_two_torchrun_nodes(models, references):
+    """`torchrun --nnodes 2`, one rank a node, both nodes on loopback as two hosts would run them
+    (the README's multi-host command): rank 1 serves from a node whose agent has no gRPC server,
+    and a SIGTERM to node 0 stops node 1's rank and agent too."""
+    for attempt in range(2):  # the master port is picked here, then bound by node 0: rarely, taken between
+        port = _free_port()
+        nodes = [launch("tcp", ["--model", str(models["qwen3"]), *SERVER_ARGS, "--tensor-parallel-size", "2"],
+                        torchrun_nproc=1, torchrun_node=TorchrunNode(rank, 2, port)) for rank in (0, 1)]
+        try:
+            wait_ready(nodes[0], 120)
+            break
+        except RuntimeError:
+            for node in nodes:
+                stop(node)
+            if attempt:
+                raise
+    try:
+        with ExecutorClient(nodes[0].address, timeout=60) as c:
+            info = c.info().parallel
+            assert info.launcher == "torchrun" and [r.rank for r in info.ranks] == [0, 1]
+            ranks = [r.pid for r in info.ranks]
+            assert [nodes[r].proc.pid in ancestors(pid) for r, pid in enumerate(ranks)] == [True, True]
+            same(scenario(c), references["qwen3"])
+        nodes[0].proc.terminate()
+        for node in nodes:
+            node.proc.wait(60)  # node 1's agent ends once its rank has (rank 0 sent it STOP)
+        left = [pid for pid in ranks if alive(pid)]
+        assert not left, f"rank processes left behind after node 0's SIGTERM: {left}"
+    finally:
+        for node in nodes:
+            stop(node)
 
 
 def test_lora_and_prefix_caching_against_peft(tmp_path):
