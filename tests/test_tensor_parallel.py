@@ -196,18 +196,34 @@ def test_two_ranks_answer_every_rpc_as_one_process(name, models, references):
         stop_and_check(server)
 
 
+def build_tied_apart(out: Path) -> None:
+    """A tied Llama whose vocabulary (328) splits in two at row 164: rank 1's slice of the
+    embedding starts no 16-row int8 panel, so its head gets panels of its own."""
+    import transformers as tf
+
+    torch.manual_seed(13)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=VOCAB + 8, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               max_position_embeddings=256, tie_word_embeddings=True))
+    model.save_pretrained(out)
+
+
 @pytest.mark.skipif(cpu_kernels() is None, reason="int8 weights run on the CPU kernels, which cannot be built here")
-@pytest.mark.parametrize("name", ["qwen3", "llama"])
-def test_two_ranks_with_int8_weights_answer_as_one_int8_process(name, models):
+@pytest.mark.parametrize("name", ["qwen3", "llama", "tied-apart"])
+def test_two_ranks_with_int8_weights_answer_as_one_int8_process(name, models, tmp_path):
     """Each rank quantizes its shard: the groups of 32 inputs are the whole model's where a
-    shard's inputs start at a multiple of 32 (here), so the ranks serve the same weights."""
-    running = single(models[name], "int8")
+    shard's inputs start at a multiple of 32 (here), so the ranks serve the same weights; a
+    rank whose slice of a tied embedding starts no panel embeds with the same int8 table."""
+    model_dir = models.get(name) or tmp_path / name
+    if name == "tied-apart":
+        build_tied_apart(model_dir)
+    running = single(model_dir, "int8")
     try:
         with ExecutorClient(running.address, timeout=60) as c:
             reference = scenario(c)
     finally:
         running.stop()
-    server = serve_tp(models[name], "--quantization", "int8")
+    server = serve_tp(model_dir, "--quantization", "int8")
     try:
         with ExecutorClient(server.address, timeout=60) as c:
             assert c.info().metadata["weight_quantization"].string_value == "int8"

@@ -147,8 +147,12 @@ def pack_model(model: DecoderLM, quantized: bool = False) -> None:
     tied_view = c.tie_word_embeddings and (model.head_rows is None or model.head_rows[0] % width == 0)
     head = (model.model.embed_tokens.weight if tied_view else
             model.lm_head.weight if not c.tie_word_embeddings else model.head_weight())
+    # A tensor-parallel rank's slice of a tied embedding that no panel boundary starts: the head
+    # gets panels of its own, and, where int8, the embedding an int8 table of its own (below).
+    tied_apart = c.tie_word_embeddings and not tied_view
+    embedding = model.model.embed_tokens.weight
     arena = _Arena([tuple(t.shape) for w in model.fused for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]
-                   + [tuple(head.shape)], quantized)
+                   + [tuple(head.shape)] + ([tuple(embedding.shape)] if tied_apart and quantized else []), quantized)
     for i, (layer, w) in enumerate(zip(model.model.layers, model.fused)):
         a, ffn = layer.self_attn, layer.ffn
         changes = dict(qkv=_replace(a, ["q_proj", "k_proj", "v_proj"], arena.pack(w.qkv)),
@@ -165,9 +169,17 @@ def pack_model(model: DecoderLM, quantized: bool = False) -> None:
         model.model.embed_tokens = PanelEmbedding(shared, packed.n, scales)
         table = _stored(shared, scales, packed.n)
         model.head_panels = table if model.head_rows is None else table.rows(*model.head_rows)
-    else:  # a tensor-parallel rank's slice of a tied embedding that no panel boundary starts
-        model.head_panels = arena.pack(head)
+    else:  # tied_apart
+        model.head_panels = arena.pack(head)  # int8 rows are quantized one by one: the table's own rows
         model.head_copy = True
+        if quantized:
+            # Every rank embeds its tokens itself, so each must look them up in the table one
+            # process serves, the int8 one, as the ranks whose slice starts a panel do through
+            # the view above; a float32 embedding here made this rank's residual stream differ
+            # from the others' (logits 2.6e-3 from one process's, vocabulary 328 over two ranks).
+            packed = arena.pack(embedding.detach())
+            shared, scales = _parameters(packed)
+            model.model.embed_tokens = PanelEmbedding(shared, packed.n, scales)
 
 
 def unpack_model(model: DecoderLM) -> None:
