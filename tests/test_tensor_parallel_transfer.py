@@ -5,7 +5,7 @@ checkpoint name their weights alike, so caches move between them both ways: the 
 moved cache exports again are the bytes it came with (the heads put back in order from the
 ranks, or sent to the ranks that hold them), and its next decode steps give the origin's
 logits within the two executors' summation orders. Covered: two KV heads on two ranks, one
-KV head replicated on both, and bfloat16 pools (K and V as raw bytes on gloo).
+KV head replicated on both, bfloat16 pools (K and V as raw bytes on gloo) and int8 weights.
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ import pytest
 import torch
 
 from bench.service_process import stop
-from client import DecodeInput, ExecutorClient, LogitsPolicy, PrefillInput, UnimplementedError
+from client import DecodeInput, ExecutorClient, LogitsPolicy, PrefillInput
+from executors.cpu_kernels import cpu_kernels
 from executors.kv_transfer import digest_tensors
 from executors.llm import LlmExecutor, LlmExecutorConfig
 from executors.models.config import DecoderConfig
 from executors.models.loader import checkpoint_parameters
+from executors.models.panel_modules import int8_weight_names
 from executors.parallel.shard import ShardPlan
 from service.config import ServeConfig
 from tests.conftest import start_server
@@ -50,12 +52,17 @@ def test_each_kv_head_is_read_from_one_rank_that_holds_it(kv_heads, world, owner
 def test_the_checkpoint_names_the_weights_as_the_loaded_model_does(family, tmp_path):
     """A tensor-parallel rank 0 digests the checkpoint; one process digests what it loaded."""
     build(family, tmp_path / family)
-    for dtype, kernels in (("float32", True), ("float32", False), ("bfloat16", False)):
+    kinds = [("float32", True, "none"), ("float32", False, "none"), ("bfloat16", False, "none")]
+    if cpu_kernels() is not None:  # int8 weights run on the CPU kernels
+        kinds.append(("float32", True, "int8"))
+    for dtype, kernels, quantization in kinds:
         ex = LlmExecutor(LlmExecutorConfig(model_dir=str(tmp_path / family), num_blocks=16, dtype=dtype,
-                                           cpu_kernels=kernels))
+                                           cpu_kernels=kernels, quantization=quantization))
         try:
-            assert digest_tensors(checkpoint_parameters(tmp_path / family, ex.config.torch_dtype)) \
-                == ex._weights_digest(), (dtype, kernels)
+            int8 = int8_weight_names(ex.model)
+            assert bool(int8) == (quantization == "int8")
+            assert digest_tensors(checkpoint_parameters(tmp_path / family, ex.config.torch_dtype, int8)) \
+                == ex._weights_digest(), (dtype, kernels, quantization)
         finally:
             ex.close()
 
@@ -72,13 +79,16 @@ def chunks(c: ExecutorClient, handle) -> list[tuple[bytes, bytes]]:
     return [(m.chunk.key, m.chunk.value) for m in c.export_kv(handle, max_chunk_bytes=1024) if m.HasField("chunk")]
 
 
-@pytest.mark.parametrize(("name", "dtype"), [("qwen3", "float32"), ("mqa", "float32"), ("qwen3", "bfloat16")])
-def test_caches_move_between_two_ranks_and_one_process(name, dtype, models):
+@pytest.mark.parametrize(("name", "dtype", "quantization"), [
+    ("qwen3", "float32", "none"), ("mqa", "float32", "none"), ("qwen3", "bfloat16", "none"),
+    pytest.param("qwen3", "float32", "int8", marks=pytest.mark.skipif(
+        cpu_kernels() is None, reason="int8 weights run on the CPU kernels, which cannot be built here"))])
+def test_caches_move_between_two_ranks_and_one_process(name, dtype, quantization, models):
     model_dir = models[name]
-    one = start_server(ServeConfig(port=0, model=str(model_dir)),
+    one = start_server(ServeConfig(port=0, model=str(model_dir), quantization=quantization),
                        LlmExecutor(LlmExecutorConfig(model_dir=str(model_dir), block_size=BLOCK, num_blocks=128,
-                                                     dtype=dtype)))
-    tp = serve_tp(model_dir, "--dtype", dtype)
+                                                     dtype=dtype, quantization=quantization)))
+    tp = serve_tp(model_dir, "--dtype", dtype, "--quantization", quantization)
     # float32: the two executors sum in other orders; bfloat16 K and V round those differences.
     tol = 1e-5 if dtype == "float32" else 0.05
     try:
@@ -118,19 +128,3 @@ def test_caches_move_between_two_ranks_and_one_process(name, dtype, models):
     finally:
         stop(tp)
         one.stop()
-
-
-def test_int8_weights_under_two_ranks_refuse_to_move_caches(models):
-    from executors.cpu_kernels import cpu_kernels
-
-    if cpu_kernels() is None:
-        pytest.skip("int8 weights run on the CPU kernels, which cannot be built here")
-    tp = serve_tp(models["qwen3"], "--quantization", "int8")
-    try:
-        with ExecutorClient(tp.address, timeout=60) as c:
-            assert not c.capabilities().supports_kv_transfer
-            h = c.prefill(PrefillInput([1, 2, 3])).kv_cache
-            with pytest.raises(UnimplementedError, match="int8 weights"):
-                list(c.export_kv(h))
-    finally:
-        stop(tp)

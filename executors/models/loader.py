@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from executors.cpu_kernels.qpanels import QGROUP
+from executors.cpu_kernels.qpanels import QGROUP, quantize
 from executors.models.config import DecoderConfig, UnsupportedModel
 from executors.models.decoder import DecoderLM
 
@@ -146,9 +146,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     return model.eval()
 
 
-def checkpoint_parameters(model_dir: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """The whole model's parameters as one process serves them unquantized, read from the files
-    one at a time: named_parameters() order and names, each tensor in the serving dtype.
+def checkpoint_parameters(model_dir: str | Path, dtype: torch.dtype,
+                          int8: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole model's parameters as one process serves them, read from the files one at a
+    time: named_parameters() order and names, each tensor in the serving dtype, those named in
+    `int8` quantized and dequantized as the int8 panels serve them (rows are quantized one by
+    one, so a whole matrix gives what each rank's slices do).
 
     A tensor-parallel rank holds only its slices, yet its KV caches must carry the digest a
     single process of the same checkpoint would compute (executors/kv_moves.py), so that caches
@@ -167,4 +170,5 @@ def checkpoint_parameters(model_dir: str | Path, dtype: torch.dtype) -> Iterator
         raise UnsupportedModel(f"{model_dir}: missing tensors: {', '.join(missing[:5])}")
     for name in names:
         with safe_open(str(found[name]), framework="pt", device="cpu") as f:
-            yield name, f.get_tensor(name).to(dtype)
+            tensor = f.get_tensor(name).to(dtype)
+        yield name, quantize(tensor).unpack() if name in int8 else tensor

@@ -218,6 +218,12 @@ def logical_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 yield dot + name, p
 
 
+def int8_weight_names(model: nn.Module) -> frozenset[str]:
+    """Names (as named_parameters() gives them) of the weights the model serves as int8 panels."""
+    return frozenset(f"{prefix}.weight" for prefix, module in model.named_modules()
+                     if isinstance(module, (PanelLinear, PanelEmbedding)) and module.scales is not None)
+
+
 def logical_numel(model: nn.Module) -> int:
     """The model's parameter count without the panels' padding (and without unpacking)."""
     total, seen = 0, set()

@@ -31,12 +31,13 @@ import threading
 import torch
 
 from executors.descriptions import ExecutorCapabilities, ExecutorStatus, ModelInfo, ParallelLayout
-from executors.errors import Unavailable, Unsupported
+from executors.errors import Unavailable
 from executors.kv_transfer import digest_tensors
 from executors.llm import LlmExecutor, LlmExecutorConfig
 from executors.lora import LoraAdapter
 from executors.models.decoder import DecoderLM
 from executors.models.loader import checkpoint_parameters
+from executors.models.panel_modules import int8_weight_names
 from executors.parallel.comm import RankFailure, TpGroup
 from executors.parallel.kv_ranks import gather_heads, store_heads, write_bytes, write_shape
 from executors.parallel.protocol import Op, encode_adapter, encode_step, header, memory_words
@@ -207,11 +208,10 @@ class TensorParallelExecutor(LlmExecutor):
     # -- moving caches (kv_ranks.py) ---------------------------------------------------------
     def _weights_digest(self) -> str:
         # The digest one process of this checkpoint computes (this rank holds only its slices):
-        # caches then move between executors however each is split.
-        if self.config.quantization != "none":
-            raise Unsupported(f"KV transfer is not available under tensor parallelism with {self.config.quantization} "
-                              "weights: no rank holds the whole quantized model to name its weights")
-        return digest_tensors(checkpoint_parameters(self.config.model_dir, self.config.torch_dtype))
+        # caches then move between executors however each is split. The int8 weights are the
+        # same ones in rank 0's shard as in one process's model.
+        int8 = int8_weight_names(self.model) if self.config.quantization == "int8" else frozenset()
+        return digest_tensors(checkpoint_parameters(self.config.model_dir, self.config.torch_dtype, int8))
 
     @property
     def _moved_kv_heads(self) -> int:
@@ -240,7 +240,7 @@ class TensorParallelExecutor(LlmExecutor):
 
     def capabilities(self) -> ExecutorCapabilities:
         return dataclasses.replace(super().capabilities(), supports_tensor_parallelism=True,
-                                   supports_kv_transfer=self.config.quantization == "none",
+                                   supports_kv_transfer=True,
                                    tensor_parallel_size=self.group.world)
 
     def status(self) -> ExecutorStatus:
