@@ -162,7 +162,9 @@ class DecoderLM(nn.Module):
 
     def _matmul_weights(self) -> list[torch.Tensor]:
         dense = [t for w in self.fused for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]
-        return [*dense, self.head_weight()]
+        experts = [t for w in self.fused if w.moe is not None
+                   for t in (*w.moe.gate_up, *w.moe.down, w.moe.shared_gate_up, w.moe.shared_down) if t is not None]
+        return [*dense, *experts, self.head_weight()]
 
     def packed_bytes(self) -> int:
         """Memory of copies of the matmul weights kept beside the parameters: oneDNN's packed

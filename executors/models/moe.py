@@ -11,7 +11,8 @@ fused q/k/v):
 2. the M*k pairs are sorted by expert (a stable sort), so each expert's rows are one
    contiguous slice of a gathered [M*k, hidden] matrix;
 3. every expert with rows runs one gate/up matmul and one down matmul over its slice
-   (`grouped_swiglu`: a loop over the experts that have rows, on a CPU; on CUDA torch's
+   (`grouped_swiglu`: a loop over the experts that have rows, on a CPU, through the CPU
+   kernels' panels where the dense layers use them (`experts_on_panels`); on CUDA torch's
    grouped GEMM or the Triton kernel of moe_triton.py, one launch for all experts);
 4. the rows are scaled by their weights and added back in place (index_add_).
 
@@ -99,13 +100,20 @@ class MoeWeights(NamedTuple):
     """One sparse layer's tensors for the fast forward (the expert parameters are views of them)."""
 
     router: torch.Tensor  # [E, hidden]
-    gate_up: torch.Tensor  # [E, 2I, hidden]
-    down: torch.Tensor  # [E, hidden, I]
+    gate_up: torch.Tensor | None  # [E, 2I, hidden]; None once the experts are panels
+    down: torch.Tensor | None  # [E, hidden, I]
     shared_gate_up: torch.Tensor | None  # [2S, hidden]
     shared_down: torch.Tensor | None  # [hidden, S]
     shared_gate: torch.Tensor | None  # [1, hidden]
     top_k: int
     norm_topk_prob: bool
+    # float32 on a CPU with the kernels (panel_modules.pack_model): each expert's (gate/up,
+    # down) and the shared expert's as the kernels' panels, the weights' one copy, instead of
+    # the stacks above; `kernels` runs them and `glu` names their activation.
+    expert_panels: tuple | None = None
+    shared_panels: tuple | None = None
+    kernels: object | None = None
+    glu: str = "silu"
 
 
 def stack(moe: SparseMoe) -> MoeWeights:
@@ -151,15 +159,22 @@ def moe_forward(x: torch.Tensor, w: MoeWeights, act: Callable, load: torch.Tenso
     """[M, hidden] -> [M, hidden]: routed experts grouped by expert (module docstring), plus the shared expert."""
     weights, experts = route(x, w.router, w.top_k, w.norm_topk_prob)
     flat = experts.flatten()
-    counts = expert_counts(flat, w.gate_up.shape[0])
+    counts = expert_counts(flat, w.router.shape[0])
     if load is not None:
         load += counts
     order = torch.argsort(flat, stable=True)
     rows = order // w.top_k
-    ys = grouped_swiglu(x.index_select(0, rows), counts, w.gate_up, w.down, act)
+    if w.expert_panels is not None:
+        ys = experts_on_panels(x.index_select(0, rows), counts, w)
+    else:
+        ys = grouped_swiglu(x.index_select(0, rows), counts, w.gate_up, w.down, act)
     ys.mul_(weights.flatten().index_select(0, order).unsqueeze(1))
     out = torch.zeros_like(x).index_add_(0, rows, ys)
-    if w.shared_gate_up is not None:
+    if w.shared_panels is not None:
+        gate_up, down = w.shared_panels
+        shared = w.kernels.linear(w.kernels.linear(x, gate_up), down, glu=w.glu)
+        out.addcmul_(torch.sigmoid(F.linear(x, w.shared_gate)), shared)
+    elif w.shared_gate_up is not None:
         s = w.shared_down.shape[1]
         gu = F.linear(x, w.shared_gate_up)
         shared = F.linear(act(gu[:, :s]).mul_(gu[:, s:]), w.shared_down)
@@ -193,6 +208,18 @@ def grouped_swiglu_loop(xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.T
         if n:
             gu = F.linear(xs[start:start + n], gate_up[e])
             torch.mm(act(gu[:, :inter]).mul_(gu[:, inter:]), down[e].t(), out=out[start:start + n])
+            start += n
+    return out
+
+
+def experts_on_panels(xs: torch.Tensor, counts: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+    """grouped_swiglu_loop through the CPU kernels: each expert with rows streams its panels once,
+    the activation applied as the down matmul packs its input."""
+    kernels, out, start = w.kernels, torch.empty_like(xs), 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            gate_up, down = w.expert_panels[e]
+            out[start:start + n] = kernels.linear(kernels.linear(xs[start:start + n], gate_up), down, glu=w.glu)
             start += n
     return out
 

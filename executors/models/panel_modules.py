@@ -29,6 +29,7 @@ from kvcache import host_memory
 
 if TYPE_CHECKING:
     from executors.models.decoder import DecoderLM
+    from executors.models.moe import MoeWeights
 
 
 class _OverPanels(nn.Module):
@@ -151,8 +152,11 @@ def pack_model(model: DecoderLM, quantized: bool = False) -> None:
     # gets panels of its own, and, where int8, the embedding an int8 table of its own (below).
     tied_apart = c.tie_word_embeddings and not tied_view
     embedding = model.model.embed_tokens.weight
+    experts = [tuple(t.shape) for w in model.fused if w.moe is not None
+               for t in (*w.moe.gate_up, *w.moe.down, w.moe.shared_gate_up, w.moe.shared_down) if t is not None]
     arena = _Arena([tuple(t.shape) for w in model.fused for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]
-                   + [tuple(head.shape)] + ([tuple(embedding.shape)] if tied_apart and quantized else []), quantized)
+                   + experts + [tuple(head.shape)] + ([tuple(embedding.shape)] if tied_apart and quantized else []),
+                   quantized)
     for i, (layer, w) in enumerate(zip(model.model.layers, model.fused)):
         a, ffn = layer.self_attn, layer.ffn
         changes = dict(qkv=_replace(a, ["q_proj", "k_proj", "v_proj"], arena.pack(w.qkv)),
@@ -160,6 +164,8 @@ def pack_model(model: DecoderLM, quantized: bool = False) -> None:
         if w.gate_up is not None:
             changes.update(gate_up=_replace(ffn, ["gate_proj", "up_proj"], arena.pack(w.gate_up)),
                            down=_replace(ffn, ["down_proj"], arena.pack(w.down)))
+        if w.moe is not None:
+            changes.update(moe=_pack_experts(ffn, w.moe, arena, model))
         model.fused[i] = w._replace(**changes)
     if not c.tie_word_embeddings:
         model.head_panels = _replace(model, ["lm_head"], arena.pack(head.detach()))
@@ -180,6 +186,23 @@ def pack_model(model: DecoderLM, quantized: bool = False) -> None:
             packed = arena.pack(embedding.detach())
             shared, scales = _parameters(packed)
             model.model.embed_tokens = PanelEmbedding(shared, packed.n, scales)
+
+
+def _pack_experts(moe: nn.Module, w: MoeWeights, arena: _Arena, model: DecoderLM) -> MoeWeights:
+    """A sparse layer's experts (and shared expert) as panels, their modules PanelLinear; the
+    stacks they were views of go (the panels are the one copy)."""
+    panels = []
+    for i, expert in enumerate(moe.experts):
+        gate, up, down = expert.names
+        panels.append((_replace(expert, [gate, up], arena.pack(w.gate_up[i])),
+                       _replace(expert, [down], arena.pack(w.down[i]))))
+    shared = None
+    if w.shared_gate_up is not None:
+        s = moe.shared_expert
+        shared = (_replace(s, ["gate_proj", "up_proj"], arena.pack(w.shared_gate_up)),
+                  _replace(s, ["down_proj"], arena.pack(w.shared_down)))
+    return w._replace(gate_up=None, down=None, shared_gate_up=None, shared_down=None, expert_panels=tuple(panels),
+                      shared_panels=shared, kernels=model.cpu_kernels, glu=model.config.hidden_act)
 
 
 def unpack_model(model: DecoderLM) -> None:

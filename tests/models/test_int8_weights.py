@@ -136,6 +136,36 @@ def test_int8_fast_path_matches_the_reference_over_the_same_weights(family, one_
         p.close()
 
 
+@needs_kernels
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_int8_experts_match_the_reference_over_the_same_weights(family, tmp_path):
+    """A mixture of experts' routed and shared experts are int8 panels too, run expert by expert."""
+    build(family, tmp_path / family)
+    cfg = LlmExecutorConfig(model_dir=str(tmp_path / family), block_size=BLOCK, num_blocks=160, quantization="int8")
+    fast = LlmExecutor(cfg)
+    ref = LlmExecutor(cfg, fast.model, reference=True)
+    loop = asyncio.new_event_loop()
+    both = lambda method, *args: [loop.run_until_complete(getattr(ex, method)(*args)) for ex in (fast, ref)]  # noqa: E731
+    try:
+        moe = next(w.moe for w in fast.model.fused if w.moe is not None)
+        shared = [moe.shared_panels] if family == "qwen2_moe" else []
+        assert moe.gate_up is None and all(type(p) is QPanels for pair in [*moe.expert_panels, *shared]
+                                           for p in pair)
+        outs = both("batch_prefill", [Prefill(input_ids=rng.integers(0, VOCAB, size=n).tolist()) for n in (1, 7, 19)])
+        for a, b in zip(*outs):
+            np.testing.assert_allclose(a.logits.logits.array, b.logits.logits.array, atol=TOL, rtol=0)
+        handles = [o.kv_cache for o in outs[0]]
+        for _ in range(2):
+            a, b = both("batch_decode", [Decode(token_id=5, kv_cache=h) for h in handles])
+            for x, y in zip(a, b):
+                np.testing.assert_allclose(x.logits.logits.array, y.logits.logits.array, atol=TOL, rtol=0)
+            handles = [x.kv_cache for x in a]
+    finally:
+        for ex in (fast, ref):
+            ex.worker.close()
+        loop.close()
+
+
 class Served:
     """A tiny checkpoint served with --quantization int8, and transformers holding the same
     (dequantized) weights."""
