@@ -15,6 +15,7 @@ from itertools import pairwise
 import torch
 
 from executors.lora import LoraAdapter
+from executors.models.step_ops import add_rows_
 
 
 @dataclass(slots=True)
@@ -66,5 +67,5 @@ class LoraBatch:
             if isinstance(rows, slice):
                 out[rows].addmm_(x[rows] @ a.t(), b_scaled.t())
             else:
-                out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b_scaled.t())
+                add_rows_(out, rows, (x.index_select(0, rows) @ a.t()) @ b_scaled.t())
             self.applications += 1

@@ -14,7 +14,7 @@ fused q/k/v):
    (`grouped_swiglu`: a loop over the experts that have rows, on a CPU, through the CPU
    kernels' panels where the dense layers use them (`experts_on_panels`); on CUDA torch's
    grouped GEMM or the Triton kernel of moe_triton.py, one launch for all experts);
-4. the rows are scaled by their weights and added back in place (index_add_).
+4. the rows are scaled by their weights and added back in place (step_ops.add_rows_).
 
 An expert that no row picked costs nothing; a decode step at batch 1 with top-2 reads two
 experts' weights. Each call adds its per-expert row counts to a `load` tensor (no host
@@ -42,6 +42,7 @@ from torch import nn
 from executors.descriptions import ExpertLoad
 from executors.models.config import DecoderConfig
 from executors.models.layers import MLP, activation
+from executors.models.step_ops import add_rows_
 
 # Grouped GEMM implementation on CUDA: "torch" (torch._grouped_mm), "triton"
 # (moe_triton.py) or "loop" (the CPU loop); chosen at the first use by `grouped_backend`.
@@ -80,7 +81,7 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor, load: torch.Tensor | None = None) -> torch.Tensor:
         """The reference: each expert over the rows that picked it, in expert order."""
-        weights, experts = route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
+        weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)
         if load is not None:
             load += expert_counts(experts, self.num_experts)
         out = torch.zeros_like(x)
@@ -99,7 +100,7 @@ class SparseMoe(nn.Module):
 class MoeWeights(NamedTuple):
     """One sparse layer's tensors for the fast forward (the expert parameters are views of them)."""
 
-    router: torch.Tensor  # [E, hidden]
+    router: torch.Tensor | None  # [E, hidden]; None once it is panels
     gate_up: torch.Tensor | None  # [E, 2I, hidden]; None once the experts are panels
     down: torch.Tensor | None  # [E, hidden, I]
     shared_gate_up: torch.Tensor | None  # [2S, hidden]
@@ -108,12 +109,22 @@ class MoeWeights(NamedTuple):
     top_k: int
     norm_topk_prob: bool
     # float32 on a CPU with the kernels (panel_modules.pack_model): each expert's (gate/up,
-    # down) and the shared expert's as the kernels' panels, the weights' one copy, instead of
-    # the stacks above; `kernels` runs them and `glu` names their activation.
+    # down), the shared expert's and the router as the kernels' panels, the weights' one copy,
+    # instead of the tensors above; `kernels` runs them and `glu` names their activation.
     expert_panels: tuple | None = None
     shared_panels: tuple | None = None
+    router_panels: object | None = None
     kernels: object | None = None
     glu: str = "silu"
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.expert_panels) if self.expert_panels is not None else self.gate_up.shape[0]
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        # Through the kernels where packed: F.linear of a few rows is MKL's sgemm, whose
+        # threads wake from sleep each layer (0.17 ms at 8 rows, bench/RESULTS.md run 25).
+        return self.kernels.linear(x, self.router_panels) if self.router_panels is not None else F.linear(x, self.router)
 
 
 def stack(moe: SparseMoe) -> MoeWeights:
@@ -139,13 +150,14 @@ def stack(moe: SparseMoe) -> MoeWeights:
                       moe.top_k, moe.norm_topk_prob)
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the experts in float32, the top k per row: (weights [M, k] in x's dtype, experts [M, k])."""
-    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+def route(logits: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of the router's logits [M, E] in float32, the top k per row: (weights [M, k] in
+    the logits' dtype, experts [M, k])."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renorm:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(x.dtype), experts
+    return weights.to(logits.dtype), experts
 
 
 def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -157,9 +169,9 @@ def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 def moe_forward(x: torch.Tensor, w: MoeWeights, act: Callable, load: torch.Tensor | None = None) -> torch.Tensor:
     """[M, hidden] -> [M, hidden]: routed experts grouped by expert (module docstring), plus the shared expert."""
-    weights, experts = route(x, w.router, w.top_k, w.norm_topk_prob)
+    weights, experts = route(w.router_logits(x), w.top_k, w.norm_topk_prob)
     flat = experts.flatten()
-    counts = expert_counts(flat, w.router.shape[0])
+    counts = expert_counts(flat, w.num_experts)
     if load is not None:
         load += counts
     order = torch.argsort(flat, stable=True)
@@ -169,7 +181,7 @@ def moe_forward(x: torch.Tensor, w: MoeWeights, act: Callable, load: torch.Tenso
     else:
         ys = grouped_swiglu(x.index_select(0, rows), counts, w.gate_up, w.down, act)
     ys.mul_(weights.flatten().index_select(0, order).unsqueeze(1))
-    out = torch.zeros_like(x).index_add_(0, rows, ys)
+    out = add_rows_(torch.zeros_like(x), rows, ys)
     if w.shared_panels is not None:
         gate_up, down = w.shared_panels
         shared = w.kernels.linear(w.kernels.linear(x, gate_up), down, glu=w.glu)

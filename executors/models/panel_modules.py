@@ -201,8 +201,11 @@ def _pack_experts(moe: nn.Module, w: MoeWeights, arena: _Arena, model: DecoderLM
         s = moe.shared_expert
         shared = (_replace(s, ["gate_proj", "up_proj"], arena.pack(w.shared_gate_up)),
                   _replace(s, ["down_proj"], arena.pack(w.shared_down)))
-    return w._replace(gate_up=None, down=None, shared_gate_up=None, shared_down=None, expert_panels=tuple(panels),
-                      shared_panels=shared, kernels=model.cpu_kernels, glu=model.config.hidden_act)
+    # The router stays float32 whatever the experts are: the choice of experts is not approximated.
+    router = _replace(moe, ["gate"], pack(w.router))
+    return w._replace(router=None, gate_up=None, down=None, shared_gate_up=None, shared_down=None,
+                      expert_panels=tuple(panels), shared_panels=shared, router_panels=router,
+                      kernels=model.cpu_kernels, glu=model.config.hidden_act)
 
 
 def unpack_model(model: DecoderLM) -> None:

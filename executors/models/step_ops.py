@@ -164,3 +164,15 @@ def residual_linear(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias
     # In place: out-of-place addmm first copies x into its output (on a GPU a device-to-device
     # copy, two a layer, each a node of the decode graphs: 56 of a Qwen3-0.6B step's, run 24).
     return x.addmm_(a, weight.t())
+
+
+def add_rows_(out: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """out[rows[i]] += values[i], in place, repeated rows summed in index order.
+
+    On a CPU through index_put_'s accumulate, not index_add_: a step's index_add_ opens an
+    OpenMP region whose threads have gone to sleep since the kernels' last one, and waking
+    them costs ~0.2 ms on the 2-vCPU VM of bench/RESULTS.md run 25 (index_put_: ~7 us; after
+    a kernel call both did ~5 us alone). On CUDA index_add_, which a CUDA graph captures."""
+    if out.is_cuda:
+        return out.index_add_(0, rows, values)
+    return out.index_put_((rows,), values, accumulate=True)
