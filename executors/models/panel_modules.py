@@ -1,17 +1,18 @@
 """A float32 CPU model's matmul weights stored once, as the CPU kernels' panels.
 
-With the kernels of executors/cpu_kernels built, DecoderLM.fuse() packs every dense matmul
-weight (the fused q/k/v, o, the fused gate/up, down and the lm_head; a tied lm_head with the
-embedding) into panels (cpu_kernels/panels.py), layer by layer, and drops the row-major
-tensors: the panels are the weights' one copy, and what status counts. The nn.Linear modules
+With the kernels of executors/cpu_kernels built, DecoderLM.fuse() packs every matmul weight
+(the fused q/k/v, o, the fused gate/up, down, a sparse layer's experts, shared expert and
+router, and the lm_head; a tied lm_head with the embedding) into panels
+(cpu_kernels/panels.py), layer by layer, and drops the row-major tensors: the panels are the weights' one copy, and what status counts. The nn.Linear modules
 become PanelLinear, which keep the modules' names, logical shapes and state_dict keys, and
 give their [out, in] weight back on request (unpacked, a new tensor) for what reads it
 outside the fast forward: the reference forward, the weights' digest, `unpack_model` before
 the model moves to another device or dtype.
 
-With `quantized` (DecoderLM.quantize_weights, `--quantization int8`), the same weights are
-stored as int8 16-column panels with their float32 scales instead (cpu_kernels/qpanels.py): the
-modules then give the dequantized weights back, which is the model that serves.
+With `quantized` (DecoderLM.quantize_weights, `--quantization int8`), the same weights but the
+routers are stored as int8 16-column panels with their float32 scales instead
+(cpu_kernels/qpanels.py): the modules then give the dequantized weights back, which is the
+model that serves.
 """
 
 from __future__ import annotations
