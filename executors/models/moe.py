@@ -81,7 +81,7 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor, load: torch.Tensor | None = None) -> torch.Tensor:
         """The reference: each expert over the rows that picked it, in expert order."""
-        weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        weights, experts = route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
         if load is not None:
             load += expert_counts(experts, self.num_experts)
         out = torch.zeros_like(x)
@@ -100,7 +100,7 @@ class SparseMoe(nn.Module):
 class MoeWeights(NamedTuple):
     """One sparse layer's tensors for the fast forward (the expert parameters are views of them)."""
 
-    router: torch.Tensor | None  # [E, hidden]; None once it is panels
+    router: torch.Tensor  # [E, hidden]
     gate_up: torch.Tensor | None  # [E, 2I, hidden]; None once the experts are panels
     down: torch.Tensor | None  # [E, hidden, I]
     shared_gate_up: torch.Tensor | None  # [2S, hidden]
@@ -109,22 +109,12 @@ class MoeWeights(NamedTuple):
     top_k: int
     norm_topk_prob: bool
     # float32 on a CPU with the kernels (panel_modules.pack_model): each expert's (gate/up,
-    # down), the shared expert's and the router as the kernels' panels, the weights' one copy,
-    # instead of the tensors above; `kernels` runs them and `glu` names their activation.
+    # down) and the shared expert's as the kernels' panels, the weights' one copy, instead of
+    # the stacks above; `kernels` runs them and `glu` names their activation.
     expert_panels: tuple | None = None
     shared_panels: tuple | None = None
-    router_panels: object | None = None
     kernels: object | None = None
     glu: str = "silu"
-
-    @property
-    def num_experts(self) -> int:
-        return len(self.expert_panels) if self.expert_panels is not None else self.gate_up.shape[0]
-
-    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        # Through the kernels where packed: F.linear of a few rows is MKL's sgemm, whose
-        # threads wake from sleep each layer (0.17 ms at 8 rows, bench/RESULTS.md run 25).
-        return self.kernels.linear(x, self.router_panels) if self.router_panels is not None else F.linear(x, self.router)
 
 
 def stack(moe: SparseMoe) -> MoeWeights:
@@ -150,14 +140,13 @@ def stack(moe: SparseMoe) -> MoeWeights:
                       moe.top_k, moe.norm_topk_prob)
 
 
-def route(logits: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax of the router's logits [M, E] in float32, the top k per row: (weights [M, k] in
-    the logits' dtype, experts [M, k])."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts in float32, the top k per row: (weights [M, k] in x's dtype, experts [M, k])."""
+    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renorm:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype), experts
+    return weights.to(x.dtype), experts
 
 
 def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -169,9 +158,9 @@ def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 def moe_forward(x: torch.Tensor, w: MoeWeights, act: Callable, load: torch.Tensor | None = None) -> torch.Tensor:
     """[M, hidden] -> [M, hidden]: routed experts grouped by expert (module docstring), plus the shared expert."""
-    weights, experts = route(w.router_logits(x), w.top_k, w.norm_topk_prob)
+    weights, experts = route(x, w.router, w.top_k, w.norm_topk_prob)
     flat = experts.flatten()
-    counts = expert_counts(flat, w.num_experts)
+    counts = expert_counts(flat, w.router.shape[0])
     if load is not None:
         load += counts
     order = torch.argsort(flat, stable=True)

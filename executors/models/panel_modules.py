@@ -1,18 +1,19 @@
 """A float32 CPU model's matmul weights stored once, as the CPU kernels' panels.
 
 With the kernels of executors/cpu_kernels built, DecoderLM.fuse() packs every matmul weight
-(the fused q/k/v, o, the fused gate/up, down, a sparse layer's experts, shared expert and
-router, and the lm_head; a tied lm_head with the embedding) into panels
+(the fused q/k/v, o, the fused gate/up, down, a sparse layer's experts and shared expert,
+and the lm_head; a tied lm_head with the embedding) into panels
 (cpu_kernels/panels.py), layer by layer, and drops the row-major tensors: the panels are the weights' one copy, and what status counts. The nn.Linear modules
 become PanelLinear, which keep the modules' names, logical shapes and state_dict keys, and
 give their [out, in] weight back on request (unpacked, a new tensor) for what reads it
 outside the fast forward: the reference forward, the weights' digest, `unpack_model` before
 the model moves to another device or dtype.
 
-With `quantized` (DecoderLM.quantize_weights, `--quantization int8`), the same weights but the
-routers are stored as int8 16-column panels with their float32 scales instead
-(cpu_kernels/qpanels.py): the modules then give the dequantized weights back, which is the
-model that serves.
+With `quantized` (DecoderLM.quantize_weights, `--quantization int8`), the same weights are
+stored as int8 16-column panels with their float32 scales instead (cpu_kernels/qpanels.py): the
+modules then give the dequantized weights back, which is the model that serves. (A sparse
+layer's router stays a float32 tensor, as does the shared expert's gate: tiny, and the choice
+of experts is not approximated.)
 """
 
 from __future__ import annotations
@@ -202,11 +203,8 @@ def _pack_experts(moe: nn.Module, w: MoeWeights, arena: _Arena, model: DecoderLM
         s = moe.shared_expert
         shared = (_replace(s, ["gate_proj", "up_proj"], arena.pack(w.shared_gate_up)),
                   _replace(s, ["down_proj"], arena.pack(w.shared_down)))
-    # The router stays float32 whatever the experts are: the choice of experts is not approximated.
-    router = _replace(moe, ["gate"], pack(w.router))
-    return w._replace(router=None, gate_up=None, down=None, shared_gate_up=None, shared_down=None,
-                      expert_panels=tuple(panels), shared_panels=shared, router_panels=router,
-                      kernels=model.cpu_kernels, glu=model.config.hidden_act)
+    return w._replace(gate_up=None, down=None, shared_gate_up=None, shared_down=None, expert_panels=tuple(panels),
+                      shared_panels=shared, kernels=model.cpu_kernels, glu=model.config.hidden_act)
 
 
 def unpack_model(model: DecoderLM) -> None:
