@@ -1,7 +1,8 @@
 """Domain types of the executor interface (ferrum's PrefillInput, DecodeOutput, ...).
 
 Plain dataclasses with NumPy payloads, so neither the service nor tests need torch to
-read them. Token ids are Python ints; tensors crossing the boundary are HostTensors.
+read them. Token ids are Python ints; tensors crossing the boundary are HostTensors. What
+an executor says of itself (info, capabilities, status, metrics) is in descriptions.py.
 """
 
 from __future__ import annotations
