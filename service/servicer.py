@@ -152,12 +152,16 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
 
     async def UnifiedDecode(self, request: pb.UnifiedDecodeRequest, context) -> pb.UnifiedDecodeResponse:
         call = _Call()
-        items = request.batch.items
+        results = await self._unified(request.batch)
+        return call.stamp(convert.with_results(pb.UnifiedDecodeResponse(), results))
+
+    async def _unified(self, batch: pb.UnifiedBatch) -> list:
+        """A unified batch checked, converted and run (UnifiedDecode, and each StepSession step)."""
+        items = batch.items
         self._check_size(len(items), sum(map(convert.item_tokens, items)), "batch.items")
         unified = [convert.unified_item(m, f"batch.items[{i}]") for i, m in enumerate(items)]
         self.responses.check_unified(unified, "batch.items")
-        results = await self.executor.unified_decode(unified)
-        return call.stamp(convert.with_results(pb.UnifiedDecodeResponse(), results))
+        return await self.executor.unified_decode(unified)
 
     async def StepSession(self, requests, context):
         # Steps run in order, each as UnifiedDecode would; a failed step is answered with its
@@ -173,11 +177,7 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         try:
             if isinstance(request, _Undecodable):
                 raise _malformed(request)
-            items = request.batch.items
-            self._check_size(len(items), sum(map(convert.item_tokens, items)), "batch.items")
-            unified = [convert.unified_item(m, f"batch.items[{i}]") for i, m in enumerate(items)]
-            self.responses.check_unified(unified, "batch.items")
-            results = await self.executor.unified_decode(unified)
+            results = await self._unified(request.batch)
         except Exception as exc:  # noqa: BLE001 - mapped exactly as the call wrapper maps unary calls
             err = to_status_error(exc)
             return pb.StepSessionResponse(

@@ -162,8 +162,7 @@ class DecoderLM(nn.Module):
 
     def _matmul_weights(self) -> list[torch.Tensor]:
         dense = [t for w in self.fused for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]
-        experts = [t for w in self.fused if w.moe is not None
-                   for t in (*w.moe.gate_up, *w.moe.down, w.moe.shared_gate_up, w.moe.shared_down) if t is not None]
+        experts = [t for w in self.fused if w.moe is not None for t in w.moe.matrices()]
         return [*dense, *experts, self.head_weight()]
 
     def packed_bytes(self) -> int:

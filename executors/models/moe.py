@@ -116,6 +116,12 @@ class MoeWeights(NamedTuple):
     kernels: object | None = None
     glu: str = "silu"
 
+    def matrices(self) -> list[torch.Tensor]:
+        """The expert weights still held as tensors (each expert's gate/up and down, the shared
+        expert's): what the CPU kernels would pack."""
+        stacks = (*(self.gate_up if self.gate_up is not None else ()), *(self.down if self.down is not None else ()))
+        return [t for t in (*stacks, self.shared_gate_up, self.shared_down) if t is not None]
+
 
 def stack(moe: SparseMoe) -> MoeWeights:
     """Stack the experts' weights and make each expert's parameters views of the stacks."""

@@ -2,12 +2,12 @@
 
 With the kernels of executors/cpu_kernels built, DecoderLM.fuse() packs every matmul weight
 (the fused q/k/v, o, the fused gate/up, down, a sparse layer's experts and shared expert,
-and the lm_head; a tied lm_head with the embedding) into panels
-(cpu_kernels/panels.py), layer by layer, and drops the row-major tensors: the panels are the weights' one copy, and what status counts. The nn.Linear modules
-become PanelLinear, which keep the modules' names, logical shapes and state_dict keys, and
-give their [out, in] weight back on request (unpacked, a new tensor) for what reads it
-outside the fast forward: the reference forward, the weights' digest, `unpack_model` before
-the model moves to another device or dtype.
+and the lm_head; a tied lm_head with the embedding) into panels (cpu_kernels/panels.py),
+layer by layer, and drops the row-major tensors: the panels are the weights' one copy, and
+what status counts. The nn.Linear modules become PanelLinear, which keep the modules' names,
+logical shapes and state_dict keys, and give their [out, in] weight back on request
+(unpacked, a new tensor) for what reads it outside the fast forward: the reference forward,
+the weights' digest, `unpack_model` before the model moves to another device or dtype.
 
 With `quantized` (DecoderLM.quantize_weights, `--quantization int8`), the same weights are
 stored as int8 16-column panels with their float32 scales instead (cpu_kernels/qpanels.py): the
@@ -154,8 +154,7 @@ def pack_model(model: DecoderLM, quantized: bool = False) -> None:
     # gets panels of its own, and, where int8, the embedding an int8 table of its own (below).
     tied_apart = c.tie_word_embeddings and not tied_view
     embedding = model.model.embed_tokens.weight
-    experts = [tuple(t.shape) for w in model.fused if w.moe is not None
-               for t in (*w.moe.gate_up, *w.moe.down, w.moe.shared_gate_up, w.moe.shared_down) if t is not None]
+    experts = [tuple(t.shape) for w in model.fused if w.moe is not None for t in w.moe.matrices()]
     arena = _Arena([tuple(t.shape) for w in model.fused for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]
                    + experts + [tuple(head.shape)] + ([tuple(embedding.shape)] if tied_apart and quantized else []),
                    quantized)

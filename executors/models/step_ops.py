@@ -169,10 +169,10 @@ def residual_linear(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias
 def add_rows_(out: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """out[rows[i]] += values[i], in place, repeated rows summed in index order.
 
-    On a CPU through index_put_'s accumulate, not index_add_: a step's index_add_ opens an
-    OpenMP region whose threads have gone to sleep since the kernels' last one, and waking
-    them costs ~0.2 ms on the 2-vCPU VM of bench/RESULTS.md run 25 (index_put_: ~7 us; after
-    a kernel call both did ~5 us alone). On CUDA index_add_, which a CUDA graph captures."""
+    On a CPU through index_put_'s accumulate, not index_add_: index_add_ opens an OpenMP
+    region whose threads have gone to sleep since the kernels' last one. Right after a kernel
+    call it took 237 us on the 2-vCPU VM of bench/RESULTS.md run 25, index_put_ 6.5 us (alone,
+    ~5 us each). On CUDA index_add_, which a CUDA graph captures."""
     if out.is_cuda:
         return out.index_add_(0, rows, values)
     return out.index_put_((rows,), values, accumulate=True)
