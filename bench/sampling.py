@@ -2,7 +2,9 @@
 
 Times `executors.logits.apply_policies` on seeded float32 logits rows of SmolLM2's
 vocabulary (49152) for ARGMAX and SAMPLE (temperature 0.8 with top-p 0.95, or with
-top-k 50), at batch 1 and 32; median of --rounds. At batch 32 it also times the rows one
+top-k 50, or with min-p 0.05), and both with logits adjustments as a chat front end
+sends them (the penalties over a 512-token prompt and 256 generated tokens, a bias on
+20 ids; or an allow-list of 1000 ids), at batch 1 and 32; median of --rounds. At batch 32 it also times the rows one
 call per row, as the executor applied them (item by item) before it ran one call per step.
 To compare with another version of the code, run the same command with PYTHONPATH pointing
 at a checkout of it.
@@ -13,17 +15,36 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import Counter
 
 import torch
 
+from executors.adjustments import LogitsAdjustments
 from executors.logits import apply_policies
 from executors.types import LogitsKind, LogitsPolicy
 
 VOCAB = 49152
+_tokens = torch.randint(0, VOCAB, (768,), generator=torch.Generator().manual_seed(1)).tolist()
+_generated = Counter(_tokens[512:])
+_prompt_only = [t for t in dict.fromkeys(_tokens[:512]) if t not in _generated]
+PENALTIES = LogitsAdjustments(
+    penalized_token_ids=(*_generated, *_prompt_only),
+    penalized_token_counts=(*_generated.values(), *[0] * len(_prompt_only)),
+    repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3,
+    logit_bias=tuple((t, -5.0) for t in range(100, 2100, 100)),
+)
+ALLOWED = LogitsAdjustments(allowed_token_ids=tuple(range(0, VOCAB, VOCAB // 1000))[:1000])
 POLICIES = {
     "ARGMAX": LogitsPolicy(kind=LogitsKind.ARGMAX),
     "SAMPLE t=0.8 top_p=0.95": LogitsPolicy(kind=LogitsKind.SAMPLE, temperature=0.8, top_p=0.95, seed=1),
     "SAMPLE t=0.8 top_k=50": LogitsPolicy(kind=LogitsKind.SAMPLE, temperature=0.8, top_k=50, seed=1),
+    "SAMPLE t=0.8 min_p=0.05": LogitsPolicy(kind=LogitsKind.SAMPLE, temperature=0.8, min_p=0.05, seed=1),
+    "ARGMAX + penalties": LogitsPolicy(kind=LogitsKind.ARGMAX, adjustments=PENALTIES),
+    "ARGMAX + allow-list": LogitsPolicy(kind=LogitsKind.ARGMAX, adjustments=ALLOWED),
+    "SAMPLE top_p + penalties": LogitsPolicy(kind=LogitsKind.SAMPLE, temperature=0.8, top_p=0.95, seed=1,
+                                             adjustments=PENALTIES),
+    "SAMPLE top_p + allow-list": LogitsPolicy(kind=LogitsKind.SAMPLE, temperature=0.8, top_p=0.95, seed=1,
+                                              adjustments=ALLOWED),
 }
 
 
@@ -40,14 +61,14 @@ def main(argv: list[str] | None = None) -> int:
                 started = time.perf_counter()
                 apply_policies(rows[:batch], [policy] * batch, list(range(batch)))
                 times.append(time.perf_counter() - started)
-            print(f"{name:24s} batch {batch:2d}: {statistics.median(times) * 1e3:8.2f} ms", flush=True)
+            print(f"{name:26s} batch {batch:2d}: {statistics.median(times) * 1e3:8.2f} ms", flush=True)
         per_row = []
         for _ in range(args.rounds):
             started = time.perf_counter()
             for r in range(32):
                 apply_policies(rows[r:r + 1], [policy], [r])
             per_row.append(time.perf_counter() - started)
-        print(f"{name:24s} batch 32, one call per row: {statistics.median(per_row) * 1e3:8.2f} ms", flush=True)
+        print(f"{name:26s} batch 32, one call per row: {statistics.median(per_row) * 1e3:8.2f} ms", flush=True)
     return 0
 
 

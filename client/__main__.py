@@ -97,7 +97,7 @@ def cmd_generate(ex: ExecutorClient, args: argparse.Namespace) -> None:
     printed once the prefill succeeded; a line left open is ended before an error (or Ctrl-C)."""
     from .cli_options import load_tokenizer
     from .generate import generate_text
-    from .types import LogitsPolicy
+    from .types import LogitsPolicy, Penalties
 
     tok = load_tokenizer(args.tokenizer)
     text = args.prompt
@@ -105,9 +105,12 @@ def cmd_generate(ex: ExecutorClient, args: argparse.Namespace) -> None:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         text = tok.apply_chat_template(messages + [{"role": "user", "content": args.prompt}])
     policy = (LogitsPolicy.argmax() if args.temperature == 0 else
-              LogitsPolicy.sample(args.temperature, top_k=args.top_k or 0, top_p=args.top_p, seed=args.seed))
+              LogitsPolicy.sample(args.temperature, top_k=args.top_k or 0, top_p=args.top_p, seed=args.seed,
+                                  min_p=args.min_p))
+    penalties = Penalties(args.repetition_penalty, args.presence_penalty, args.frequency_penalty)
     stop = set() if args.ignore_eos else tok.eos_ids
-    pieces = generate_text(ex, tok, tok.encode(text), max_tokens=args.max_tokens, policy=policy, stop_ids=stop)
+    pieces = generate_text(ex, tok, tok.encode(text), max_tokens=args.max_tokens, policy=policy, stop_ids=stop,
+                           penalties=penalties)
     wrote = False
 
     def show(text: str) -> None:
@@ -139,7 +142,7 @@ def cmd_generate(ex: ExecutorClient, args: argparse.Namespace) -> None:
 
 def _check_generate(args: argparse.Namespace) -> str | None:
     if args.temperature == 0:
-        for flag in ("top_p", "top_k", "seed"):
+        for flag in ("top_p", "top_k", "seed", "min_p"):
             if getattr(args, flag) is not None:
                 return f"--{flag.replace('_', '-')} has no effect on greedy decoding: add --temperature > 0"
     if args.system is not None and not args.chat:
@@ -148,7 +151,7 @@ def _check_generate(args: argparse.Namespace) -> str | None:
 
 
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli_options import add_tokenizer_argument, at_least, probability, seed, temperature
+    from .cli_options import add_tokenizer_argument, at_least, float_in, positive, probability, seed, temperature
 
     p.add_argument("--prompt", required=True, help="text to complete (or the user message with --chat)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
@@ -160,6 +163,15 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="sampling: among the k most likely tokens; 0 keeps all (default)")
     p.add_argument("--top-p", type=probability, default=None, help="sampling: nucleus mass, in (0, 1]")
     p.add_argument("--seed", type=seed, default=None, help="sampling: seed for a reproducible draw")
+    p.add_argument("--min-p", type=float_in(0, 1), default=None,
+                   help="sampling: keep tokens at least this share as probable as the most probable, in [0, 1]")
+    p.add_argument("--repetition-penalty", type=positive, default=None,
+                   help="divide the positive logits (multiply the negative) of the prompt's and generated tokens "
+                        "by this, > 0 (1: none)")
+    p.add_argument("--presence-penalty", type=float_in(-2, 2), default=0.0,
+                   help="subtract this from the logit of every token generated so far, in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float_in(-2, 2), default=0.0,
+                   help="subtract this times its count from the logit of every token generated so far, in [-2, 2]")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
     add_tokenizer_argument(p)
 

@@ -113,6 +113,26 @@ def probability(text: str) -> float:
 seed = at_least(0, MAX_SEED)
 
 
+def float_in(low: float, high: float) -> Callable[[str], float]:
+    """An argparse type: a number in [low, high]."""
+    def parse(text: str) -> float:
+        value = _float(text)
+        if not low <= value <= high:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be in [{low:g}, {high:g}], got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def positive(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    value = _float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be finite and > 0, got {text}")
+    return value
+
+
 def add_tokenizer_argument(p: argparse.ArgumentParser) -> None:
     from .tokenizer import DEFAULT_TOKENIZER_DIR
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from ._proto import executor_pb2 as pb
 from .convert_tensors import data_type, tensor_to_ndarray
-from .types import LogitsOutput, LogitsPolicy
+from .types import LogitsAdjustments, LogitsOutput, LogitsPolicy
 
 _KIND_NAMES: dict[int, str] = {
     pb.LOGITS_KIND_FULL: "full",
@@ -30,30 +30,63 @@ _LOGITS_DTYPE_NAMES: dict[int, str] = {
 def policy_to_proto(policy: LogitsPolicy) -> pb.LogitsPolicy:
     """The wire form of a policy (callers leave the field unset for None)."""
     if policy.kind == "full":
-        return pb.LogitsPolicy(full=pb.FullLogits(dtype=data_type(policy.dtype)))
-    if policy.kind == "argmax":
-        return pb.LogitsPolicy(argmax=pb.ArgmaxToken())
-    if policy.kind == "top_k":
-        return pb.LogitsPolicy(top_k=pb.TopKLogprobs(k=policy.k))
-    if policy.kind == "sample":
+        out = pb.LogitsPolicy(full=pb.FullLogits(dtype=data_type(policy.dtype)))
+    elif policy.kind == "argmax":
+        out = pb.LogitsPolicy(argmax=pb.ArgmaxToken())
+    elif policy.kind == "top_k":
+        out = pb.LogitsPolicy(top_k=pb.TopKLogprobs(k=policy.k))
+    elif policy.kind == "sample":
         sample = pb.SampleToken(temperature=policy.temperature, top_k=policy.k)
         if policy.top_p is not None:
             sample.top_p = policy.top_p
         if policy.seed is not None:
             sample.seed = policy.seed
-        return pb.LogitsPolicy(sample=sample)
-    raise ValueError(f"unknown logits policy kind {policy.kind!r}")
+        if policy.min_p is not None:
+            sample.min_p = policy.min_p
+        out = pb.LogitsPolicy(sample=sample)
+    else:
+        raise ValueError(f"unknown logits policy kind {policy.kind!r}")
+    if policy.adjustments is not None:
+        out.adjustments.CopyFrom(adjustments_to_proto(policy.adjustments))
+    return out
+
+
+def adjustments_to_proto(adjustments: LogitsAdjustments) -> pb.LogitsAdjustments:
+    out = pb.LogitsAdjustments(
+        penalized_token_ids=adjustments.penalized_token_ids,
+        penalized_token_counts=adjustments.penalized_token_counts,
+        presence_penalty=adjustments.presence_penalty,
+        frequency_penalty=adjustments.frequency_penalty,
+        logit_bias=dict(adjustments.logit_bias),
+        allowed_token_ids=adjustments.allowed_token_ids,
+    )
+    if adjustments.repetition_penalty is not None:
+        out.repetition_penalty = adjustments.repetition_penalty
+    return out
+
+
+def adjustments_from_proto(msg: pb.LogitsAdjustments) -> LogitsAdjustments:
+    return LogitsAdjustments(
+        penalized_token_ids=tuple(msg.penalized_token_ids),
+        penalized_token_counts=tuple(msg.penalized_token_counts),
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else None,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        allowed_token_ids=tuple(msg.allowed_token_ids),
+    )
 
 
 def policy_from_proto(policy: pb.LogitsPolicy) -> LogitsPolicy | None:
     """The domain form of a policy; None when unset (full float32)."""
     which = policy.WhichOneof("policy")
+    adjustments = adjustments_from_proto(policy.adjustments) if policy.HasField("adjustments") else None
     if which is None:
         return None
     if which == "full":
         return LogitsPolicy.full(_LOGITS_DTYPE_NAMES.get(policy.full.dtype, "float32"))  # type: ignore[arg-type]
     if which == "argmax":
-        return LogitsPolicy.argmax()
+        return LogitsPolicy.argmax(adjustments)
     if which == "top_k":
         return LogitsPolicy.top_k(policy.top_k.k)
     s = policy.sample
@@ -62,6 +95,8 @@ def policy_from_proto(policy: pb.LogitsPolicy) -> LogitsPolicy | None:
         top_k=s.top_k,
         top_p=s.top_p if s.HasField("top_p") else None,
         seed=s.seed if s.HasField("seed") else None,
+        min_p=s.min_p if s.HasField("min_p") else None,
+        adjustments=adjustments,
     )
 
 
@@ -69,7 +104,7 @@ def _set_policy(target: Any, policy: LogitsPolicy | None) -> None:
     """target.logits_policy from policy (left unset for None), in place."""
     if policy is None:
         return
-    if policy.kind == "argmax":
+    if policy.kind == "argmax" and policy.adjustments is None:
         target.logits_policy.argmax.SetInParent()
     else:
         target.logits_policy.CopyFrom(policy_to_proto(policy))

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from .blocking import ExecutorClient
 from .tokenizer import TextTokenizer
-from .types import DecodeInput, LogitsPolicy, PrefillInput
+from .types import DecodeInput, LogitsPolicy, Penalties, PrefillInput
 
 
 def generate_text(
@@ -17,16 +17,23 @@ def generate_text(
     max_tokens: int,
     policy: LogitsPolicy,
     stop_ids: set[int],
+    penalties: Penalties | None = None,
 ) -> Iterator[str]:
     """Yield the text of each new token as it comes; the cache is released however it ends.
+
+    `penalties` are applied to every step's policy over the prompt and the tokens so far.
 
     Text is yielded as the difference between successive decodings of all new ids, and held
     back while it ends in a partial UTF-8 character, so multi-token characters print whole.
     """
-    out = ex.prefill(PrefillInput(prompt_ids, logits_policy=policy))
+    new_ids: list[int] = []
+
+    def step_policy() -> LogitsPolicy:
+        return penalties.apply(policy, prompt_ids, new_ids) if penalties else policy
+
+    out = ex.prefill(PrefillInput(prompt_ids, logits_policy=step_policy()))
     handle = out.kv_cache
     try:
-        new_ids: list[int] = []
         shown = ""
         for _ in range(max_tokens):
             token = out.logits.token_id
@@ -37,7 +44,7 @@ def generate_text(
             if not text.endswith("\ufffd"):
                 yield text[len(shown):]
                 shown = text
-            out = ex.decode(DecodeInput(token, handle, logits_policy=policy))
+            out = ex.decode(DecodeInput(token, handle, logits_policy=step_policy()))
             handle = out.kv_cache
     finally:
         ex.release_cache(handle)

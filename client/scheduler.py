@@ -62,7 +62,7 @@ from .scheduler_types import Completion, SchedulerConfig, SchedulerStats, _Repli
 from .sequence import RequestStream, _Seq
 from .step_planner import plan_step
 from .step_runner import is_transient, run_step
-from .types import LogitsPolicy
+from .types import LogitsPolicy, Penalties
 
 __all__ = ["Completion", "RequestStream", "Scheduler", "SchedulerConfig", "SchedulerStats", "run_batch"]
 
@@ -100,8 +100,10 @@ class Scheduler:
 
     def submit(self, prompt_ids: Sequence[int], *, max_tokens: int = 64, policy: LogitsPolicy | None = None,
                stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
-               request_id: str | None = None) -> RequestStream:
-        """Queue a request; returns its token stream. policy: ARGMAX by default."""
+               request_id: str | None = None, penalties: Penalties | None = None) -> RequestStream:
+        """Queue a request; returns its token stream. policy: ARGMAX by default. penalties:
+        repetition over the prompt and the generated tokens, presence and frequency over the
+        generated ones, sent with every sampling step (argmax and sample policies)."""
         if self._closing:
             raise RuntimeError("the scheduler is closed")
         prompt = [int(t) for t in prompt_ids]
@@ -114,7 +116,10 @@ class Scheduler:
         stream = RequestStream(self, rid)
         stop = frozenset() if ignore_eos else (frozenset(int(t) for t in stop_token_ids)
                                                if stop_token_ids is not None else None)
-        seq = _Seq(rid, serial, prompt, max_tokens, policy or LogitsPolicy.argmax(), stop, stream)
+        policy = policy or LogitsPolicy.argmax()
+        if penalties and policy.kind not in ("argmax", "sample"):
+            raise ValueError(f"penalties apply to argmax and sample policies, not {policy.kind!r}")
+        seq = _Seq(rid, serial, prompt, max_tokens, policy, stop, stream, penalties)
         stream._seq = seq
         self._waiting.append(seq)
         self._ensure_task()

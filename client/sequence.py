@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any, Self
 
 from .scheduler_types import Completion
-from .types import LogitsPolicy
+from .types import LogitsPolicy, Penalties
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
@@ -37,6 +37,7 @@ class _Seq:
         "id",
         "max_tokens",
         "order",
+        "penalties",
         "policy",
         "prompt",
         "replica",
@@ -48,13 +49,14 @@ class _Seq:
     )
 
     def __init__(self, rid: str, serial: int, prompt: list[int], max_tokens: int, policy: LogitsPolicy,
-                 stop_ids: frozenset[int] | None, stream: RequestStream) -> None:
+                 stop_ids: frozenset[int] | None, stream: RequestStream, penalties: Penalties | None = None) -> None:
         self.id = rid  # the caller's name for it: any string, not necessarily unique
         self.serial = serial  # unique in its scheduler: its cache ids are made from it
         self.prompt = prompt
         self.tokens = list(prompt)
         self.max_tokens = max_tokens
         self.policy = policy
+        self.penalties = penalties if penalties else None
         self.stop_ids = stop_ids  # None: the scheduler's end-of-sequence ids
         self.stream = stream
         self.completion = Completion(rid, list(prompt), submitted_at=time.monotonic())
@@ -71,6 +73,13 @@ class _Seq:
     @property
     def remaining(self) -> int:
         return len(self.tokens) - self.computed
+
+    def step_policy(self) -> LogitsPolicy:
+        """The policy of the step that samples the next token: with penalties, over the prompt
+        and the tokens generated so far."""
+        if self.penalties is None:
+            return self.policy
+        return self.penalties.apply(self.policy, self.prompt, self.tokens[len(self.prompt):])
 
 
 class RequestStream:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias
+from typing import Any, TypeAlias
 
 import numpy as np
+
+from .logits_policy import LogitsAdjustments, LogitsDType, LogitsKindName, LogitsPolicy, Penalties
 
 __all__ = [
     "CallTiming",
@@ -22,11 +24,13 @@ __all__ = [
     "ForwardVerifyOutput",
     "ImportResult",
     "KvCacheHandle",
+    "LogitsAdjustments",
     "LogitsDType",
     "LogitsKindName",
     "LogitsOutput",
     "LogitsPolicy",
     "Metadata",
+    "Penalties",
     "PrefillInput",
     "PrefillOutput",
     "ReleaseResult",
@@ -41,10 +45,6 @@ __all__ = [
 Metadata: TypeAlias = Mapping[str, Any]
 # Token ids as a Python sequence of ints or a 1-D integer ndarray.
 TokenIds: TypeAlias = Sequence[int] | np.ndarray
-LogitsDType: TypeAlias = Literal["float32", "bfloat16", "float16"]
-LogitsKindName: TypeAlias = Literal["full", "argmax", "top_k", "sample"]
-
-_LOGITS_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,51 +64,6 @@ class KvCacheHandle:
     num_kv_heads: int = 0
     head_dim: int = 0
     device: str = "cpu"
-
-
-@dataclass(frozen=True, slots=True)
-class LogitsPolicy:
-    """What an item returns in place of a full logits row (unset/None: full float32).
-
-    Build with the constructors; `k` is the number of entries for "top_k" and the top-k
-    filter for "sample" (0 keeps all). Ranges are checked by the server, not here, so
-    the server's INVALID_ARGUMENT stays the single source of truth.
-    """
-
-    kind: LogitsKindName
-    dtype: LogitsDType = "float32"
-    k: int = 0
-    temperature: float = 1.0
-    top_p: float | None = None
-    seed: int | None = None
-
-    @classmethod
-    def full(cls, dtype: LogitsDType = "float32") -> LogitsPolicy:
-        """The whole row; the 16-bit dtypes halve the bytes on the wire."""
-        if dtype not in _LOGITS_DTYPES:
-            raise ValueError(f"full logits dtype must be one of {_LOGITS_DTYPES}, got {dtype!r}")
-        return cls(kind="full", dtype=dtype)
-
-    @classmethod
-    def argmax(cls) -> LogitsPolicy:
-        """Only the greedy token id (ties go to the lowest id)."""
-        return cls(kind="argmax")
-
-    @classmethod
-    def top_k(cls, k: int) -> LogitsPolicy:
-        """The k most likely ids with their log-probabilities."""
-        return cls(kind="top_k", k=int(k))
-
-    @classmethod
-    def sample(
-        cls,
-        temperature: float,
-        top_k: int = 0,
-        top_p: float | None = None,
-        seed: int | None = None,
-    ) -> LogitsPolicy:
-        """One token sampled on the executor; temperature 0 is greedy."""
-        return cls(kind="sample", k=int(top_k), temperature=float(temperature), top_p=top_p, seed=seed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,12 +9,15 @@ than the arithmetic: ~300 ms for 32 sampled rows of a 49152-token vocabulary on 
 
 How a SAMPLE row draws its token
 --------------------------------
-The distribution is softmax(logits / temperature), cut to the top_k most probable tokens
+The logits are first adjusted where the policy asks (penalties, bias, allow-list:
+adjustments.py, logits_adjust.py; ARGMAX rows take the argmax of the adjusted row). The
+distribution is softmax(logits / temperature), cut to the top_k most probable tokens
 (ties at the cut stay in), then to the nucleus: the most probable tokens until their mass
 reaches top_p, plus any token exactly as probable as the last one kept (so the set does
-not depend on how a sort orders ties), renormalised. Temperature 0, or one so small that
+not depend on how a sort orders ties), then to the tokens at least min_p times as probable
+as the most probable one, renormalised. Temperature 0, or one so small that
 logits / temperature overflows, takes the argmax: sampling's limit as the temperature goes
-to 0.
+to 0. The log-probability reported with the token is the model's own, before adjustments.
 
 The draw is by inversion with one counter-based uniform number per row: u in [0, 1) is
 splitmix64's output for the state sampling_seed(seed, position), its top 53 bits; the
@@ -45,6 +48,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from executors.adjustments import LogitsAdjustments
+from executors.logits_adjust import adjust_rows
 from executors.types import DType, HostTensor, LogitsKind, LogitsPolicy, LogitsResult
 
 if TYPE_CHECKING:
@@ -64,6 +69,7 @@ _NUM_BINS = (0x3F800000 >> _BIN_SHIFT) + 1
 # Tokens per block in the two-level inverse CDF (see _invert); vocabularies are usually
 # multiples of 128, which spares padding.
 _BLOCK = 128
+NO_ADJUSTMENTS = LogitsAdjustments()
 
 
 def to_host_tensor(t: torch.Tensor, dtype: DType) -> HostTensor:
@@ -187,6 +193,11 @@ def _draw(scaled: torch.Tensor, policies: list[LogitsPolicy], states: list[int])
         floor = torch.zeros(n, 1, device=dev)
         floor[nucleus] = _nucleus_floor(_take(probs, nucleus), top_p)[:, None]
         probs.masked_fill_(probs < floor, 0.0)
+    if any(p.min_p > 0 for p in policies):
+        # After top_k and top_p: the most probable token survives both, and their cuts
+        # change no ratio to it, so the order of the three does not matter for min_p.
+        min_p = torch.tensor([p.min_p for p in policies], device=dev)[:, None]
+        probs.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     u = torch.tensor([sampling_uniform(s) for s in states], dtype=torch.float64, device=dev)
     tok, total = _invert(probs, u)
     drawn_with = torch.log(probs.gather(1, tok[:, None]).squeeze(1).double() / total)
@@ -218,28 +229,48 @@ def _invert(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return (block * _BLOCK + torch.searchsorted(inside, rest, right=True)).squeeze(1), total
 
 
-def _sample(x: torch.Tensor, policies: list[LogitsPolicy], positions: list[int]) -> list[LogitsResult]:
+def _argmax_adjusted(x: torch.Tensor, choose: torch.Tensor) -> tuple[list[int], list[float]]:
+    """The argmax ids of `choose` (x's rows adjusted) and their log-probabilities under x."""
+    tok = torch.argmax(choose, dim=-1)
+    return tok.tolist(), _logprob_at(x, tok).tolist()
+
+
+def _sample(x: torch.Tensor, policies: list[LogitsPolicy], positions: list[int],
+            choose: torch.Tensor | None = None) -> list[LogitsResult]:
+    """x: the rows' logits; choose: the rows the tokens are drawn from (x adjusted; None: x)."""
+    adjusted = choose is not None
+    choose = x if choose is None else choose
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in policies], device=x.device)
     # Temperature 0, or one so small that logits / temperature overflows (float32 rounding
     # a positive temperature to 0 included): the limit of sampling is the argmax. Division
     # is monotone, so a row overflows where its largest |logit| does; a NaN or an infinite
-    # logit makes that one non-finite too.
+    # logit makes that one non-finite too. The -inf of an allow-list's masked tokens
+    # overflows nothing: the lowest logit is taken among the others.
     # (amax and amin separately: faster than aminmax on a CPU.)
-    finite = torch.isfinite(torch.maximum(x.amax(dim=-1), -x.amin(dim=-1)) / temps).tolist()
+    low = choose.masked_fill(choose == float("-inf"), 0.0).amin(dim=-1) if adjusted else choose.amin(dim=-1)
+    finite = torch.isfinite(torch.maximum(choose.amax(dim=-1), -low) / temps).tolist()
     greedy = [p.temperature == 0 or not ok for p, ok in zip(policies, finite)]
     results: list[LogitsResult | None] = [None] * len(policies)
     if any(greedy):
         idx = [i for i, g in enumerate(greedy) if g]
-        for i, tok, lp in zip(idx, *_argmax(_take(x, idx))):
+        found = _argmax_adjusted(_take(x, idx), _take(choose, idx)) if adjusted else _argmax(_take(x, idx))
+        for i, tok, lp in zip(idx, *found):
             results[i] = LogitsResult(LogitsKind.SAMPLE, token_id=tok, logprob=lp, sampling_logprob=0.0)
     if not all(greedy):
         idx = [i for i, g in enumerate(greedy) if not g]
-        rows = _take(x, idx)
         states = [sampling_seed(policies[i].seed, positions[i]) for i in idx]
-        tok, drawn_with = _draw(rows / _take(temps[:, None], idx), [policies[i] for i in idx], states)
-        for i, t, lp, dw in zip(idx, tok.tolist(), _logprob_at(rows, tok).tolist(), drawn_with.tolist()):
+        scaled = _take(choose, idx) / _take(temps[:, None], idx)
+        tok, drawn_with = _draw(scaled, [policies[i] for i in idx], states)
+        for i, t, lp, dw in zip(idx, tok.tolist(), _logprob_at(_take(x, idx), tok).tolist(), drawn_with.tolist()):
             results[i] = LogitsResult(LogitsKind.SAMPLE, token_id=t, logprob=lp, sampling_logprob=dw)
     return results
+
+
+def _adjusted(rows: torch.Tensor, policies: Sequence[LogitsPolicy], idx: list[int]) -> torch.Tensor | None:
+    """Rows idx of `rows` with their policies' adjustments applied; None where none adjusts."""
+    if not any(policies[i].adjusts for i in idx):
+        return None
+    return adjust_rows(_take(rows, idx), [policies[i].adjustments or NO_ADJUSTMENTS for i in idx])
 
 
 def apply_policies(
@@ -255,7 +286,8 @@ def apply_policies(
     """
     rows = rows.float()
     results: list[LogitsResult | None] = [None] * len(policies)
-    argmax_rows = [i for i, p in enumerate(policies) if p.kind is LogitsKind.ARGMAX]
+    argmax_rows = [i for i, p in enumerate(policies) if p.kind is LogitsKind.ARGMAX and not p.adjusts]
+    adjusted_argmax = [i for i, p in enumerate(policies) if p.kind is LogitsKind.ARGMAX and p.adjusts]
     sample = [i for i, p in enumerate(policies) if p.kind is LogitsKind.SAMPLE]
     for i, p in enumerate(policies):
         if p.kind is LogitsKind.FULL:
@@ -269,12 +301,17 @@ def apply_policies(
             found = _argmax(_take(rows, argmax_rows), kernels)
         for i, tok, lp in zip(argmax_rows, *found):
             results[i] = LogitsResult(LogitsKind.ARGMAX, token_id=tok, logprob=lp)
+    if adjusted_argmax:
+        found = _argmax_adjusted(_take(rows, adjusted_argmax), _adjusted(rows, policies, adjusted_argmax))
+        for i, tok, lp in zip(adjusted_argmax, *found):
+            results[i] = LogitsResult(LogitsKind.ARGMAX, token_id=tok, logprob=lp)
     for k in sorted({p.k for p in policies if p.kind is LogitsKind.TOP_K}):
         idx = [i for i, p in enumerate(policies) if p.kind is LogitsKind.TOP_K and p.k == k]
         for i, r in zip(idx, _top_k(_take(rows, idx), k)):
             results[i] = r
     if sample:
-        drawn = _sample(_take(rows, sample), [policies[i] for i in sample], [positions[i] for i in sample])
+        drawn = _sample(_take(rows, sample), [policies[i] for i in sample], [positions[i] for i in sample],
+                        _adjusted(rows, policies, sample))
         for i, r in zip(sample, drawn):
             results[i] = r
     return results

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from executors.adjustments import LogitsAdjustments
 from executors.errors import InvalidParameter
 
 
@@ -83,6 +84,8 @@ class LogitsPolicy:
     top_k: int = 0  # SAMPLE; 0 keeps all
     top_p: float = 1.0  # SAMPLE
     seed: int | None = None  # SAMPLE
+    min_p: float = 0.0  # SAMPLE; 0 keeps all
+    adjustments: LogitsAdjustments | None = None  # ARGMAX and SAMPLE; None changes nothing
 
     def validate(self, vocab_size: int, where: str) -> None:
         """Raise InvalidParameter naming `where` unless the policy fits a vocabulary."""
@@ -109,6 +112,24 @@ class LogitsPolicy:
                 )
             if self.top_k < 0:
                 raise InvalidParameter(f"{where}.sample.top_k must be >= 0", field=f"{where}.sample.top_k")
+            if not 0 <= self.min_p <= 1:  # NaN fails too
+                raise InvalidParameter(
+                    f"{where}.sample.min_p must be in [0, 1], got {self.min_p}",
+                    field=f"{where}.sample.min_p",
+                )
+        if self.adjustments is not None:
+            self.adjustments.validate(vocab_size, f"{where}.adjustments")
+            if self.kind not in (LogitsKind.ARGMAX, LogitsKind.SAMPLE) and not self.adjustments.changes_nothing:
+                raise InvalidParameter(
+                    f"{where}.adjustments apply to ARGMAX and SAMPLE policies; {self.kind.name} returns the "
+                    "model's own logits",
+                    field=f"{where}.adjustments",
+                )
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the row is changed before its token is chosen."""
+        return self.adjustments is not None and not self.adjustments.changes_nothing
 
 
 @dataclass(frozen=True, slots=True)

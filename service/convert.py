@@ -15,6 +15,7 @@ from google.protobuf import json_format, struct_pb2
 from executors import descriptions as desc
 from executors import types as t
 from executors.adapters import ADAPTER_NAME
+from executors.adjustments import LogitsAdjustments
 from executors.errors import InvalidParameter
 from generated.modelexec.v1 import executor_pb2 as pb
 
@@ -126,14 +127,16 @@ ARGMAX_POLICY = t.LogitsPolicy(t.LogitsKind.ARGMAX)
 
 def logits_policy(msg: pb.LogitsPolicy, where: str) -> t.LogitsPolicy:
     which = msg.WhichOneof("policy")
+    adjustments = logits_adjustments(msg.adjustments) if msg.HasField("adjustments") else None
     if which is None:
-        return DEFAULT_POLICY
+        return DEFAULT_POLICY if adjustments is None else t.LogitsPolicy(adjustments=adjustments)
     if which == "argmax":
-        return ARGMAX_POLICY
+        return ARGMAX_POLICY if adjustments is None else t.LogitsPolicy(t.LogitsKind.ARGMAX, adjustments=adjustments)
     if which == "full":
-        return t.LogitsPolicy(t.LogitsKind.FULL, full_dtype=_dtype(msg.full.dtype, f"{where}.full.dtype", t.DType.FLOAT32))
+        return t.LogitsPolicy(t.LogitsKind.FULL, full_dtype=_dtype(msg.full.dtype, f"{where}.full.dtype", t.DType.FLOAT32),
+                              adjustments=adjustments)
     if which == "top_k":
-        return t.LogitsPolicy(t.LogitsKind.TOP_K, k=msg.top_k.k)
+        return t.LogitsPolicy(t.LogitsKind.TOP_K, k=msg.top_k.k, adjustments=adjustments)
     s = msg.sample
     return t.LogitsPolicy(
         t.LogitsKind.SAMPLE,
@@ -141,6 +144,21 @@ def logits_policy(msg: pb.LogitsPolicy, where: str) -> t.LogitsPolicy:
         top_k=s.top_k,
         top_p=s.top_p if s.HasField("top_p") else 1.0,
         seed=s.seed if s.HasField("seed") else None,
+        min_p=s.min_p if s.HasField("min_p") else 0.0,
+        adjustments=adjustments,
+    )
+
+
+def logits_adjustments(msg: pb.LogitsAdjustments) -> LogitsAdjustments:
+    """The domain form; ranges are checked with the policy (LogitsPolicy.validate)."""
+    return LogitsAdjustments(
+        penalized_token_ids=tuple(msg.penalized_token_ids),
+        penalized_token_counts=tuple(msg.penalized_token_counts),
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        allowed_token_ids=tuple(msg.allowed_token_ids),
     )
 
 

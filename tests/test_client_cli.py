@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from client import AsyncExecutorClient, ExecutorClient, PrefillInput
+from client import AsyncExecutorClient, ExecutorClient, Penalties, PrefillInput
 from client.__main__ import main
 from executors.paged import PagedAttentionExecutor, PagedExecutorConfig
 from tests.conftest import REPO, wait_until
+from tests.test_logits_adjustments import penalized_greedy
 
 
 @pytest.fixture(scope="module")
@@ -291,6 +292,12 @@ def test_health_exits_1_unless_serving(make_server, capsys):
     (["generate", "--temperature", "1", "--seed", str(2**64)], "--seed"),
     (["generate", "--temperature", "1", "--top-k", "-1"], "--top-k"),
     (["generate", "--temperature", "1", "--top-p", "1.5"], "--top-p"),
+    (["generate", "--min-p", "0.1"], "--min-p"),
+    (["generate", "--temperature", "1", "--min-p", "1.5"], "--min-p"),
+    (["generate", "--repetition-penalty", "0"], "--repetition-penalty"),
+    (["generate", "--repetition-penalty", "inf"], "--repetition-penalty"),
+    (["generate", "--presence-penalty", "2.5"], "--presence-penalty"),
+    (["generate", "--frequency-penalty", "nan"], "--frequency-penalty"),
     (["schedule", "--temperature", "-1"], "--temperature"),
     (["schedule", "--max-tokens", "0"], "--max-tokens"),
     (["schedule", "--temperature", "0.5", "--seed", "-3"], "--seed"),
@@ -316,6 +323,21 @@ def test_sampling_flags_are_passed_on(paged_server, words, tmp_path, capsys):
     rc, out, err = cli(capsys, "--target", paged_server.address, "schedule", "--prompts-file", str(prompts),
                        "--tokenizer", str(words), "--max-tokens", "3", "--temperature", "0.5", "--seed", "3")
     assert rc == 0 and "(0 failed)" in out, (out, err)
+
+
+def test_generate_applies_penalties_over_its_own_tokens(paged_server, words, capsys):
+    penalties = Penalties(repetition=1.3, presence=1.5, frequency=0.5)
+    expected = penalized_greedy([1, 2], 12, penalties)
+    assert expected != penalized_greedy([1, 2], 12, Penalties()), "the penalties should change the tokens"
+    rc, out, err = cli(capsys, "--target", paged_server.address, "generate", "--prompt", "w1 w2", "--tokenizer",
+                       str(words), "--max-tokens", "12", "--ignore-eos", "--repetition-penalty", "1.3",
+                       "--presence-penalty", "1.5", "--frequency-penalty", "0.5")
+    assert rc == 0, err
+    assert out == "w1 w2" + " ".join(f"w{t}" for t in expected) + "\n", out  # the new text follows the prompt
+    rc, out, err = cli(capsys, "--target", paged_server.address, "generate", "--prompt", "w1 w2", "--tokenizer",
+                       str(words), "--max-tokens", "4", "--temperature", "0.8", "--min-p", "0.5", "--seed", "3",
+                       "--presence-penalty", "-1")
+    assert rc == 0 and out.startswith("w1 w2"), (out, err)
 
 
 # -- 7. generate's output and errors ------------------------------------------------------------

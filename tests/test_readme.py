@@ -155,6 +155,16 @@ def test_example_python_client(embedded, tmp_path):
     assert shape.startswith("(") and int(length) == 4 and int(executor_ns) > 0
 
 
+def test_example_adjustments(embedded, tmp_path):
+    out = ok(run_python(readme.substitute(readme.example("adjustments").code, {ADDRESS: embedded.address}),
+                        tmp_path))
+    greedy, other, counts = out.split(maxsplit=2)
+    assert 100 <= int(other) < 200 and int(other) != int(greedy), out
+    assert counts.strip() == "(1, 0, 0, 0)", out  # the generated token once, the prompt's three at 0
+    with ExecutorClient(embedded.address) as c:
+        assert c.list_caches() == [], "the example releases what it made"
+
+
 def test_example_scheduler(embedded, tmp_path):
     code = readme.substitute(readme.example("scheduler").code, {ADDRESS: embedded.address})
     ok(run_python(code, tmp_path, prelude="prompt_ids = [1, 2, 3, 4]\n"))

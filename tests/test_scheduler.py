@@ -9,11 +9,12 @@ import sys
 import numpy as np
 import pytest
 
-from client import AsyncExecutorClient, DecodeInput, ExecutorClient, LogitsPolicy, PrefillInput
+from client import AsyncExecutorClient, DecodeInput, ExecutorClient, LogitsPolicy, Penalties, PrefillInput
 from client.errors import OutOfRangeError, ResourceExhaustedError
 from client.router import AsyncExecutorRouter
 from client.scheduler import Scheduler
 from tests.conftest import eventually
+from tests.test_logits_adjustments import penalized_greedy
 
 ARGMAX = LogitsPolicy.argmax()
 rng = np.random.default_rng(3)
@@ -153,6 +154,28 @@ def test_a_small_pool_preempts_and_recomputes_with_the_same_tokens(make_server):
     out, stats = asyncio.run(run())
     assert [c.token_ids for c in out] == expected
     assert stats.preemptions > 0 and sum(c.preemptions for c in out) == stats.preemptions
+    with ExecutorClient(server.address) as c:
+        pool_is_clean(c)
+
+
+def test_penalties_go_with_every_step_over_the_sequences_own_tokens(make_server):
+    server = make_server(num_blocks=24)  # small enough to preempt: penalties must survive a recompute
+    penalties = Penalties(repetition=1.3, presence=1.5, frequency=0.5)
+    expected = [penalized_greedy(p, 20, penalties) for p in PROMPTS]
+    with ExecutorClient(server.address) as c:
+        unpenalized = [plain(c, p, 20) for p in PROMPTS]
+    assert sum(e != u for e, u in zip(expected, unpenalized)) >= 6, "the penalties should change most generations"
+
+    async def run():
+        async with Scheduler(AsyncExecutorClient(server.address), max_num_batched_tokens=64) as sched:
+            with pytest.raises(ValueError, match="argmax and sample"):
+                sched.submit([1, 2], policy=LogitsPolicy.top_k(3), penalties=penalties)
+            out = await asyncio.gather(*(sched.generate(p, max_tokens=20, penalties=penalties) for p in PROMPTS))
+            return out, sched.stats
+
+    out, stats = asyncio.run(run())
+    assert [c.token_ids for c in out] == expected
+    assert stats.preemptions > 0
     with ExecutorClient(server.address) as c:
         pool_is_clean(c)
 

@@ -11,8 +11,10 @@ from client import convert
 from client.types import (
     DecodeInput,
     KvCacheHandle,
+    LogitsAdjustments,
     LogitsOutput,
     LogitsPolicy,
+    Penalties,
     PrefillInput,
     UnifiedBatch,
     UnifiedBatchItem,
@@ -146,6 +148,32 @@ def test_policy_building_and_round_trip(policy: LogitsPolicy, expected: pb.Logit
         assert not msg.sample.HasField("top_p") and back.top_p is None
     else:
         assert back.top_p == pytest.approx(policy.top_p)
+
+
+def test_adjustments_and_min_p_round_trip_and_build_counts_the_tokens() -> None:
+    adjust = LogitsAdjustments.build([5, 9, 5, 5], prompt_tokens=[1, 9, 2, 1], repetition_penalty=1.2,
+                                     presence_penalty=0.5, frequency_penalty=-0.25, logit_bias={7: -100.0, 3: 2.5},
+                                     allowed_token_ids=range(4, 10))
+    assert (adjust.penalized_token_ids, adjust.penalized_token_counts) == ((5, 9, 1, 2), (3, 1, 0, 0))
+    assert adjust.logit_bias == ((3, 2.5), (7, -100.0)) and adjust.allowed_token_ids == (4, 5, 6, 7, 8, 9)
+    assert LogitsAdjustments.build([4, 6]).penalized_token_counts == ()  # each once: no counts on the wire
+    for policy in (LogitsPolicy.argmax(adjust), LogitsPolicy.sample(0.8, top_p=0.5, seed=3, min_p=0.25, adjustments=adjust)):
+        msg = convert.policy_to_proto(policy)
+        assert msg.HasField("adjustments") and dict(msg.adjustments.logit_bias) == {3: 2.5, 7: -100.0}
+        back = convert.policy_from_proto(msg)
+        assert back is not None and back.adjustments is not None
+        assert back.adjustments.repetition_penalty == pytest.approx(1.2)
+        assert back.adjustments.penalized_token_counts == (3, 1, 0, 0)
+        assert back.min_p == (None if policy.kind == "argmax" else pytest.approx(0.25))
+        item = convert.prefill_input_to_proto(PrefillInput([1], logits_policy=policy))
+        assert item.logits_policy == msg  # an adjusted argmax is not sent as a bare one
+    assert not convert.policy_to_proto(LogitsPolicy.sample(1.0)).sample.HasField("min_p")
+    penalized = Penalties(repetition=1.1, frequency=0.5).apply(LogitsPolicy.argmax(adjust), [1, 2], [3, 3])
+    assert penalized.adjustments is not None and penalized.adjustments.penalized_token_ids == (3, 1, 2)
+    assert penalized.adjustments.allowed_token_ids == adjust.allowed_token_ids  # the bias and allow-list stay
+    with pytest.raises(ValueError, match="argmax and sample"):
+        Penalties(presence=1.0).apply(LogitsPolicy.full(), [1], [])
+    assert not Penalties() and Penalties(repetition=1.0)
 
 
 def test_policy_unset_is_none_and_bad_dtype_rejected() -> None:

@@ -5,6 +5,7 @@ import { credentials, Metadata, type ChannelCredentials, type ServiceError, stat
 
 import {
   type DecodeInput,
+  type DeepPartial,
   DecodeRequest,
   type DecodeResponse,
   ExportKvRequest,
@@ -195,13 +196,17 @@ export class ExecutorClient {
     return this.unary(this.stub.getStatus, GetStatusRequest.create());
   }
 
-  /** Runs a prompt (or the next chunk of one). Without `kvCache` the server creates a cache. */
-  prefill(input: Partial<PrefillInput>): Promise<PrefillResponse> {
+  /**
+   * Runs a prompt (or the next chunk of one). Without `kvCache` the server creates a cache.
+   * Nested messages may be partial too (`logitsPolicy: { argmax: {} }`): fields a later
+   * contract adds do not break a caller's literals.
+   */
+  prefill(input: DeepPartial<PrefillInput>): Promise<PrefillResponse> {
     return this.unary(this.stub.prefill, PrefillRequest.fromPartial({ input }));
   }
 
   /** Appends `input.tokenId` to the cache `input.kvCache` (the handle the last call returned). */
-  decode(input: Partial<DecodeInput>): Promise<DecodeResponse> {
+  decode(input: DeepPartial<DecodeInput>): Promise<DecodeResponse> {
     return this.unary(this.stub.decode, DecodeRequest.fromPartial({ input }));
   }
 

@@ -187,28 +187,57 @@ class TopKLogprobs(_message.Message):
     def __init__(self, k: _Optional[int] = ...) -> None: ...
 
 class SampleToken(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    min_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ...) -> None: ...
+
+class LogitsAdjustments(_message.Message):
+    __slots__ = ("penalized_token_ids", "penalized_token_counts", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "allowed_token_ids")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    PENALIZED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PENALIZED_TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    penalized_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    penalized_token_counts: _containers.RepeatedScalarFieldContainer[int]
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, penalized_token_ids: _Optional[_Iterable[int]] = ..., penalized_token_counts: _Optional[_Iterable[int]] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LogitsPolicy(_message.Message):
-    __slots__ = ("full", "argmax", "top_k", "sample")
+    __slots__ = ("full", "argmax", "top_k", "sample", "adjustments")
     FULL_FIELD_NUMBER: _ClassVar[int]
     ARGMAX_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    ADJUSTMENTS_FIELD_NUMBER: _ClassVar[int]
     full: FullLogits
     argmax: ArgmaxToken
     top_k: TopKLogprobs
     sample: SampleToken
-    def __init__(self, full: _Optional[_Union[FullLogits, _Mapping]] = ..., argmax: _Optional[_Union[ArgmaxToken, _Mapping]] = ..., top_k: _Optional[_Union[TopKLogprobs, _Mapping]] = ..., sample: _Optional[_Union[SampleToken, _Mapping]] = ...) -> None: ...
+    adjustments: LogitsAdjustments
+    def __init__(self, full: _Optional[_Union[FullLogits, _Mapping]] = ..., argmax: _Optional[_Union[ArgmaxToken, _Mapping]] = ..., top_k: _Optional[_Union[TopKLogprobs, _Mapping]] = ..., sample: _Optional[_Union[SampleToken, _Mapping]] = ..., adjustments: _Optional[_Union[LogitsAdjustments, _Mapping]] = ...) -> None: ...
 
 class LogitsOutput(_message.Message):
     __slots__ = ("kind", "logits", "token_id", "logprob", "sampling_logprob", "top_token_ids", "top_logprobs")
