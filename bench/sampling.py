@@ -2,12 +2,13 @@
 
 Times `executors.logits.apply_policies` on seeded float32 logits rows of SmolLM2's
 vocabulary (49152) for ARGMAX and SAMPLE (temperature 0.8 with top-p 0.95, or with
-top-k 50, or with min-p 0.05), and both with logits adjustments as a chat front end
-sends them (the penalties over a 512-token prompt and 256 generated tokens, a bias on
-20 ids; or an allow-list of 1000 ids), at batch 1 and 32; median of --rounds. At batch 32 it also times the rows one
+top-k 50, or with min-p 0.05), ARGMAX with the 5 most likely ids' log-probabilities, and
+ARGMAX and SAMPLE with logits adjustments as a chat front end sends them (the penalties
+over a 512-token prompt and 256 generated tokens, a bias on 20 ids; or an allow-list of
+1000 ids), at batch 1 and 32; median of --rounds. At batch 32 it also times the rows one
 call per row, as the executor applied them (item by item) before it ran one call per step.
-To compare with another version of the code, run the same command with PYTHONPATH pointing
-at a checkout of it.
+To compare with another version of the code, run the same command from a checkout of it
+(`python -m` puts the working directory first on the path, ahead of PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ POLICIES = {
     "SAMPLE t=0.8 top_p=0.95": LogitsPolicy(kind=LogitsKind.SAMPLE, temperature=0.8, top_p=0.95, seed=1),
     "SAMPLE t=0.8 top_k=50": LogitsPolicy(kind=LogitsKind.SAMPLE, temperature=0.8, top_k=50, seed=1),
     "SAMPLE t=0.8 min_p=0.05": LogitsPolicy(kind=LogitsKind.SAMPLE, temperature=0.8, min_p=0.05, seed=1),
+    "ARGMAX top_logprobs=5": LogitsPolicy(kind=LogitsKind.ARGMAX, top_logprobs=5),
     "ARGMAX + penalties": LogitsPolicy(kind=LogitsKind.ARGMAX, adjustments=PENALTIES),
     "ARGMAX + allow-list": LogitsPolicy(kind=LogitsKind.ARGMAX, adjustments=ALLOWED),
     "SAMPLE top_p + penalties": LogitsPolicy(kind=LogitsKind.SAMPLE, temperature=0.8, top_p=0.95, seed=1,

@@ -32,11 +32,11 @@ def policy_to_proto(policy: LogitsPolicy) -> pb.LogitsPolicy:
     if policy.kind == "full":
         out = pb.LogitsPolicy(full=pb.FullLogits(dtype=data_type(policy.dtype)))
     elif policy.kind == "argmax":
-        out = pb.LogitsPolicy(argmax=pb.ArgmaxToken())
+        out = pb.LogitsPolicy(argmax=pb.ArgmaxToken(top_logprobs=policy.top_logprobs))
     elif policy.kind == "top_k":
         out = pb.LogitsPolicy(top_k=pb.TopKLogprobs(k=policy.k))
     elif policy.kind == "sample":
-        sample = pb.SampleToken(temperature=policy.temperature, top_k=policy.k)
+        sample = pb.SampleToken(temperature=policy.temperature, top_k=policy.k, top_logprobs=policy.top_logprobs)
         if policy.top_p is not None:
             sample.top_p = policy.top_p
         if policy.seed is not None:
@@ -86,7 +86,7 @@ def policy_from_proto(policy: pb.LogitsPolicy) -> LogitsPolicy | None:
     if which == "full":
         return LogitsPolicy.full(_LOGITS_DTYPE_NAMES.get(policy.full.dtype, "float32"))  # type: ignore[arg-type]
     if which == "argmax":
-        return LogitsPolicy.argmax(adjustments)
+        return LogitsPolicy.argmax(adjustments, top_logprobs=policy.argmax.top_logprobs)
     if which == "top_k":
         return LogitsPolicy.top_k(policy.top_k.k)
     s = policy.sample
@@ -97,6 +97,7 @@ def policy_from_proto(policy: pb.LogitsPolicy) -> LogitsPolicy | None:
         seed=s.seed if s.HasField("seed") else None,
         min_p=s.min_p if s.HasField("min_p") else None,
         adjustments=adjustments,
+        top_logprobs=s.top_logprobs,
     )
 
 
@@ -104,7 +105,7 @@ def _set_policy(target: Any, policy: LogitsPolicy | None) -> None:
     """target.logits_policy from policy (left unset for None), in place."""
     if policy is None:
         return
-    if policy.kind == "argmax" and policy.adjustments is None:
+    if policy.kind == "argmax" and policy.adjustments is None and not policy.top_logprobs:
         target.logits_policy.argmax.SetInParent()
     else:
         target.logits_policy.CopyFrom(policy_to_proto(policy))
@@ -113,16 +114,17 @@ def _set_policy(target: Any, policy: LogitsPolicy | None) -> None:
 def logits_from_proto(output: pb.LogitsOutput) -> LogitsOutput:
     """The domain form of one LogitsOutput; only the fields of its kind are set."""
     kind = _KIND_NAMES.get(output.kind, "unspecified")
-    if kind == "argmax":  # a decode step's usual answer: one constructor call
+    if kind == "argmax" and not output.top_token_ids:  # a decode step's usual answer: one constructor call
         return LogitsOutput(kind, token_id=output.token_id, logprob=output.logprob)
     result = LogitsOutput(kind=kind)
     if kind == "full":
         result.logits = tensor_to_ndarray(output.logits)
-    elif kind == "sample":
+    if kind in ("argmax", "sample"):
         result.token_id = output.token_id
         result.logprob = output.logprob
+    if kind == "sample":
         result.sampling_logprob = output.sampling_logprob
-    elif kind == "top_k":
+    if kind == "top_k" or output.top_token_ids:  # with argmax and sample: their top_logprobs
         result.top_token_ids = np.array(output.top_token_ids, dtype=np.int64)
         result.top_logprobs = np.array(output.top_logprobs, dtype=np.float32)
     return result

@@ -72,7 +72,8 @@ class LogitsPolicy:
     """What an item returns in place of a full logits row (unset/None: full float32).
 
     Build with the constructors; `k` is the number of entries for "top_k" and the top-k
-    filter for "sample" (0 keeps all). `adjustments` apply to "argmax" and "sample".
+    filter for "sample" (0 keeps all). `adjustments` apply to "argmax" and "sample", and
+    `top_logprobs` asks them for the most likely ids too (OpenAI's top_logprobs).
     """
 
     kind: LogitsKindName
@@ -83,6 +84,7 @@ class LogitsPolicy:
     seed: int | None = None
     min_p: float | None = None
     adjustments: LogitsAdjustments | None = None
+    top_logprobs: int = 0
 
     @classmethod
     def full(cls, dtype: LogitsDType = "float32") -> LogitsPolicy:
@@ -92,10 +94,10 @@ class LogitsPolicy:
         return cls(kind="full", dtype=dtype)
 
     @classmethod
-    def argmax(cls, adjustments: LogitsAdjustments | None = None) -> LogitsPolicy:
-        """Only the greedy token id (ties go to the lowest id), of the adjusted logits
-        where `adjustments` are given."""
-        return cls(kind="argmax", adjustments=adjustments)
+    def argmax(cls, adjustments: LogitsAdjustments | None = None, top_logprobs: int = 0) -> LogitsPolicy:
+        """The greedy token id (ties go to the lowest id), of the adjusted logits where
+        `adjustments` are given; with top_logprobs, that many most likely ids as well."""
+        return cls(kind="argmax", adjustments=adjustments, top_logprobs=int(top_logprobs))
 
     @classmethod
     def top_k(cls, k: int) -> LogitsPolicy:
@@ -111,10 +113,11 @@ class LogitsPolicy:
         seed: int | None = None,
         min_p: float | None = None,
         adjustments: LogitsAdjustments | None = None,
+        top_logprobs: int = 0,
     ) -> LogitsPolicy:
         """One token sampled on the executor; temperature 0 is greedy."""
         return cls(kind="sample", k=int(top_k), temperature=float(temperature), top_p=top_p, seed=seed,
-                   min_p=min_p, adjustments=adjustments)
+                   min_p=min_p, adjustments=adjustments, top_logprobs=int(top_logprobs))
 
 
 @dataclass(frozen=True, slots=True)

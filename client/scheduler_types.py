@@ -48,6 +48,8 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)  # only for a full-logits policy
+    # Per token, for a policy with top_logprobs: the most likely ids -> their log-probabilities.
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     error: ExecutorError | None = None
     preemptions: int = 0

@@ -100,6 +100,8 @@ def apply_result(sched: Scheduler, s: _Seq, n: int, res: UnifiedItemResult) -> N
     c.logprobs.append(out.logprob)
     if out.logits is not None:
         c.logits.append(np.array(out.logits))
+    if out.top_token_ids is not None and out.kind != "top_k":  # the policy's top_logprobs
+        c.top_logprobs.append(dict(zip(out.top_token_ids.tolist(), out.top_logprobs.tolist())))
     c.token_times.append(time.monotonic())
     if c.first_token_at is None:
         c.first_token_at = c.token_times[-1]

@@ -79,7 +79,8 @@ class CallTiming:
 class LogitsOutput:
     """Next-token output for one position, in the form its policy asked for.
 
-    Only the fields of `kind` are set; the rest are None. Full logits are float32 for
+    Only the fields of `kind` are set; the rest are None (top_token_ids and top_logprobs
+    are set for argmax and sample too where their policy asked for top_logprobs). Full logits are float32 for
     FLOAT32 and BFLOAT16 (decoded exactly), float16 for FLOAT16, and may be read-only
     views over the response bytes (copy before writing).
     """

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -314,4 +315,10 @@ def apply_policies(
                         _adjusted(rows, policies, sample))
         for i, r in zip(sample, drawn):
             results[i] = r
+    # The most likely ids with a chosen token (OpenAI's top_logprobs): the model's own, one
+    # top-k per distinct count over the rows that asked for it.
+    for n in sorted({p.top_logprobs for p in policies if p.top_logprobs}):
+        idx = [i for i, p in enumerate(policies) if p.top_logprobs == n]
+        for i, top in zip(idx, _top_k(_take(rows, idx), n)):
+            results[i] = replace(results[i], top_token_ids=top.top_token_ids, top_logprobs=top.top_logprobs)
     return results

@@ -85,6 +85,7 @@ class LogitsPolicy:
     top_p: float = 1.0  # SAMPLE
     seed: int | None = None  # SAMPLE
     min_p: float = 0.0  # SAMPLE; 0 keeps all
+    top_logprobs: int = 0  # ARGMAX and SAMPLE: also the most likely ids and their log-probabilities
     adjustments: LogitsAdjustments | None = None  # ARGMAX and SAMPLE; None changes nothing
 
     def validate(self, vocab_size: int, where: str) -> None:
@@ -117,6 +118,15 @@ class LogitsPolicy:
                     f"{where}.sample.min_p must be in [0, 1], got {self.min_p}",
                     field=f"{where}.sample.min_p",
                 )
+        if self.top_logprobs and self.kind not in (LogitsKind.ARGMAX, LogitsKind.SAMPLE):
+            raise InvalidParameter(f"{where}: top_logprobs goes with ARGMAX and SAMPLE; TOP_K returns its own k",
+                                   field=where)
+        if not 0 <= self.top_logprobs <= min(vocab_size, MAX_TOP_K):
+            branch = "argmax" if self.kind is LogitsKind.ARGMAX else "sample"
+            raise InvalidParameter(
+                f"{where}.{branch}.top_logprobs must be in [0, {min(vocab_size, MAX_TOP_K)}], got {self.top_logprobs}",
+                field=f"{where}.{branch}.top_logprobs",
+            )
         if self.adjustments is not None:
             self.adjustments.validate(vocab_size, f"{where}.adjustments")
             if self.kind not in (LogitsKind.ARGMAX, LogitsKind.SAMPLE) and not self.adjustments.changes_nothing:
@@ -141,8 +151,8 @@ class LogitsResult:
     token_id: int | None = None  # ARGMAX, SAMPLE
     logprob: float | None = None  # ARGMAX, SAMPLE: under the model's softmax
     sampling_logprob: float | None = None  # SAMPLE: under the sampled distribution
-    top_token_ids: tuple[int, ...] = ()  # TOP_K
-    top_logprobs: tuple[float, ...] = ()  # TOP_K
+    top_token_ids: tuple[int, ...] = ()  # TOP_K; ARGMAX and SAMPLE with top_logprobs
+    top_logprobs: tuple[float, ...] = ()  # the same rows' log-probabilities under the model's softmax
 
 
 Metadata = dict[str, Any]

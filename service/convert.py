@@ -131,7 +131,9 @@ def logits_policy(msg: pb.LogitsPolicy, where: str) -> t.LogitsPolicy:
     if which is None:
         return DEFAULT_POLICY if adjustments is None else t.LogitsPolicy(adjustments=adjustments)
     if which == "argmax":
-        return ARGMAX_POLICY if adjustments is None else t.LogitsPolicy(t.LogitsKind.ARGMAX, adjustments=adjustments)
+        if adjustments is None and not msg.argmax.top_logprobs:
+            return ARGMAX_POLICY
+        return t.LogitsPolicy(t.LogitsKind.ARGMAX, adjustments=adjustments, top_logprobs=msg.argmax.top_logprobs)
     if which == "full":
         return t.LogitsPolicy(t.LogitsKind.FULL, full_dtype=_dtype(msg.full.dtype, f"{where}.full.dtype", t.DType.FLOAT32),
                               adjustments=adjustments)
@@ -145,6 +147,7 @@ def logits_policy(msg: pb.LogitsPolicy, where: str) -> t.LogitsPolicy:
         top_p=s.top_p if s.HasField("top_p") else 1.0,
         seed=s.seed if s.HasField("seed") else None,
         min_p=s.min_p if s.HasField("min_p") else 0.0,
+        top_logprobs=s.top_logprobs,
         adjustments=adjustments,
     )
 

@@ -63,7 +63,7 @@ class ResponseBudget:
             return self.vocab_size * ELEMENT_BYTES.get(policy.full_dtype, 4) + ROW_FRAMING
         if policy.kind is LogitsKind.TOP_K:  # a k out of range is the executor's to refuse, precisely
             return min(max(policy.k, 0), self.vocab_size, MAX_TOP_K) * self.top_k_entry + ROW_FRAMING
-        return ROW_FRAMING
+        return min(policy.top_logprobs, self.vocab_size, MAX_TOP_K) * self.top_k_entry + ROW_FRAMING
 
     def handle(self, cache_id: str | None, end_length: int, name_chars: int = 0) -> int:
         """A handle to a cache holding `end_length` tokens after the call, and its item's framing."""

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from executors.logits import _nucleus_floor, apply_policies, sampling_uniform, to_host_tensor
+from executors.adjustments import LogitsAdjustments as Adjust
+from executors.logits import _nucleus_floor, apply_policies, argmax_pairs, sampling_uniform, to_host_tensor
 from executors.types import DType, LogitsKind, LogitsPolicy
 
 # Probabilities with no ties, on a vocabulary small enough to count every token's draws.
@@ -210,3 +212,28 @@ def test_mixed_batch_keeps_order():
             np.testing.assert_array_equal(r.logits.array, one.logits.array)
         else:
             assert (r.token_id, r.top_token_ids) == (one.token_id, one.top_token_ids)
+
+
+def test_argmax_and_sample_rows_also_return_the_top_logprobs_they_ask_for():
+    x = rows(9, 3000, seed=7)
+    adjusted = Adjust(logit_bias=((5, 100.0),))  # moves the choice, not the model's top ids
+    policies = [LogitsPolicy(LogitsKind.ARGMAX, top_logprobs=5), argmax(),
+                LogitsPolicy(LogitsKind.SAMPLE, temperature=0.8, seed=1, top_logprobs=5),
+                LogitsPolicy(LogitsKind.SAMPLE, temperature=0.0, top_logprobs=1),
+                LogitsPolicy(LogitsKind.ARGMAX, top_logprobs=20, adjustments=adjusted), top_k(5),
+                LogitsPolicy(LogitsKind.SAMPLE, temperature=1.0, seed=2, top_logprobs=20, adjustments=adjusted),
+                sample(0.5), full()]
+    for precomputed in (None, argmax_pairs(x)):  # the second: as a decode CUDA graph hands it over
+        out = apply_policies(x, policies, range(9), argmax=precomputed)
+        plain = apply_policies(x, [replace(p, top_logprobs=0) for p in policies], range(9))
+        for row, p, r, alone in zip(x, policies, out, plain):
+            assert (r.kind, r.token_id, r.logprob) == (alone.kind, alone.token_id, alone.logprob)
+            if p.kind is LogitsKind.TOP_K:
+                continue
+            if not p.top_logprobs:
+                assert r.top_token_ids == () and r.top_logprobs == ()
+                continue
+            top = torch.topk(torch.log_softmax(row, dim=-1), p.top_logprobs)
+            assert r.top_token_ids == tuple(top.indices.tolist())
+            np.testing.assert_allclose(r.top_logprobs, top.values.numpy(), atol=1e-5)
+        assert out[4].token_id == out[6].token_id == 5 and 5 not in out[4].top_token_ids

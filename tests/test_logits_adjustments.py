@@ -1,5 +1,5 @@
-"""Logits adjustments (penalties, bias, allow-list) and min_p: apply_policies against a
-per-row float64 re-computation, then through a real server and the real client."""
+"""Logits adjustments (penalties, bias, allow-list), min_p and top_logprobs: apply_policies
+against a per-row float64 re-computation, then through a real server and the real client."""
 
 from __future__ import annotations
 
@@ -246,13 +246,33 @@ def test_adjustments_through_the_server(client):
     client.release_cache(out.kv_cache)
 
 
+def test_top_logprobs_through_the_server(client):
+    prompt = [9, 8, 7]
+    raw = torch.from_numpy(MODEL.last_logits(prompt).astype(np.float32))
+    expected = torch.topk(torch.log_softmax(raw, dim=-1), 6)
+    for policy in (LogitsPolicy.argmax(top_logprobs=6), LogitsPolicy.sample(0.7, seed=3, top_logprobs=6)):
+        out = client.prefill(PrefillInput(prompt, logits_policy=policy))
+        got = out.logits
+        assert got.kind == policy.kind and got.token_id is not None
+        # This model's logits tie a lot: compare the log-probabilities, and the ids where no tie is.
+        np.testing.assert_allclose(got.top_logprobs, expected.values.numpy(), atol=1e-5)
+        assert got.top_token_ids[0] == int(torch.argmax(raw))
+        client.release_cache(out.kv_cache)
+    plain = client.prefill(PrefillInput(prompt, logits_policy=LogitsPolicy.argmax()))
+    assert plain.logits.top_token_ids is None  # asked for none, none on the wire
+    client.release_cache(plain.kv_cache)
+
+
 @pytest.mark.parametrize(("policy", "field"), [
     (LogitsPolicy.argmax(LogitsAdjustments.build([1, 256])), "penalized_token_ids"),
     (LogitsPolicy.argmax(LogitsAdjustments.build(logit_bias={3: 150.0})), "logit_bias"),
     (LogitsPolicy.sample(1.0, adjustments=LogitsAdjustments.build(repetition_penalty=-1.0)), "repetition_penalty"),
     (LogitsPolicy.sample(1.0, min_p=-0.5), "sample.min_p"),
+    (LogitsPolicy.argmax(top_logprobs=257), "argmax.top_logprobs"),
+    (LogitsPolicy.sample(1.0, top_logprobs=2000), "sample.top_logprobs"),
     (LogitsPolicy(kind="top_k", k=3, adjustments=LogitsAdjustments.build(allowed_token_ids=[1])), "adjustments"),
-], ids=["id_out_of_vocab", "bias_too_big", "repetition_negative", "min_p_negative", "top_k_adjusted"])
+], ids=["id_out_of_vocab", "bias_too_big", "repetition_negative", "min_p_negative", "argmax_top_logprobs_over_vocab",
+     "sample_top_logprobs_over_1024", "top_k_adjusted"])
 def test_bad_adjustments_through_the_server(client, policy, field):
     with pytest.raises(InvalidArgumentError) as err:
         client.prefill(PrefillInput([1, 2], logits_policy=policy))

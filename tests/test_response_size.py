@@ -44,9 +44,10 @@ def random_policy(vocab: int) -> pb.LogitsPolicy:
         return pb.LogitsPolicy(full=pb.FullLogits(dtype=pb.DATA_TYPE_BFLOAT16))
     if kind == 2:
         return pb.LogitsPolicy(top_k=pb.TopKLogprobs(k=int(rng.integers(1, vocab + 1))))
+    top = int(rng.integers(0, vocab + 1)) if rng.integers(0, 2) else 0  # the most likely ids with the token
     if kind == 3:
-        return pb.LogitsPolicy(argmax=pb.ArgmaxToken())
-    return pb.LogitsPolicy(sample=pb.SampleToken(temperature=0.7, seed=5))
+        return pb.LogitsPolicy(argmax=pb.ArgmaxToken(top_logprobs=top))
+    return pb.LogitsPolicy(sample=pb.SampleToken(temperature=0.7, seed=5, top_logprobs=top))
 
 
 def cache_id() -> str:

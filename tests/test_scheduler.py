@@ -180,6 +180,23 @@ def test_penalties_go_with_every_step_over_the_sequences_own_tokens(make_server)
         pool_is_clean(c)
 
 
+def test_top_logprobs_come_with_each_token(make_server):
+    server = make_server()
+
+    async def run():
+        async with Scheduler(AsyncExecutorClient(server.address), max_num_batched_tokens=32) as sched:
+            return await asyncio.gather(*(sched.generate(p, max_tokens=6, policy=LogitsPolicy.argmax(top_logprobs=3))
+                                          for p in PROMPTS[:4]))
+
+    for comp in asyncio.run(run()):
+        assert len(comp.top_logprobs) == len(comp.token_ids) == 6
+        for token, logprob, top in zip(comp.token_ids, comp.logprobs, comp.top_logprobs):
+            assert len(top) == 3 and max(top.values()) == pytest.approx(logprob, abs=1e-6)
+            assert top.get(token, logprob) == pytest.approx(logprob, abs=1e-6)  # ties may list another id
+    with ExecutorClient(server.address) as c:
+        pool_is_clean(c)
+
+
 def test_resource_exhausted_from_another_client_is_waited_out(make_server):
     """Blocks taken behind the scheduler's back: the step is refused, nothing fails, it resumes when freed."""
     server = make_server(num_blocks=40)

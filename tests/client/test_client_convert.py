@@ -176,6 +176,21 @@ def test_adjustments_and_min_p_round_trip_and_build_counts_the_tokens() -> None:
     assert not Penalties() and Penalties(repetition=1.0)
 
 
+def test_top_logprobs_with_a_chosen_token_round_trip() -> None:
+    for policy in (LogitsPolicy.argmax(top_logprobs=3), LogitsPolicy.sample(0.5, seed=1, top_logprobs=4)):
+        msg = convert.policy_to_proto(policy)
+        assert getattr(msg, policy.kind).top_logprobs == policy.top_logprobs
+        assert convert.policy_from_proto(msg) == policy
+        item = convert.prefill_input_to_proto(PrefillInput([1], logits_policy=policy))
+        assert item.logits_policy == msg  # an argmax with top_logprobs is not sent as a bare one
+    out = convert.logits_from_proto(pb.LogitsOutput(kind=pb.LOGITS_KIND_ARGMAX, token_id=7, logprob=-0.5,
+                                                    top_token_ids=[7, 2], top_logprobs=[-0.5, -1.5]))
+    assert (out.kind, out.token_id, out.logprob, out.sampling_logprob) == ("argmax", 7, -0.5, None)
+    assert out.top_token_ids.tolist() == [7, 2] and out.top_logprobs.tolist() == [-0.5, -1.5]
+    bare = convert.logits_from_proto(pb.LogitsOutput(kind=pb.LOGITS_KIND_ARGMAX, token_id=7, logprob=-0.5))
+    assert bare.top_token_ids is None
+
+
 def test_policy_unset_is_none_and_bad_dtype_rejected() -> None:
     assert convert.policy_from_proto(pb.LogitsPolicy()) is None
     msg = convert.prefill_input_to_proto(PrefillInput([1]))

@@ -177,8 +177,10 @@ class FullLogits(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DataType, str]] = ...) -> None: ...
 
 class ArgmaxToken(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("top_logprobs",)
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    top_logprobs: int
+    def __init__(self, top_logprobs: _Optional[int] = ...) -> None: ...
 
 class TopKLogprobs(_message.Message):
     __slots__ = ("k",)
@@ -187,18 +189,20 @@ class TopKLogprobs(_message.Message):
     def __init__(self, k: _Optional[int] = ...) -> None: ...
 
 class SampleToken(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "top_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
     min_p: float
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class LogitsAdjustments(_message.Message):
     __slots__ = ("penalized_token_ids", "penalized_token_counts", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "allowed_token_ids")
