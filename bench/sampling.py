@@ -5,10 +5,11 @@ vocabulary (49152) for ARGMAX and SAMPLE (temperature 0.8 with top-p 0.95, or wi
 top-k 50, or with min-p 0.05), ARGMAX with the 5 most likely ids' log-probabilities, and
 ARGMAX and SAMPLE with logits adjustments as a chat front end sends them (the penalties
 over a 512-token prompt and 256 generated tokens, a bias on 20 ids; or an allow-list of
-1000 ids), at batch 1 and 32; median of --rounds. At batch 32 it also times the rows one
-call per row, as the executor applied them (item by item) before it ran one call per step.
-To compare with another version of the code, run the same command from a checkout of it
-(`python -m` puts the working directory first on the path, ahead of PYTHONPATH).
+1000 ids), at batch 1 and 32; median of --rounds. Each case runs through torch's ops and,
+where they build, the CPU kernels (argmax.c, sampling.c), which a float32 executor on a CPU
+uses, in alternating rounds (before run 26 it timed torch's, and the rows one call per row
+too). To compare with another version of the code, run the same command from a checkout of
+it (`python -m` puts the working directory first on the path, ahead of PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections import Counter
 import torch
 
 from executors.adjustments import LogitsAdjustments
+from executors.cpu_kernels import cpu_kernels
 from executors.logits import apply_policies
 from executors.types import LogitsKind, LogitsPolicy
 
@@ -56,21 +58,20 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
     rows = torch.randn(32, VOCAB, generator=gen) * 3  # logits spread like a small LM's
+    kernels = cpu_kernels()
+    ways = {"torch": None} if kernels is None else {"torch": None, "CPU kernels": kernels}
+    if kernels is None:
+        print("the CPU kernels do not build here: torch's ops only", flush=True)
     for name, policy in POLICIES.items():
         for batch in (1, 32):
-            times = []
-            for _ in range(args.rounds):
-                started = time.perf_counter()
-                apply_policies(rows[:batch], [policy] * batch, list(range(batch)))
-                times.append(time.perf_counter() - started)
-            print(f"{name:26s} batch {batch:2d}: {statistics.median(times) * 1e3:8.2f} ms", flush=True)
-        per_row = []
-        for _ in range(args.rounds):
-            started = time.perf_counter()
-            for r in range(32):
-                apply_policies(rows[r:r + 1], [policy], [r])
-            per_row.append(time.perf_counter() - started)
-        print(f"{name:26s} batch 32, one call per row: {statistics.median(per_row) * 1e3:8.2f} ms", flush=True)
+            times: dict[str, list[float]] = {way: [] for way in ways}
+            for _ in range(args.rounds):  # the ways alternate, so a slow stretch of the machine hits both
+                for way, with_kernels in ways.items():
+                    started = time.perf_counter()
+                    apply_policies(rows[:batch], [policy] * batch, list(range(batch)), kernels=with_kernels)
+                    times[way].append(time.perf_counter() - started)
+            figures = ", ".join(f"{way} {statistics.median(t) * 1e3:6.2f} ms" for way, t in times.items())
+            print(f"{name:26s} batch {batch:2d}: {figures}", flush=True)
     return 0
 
 

@@ -31,6 +31,11 @@ token's block of 128 and float64 sums the token inside it, so draws follow the f
 probabilities to their own precision, and a token of probability 0 (cut, or underflowed)
 is never drawn.
 
+A float32 executor with the CPU kernels draws its SAMPLE rows through cpu_kernels/sampling.c
+instead: the same cuts and the same inversion in one call per step, its sums in double, so
+its token differs from these ops' only where float32 rounding decides (bench/RESULTS.md
+run 26b: 3.1 ms for 32 top-p rows where these ops take 13.4).
+
 Top-p needs the probabilities in order only around the nucleus boundary, so instead of
 sorting the vocabulary, a row's probabilities go into histogram bins by the top bits of
 their float32 encoding (monotone in the value, each bin ~3% wide): the bins' masses from
@@ -175,11 +180,19 @@ def _nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.where(kept > 0, floor, 0.0)
 
 
-def _draw(scaled: torch.Tensor, policies: list[LogitsPolicy], states: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids drawn from the rows of `scaled` (logits / temperature, all finite), and log
-    of the probability each was drawn with."""
+def _draw(scaled: torch.Tensor, policies: list[LogitsPolicy], states: list[int],
+          kernels: CpuKernels | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids drawn from the rows of `scaled` (logits / temperature: finite, or -inf where
+    masked), and log of the probability each was drawn with; through the CPU kernels'
+    one call (sampling.c) where given and the rows are float32 on the CPU."""
     n, vocab = scaled.shape
     dev = scaled.device
+    if kernels is not None and dev.type == "cpu" and scaled.dtype == torch.float32:
+        found = kernels.sample(scaled, [p.top_k if 0 < p.top_k < vocab else 0 for p in policies],
+                               [p.top_p for p in policies], [p.min_p for p in policies],
+                               [sampling_uniform(s) for s in states])
+        if found is not None:
+            return found
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in policies]
     if any(top_k):
         cut = [i for i, k in enumerate(top_k) if k]
@@ -237,7 +250,7 @@ def _argmax_adjusted(x: torch.Tensor, choose: torch.Tensor) -> tuple[list[int], 
 
 
 def _sample(x: torch.Tensor, policies: list[LogitsPolicy], positions: list[int],
-            choose: torch.Tensor | None = None) -> list[LogitsResult]:
+            choose: torch.Tensor | None = None, kernels: CpuKernels | None = None) -> list[LogitsResult]:
     """x: the rows' logits; choose: the rows the tokens are drawn from (x adjusted; None: x)."""
     adjusted = choose is not None
     choose = x if choose is None else choose
@@ -261,7 +274,7 @@ def _sample(x: torch.Tensor, policies: list[LogitsPolicy], positions: list[int],
         idx = [i for i, g in enumerate(greedy) if not g]
         states = [sampling_seed(policies[i].seed, positions[i]) for i in idx]
         scaled = _take(choose, idx) / _take(temps[:, None], idx)
-        tok, drawn_with = _draw(scaled, [policies[i] for i in idx], states)
+        tok, drawn_with = _draw(scaled, [policies[i] for i in idx], states, kernels)
         for i, t, lp, dw in zip(idx, tok.tolist(), _logprob_at(_take(x, idx), tok).tolist(), drawn_with.tolist()):
             results[i] = LogitsResult(LogitsKind.SAMPLE, token_id=t, logprob=lp, sampling_logprob=dw)
     return results
@@ -312,7 +325,7 @@ def apply_policies(
             results[i] = r
     if sample:
         drawn = _sample(_take(rows, sample), [policies[i] for i in sample], [positions[i] for i in sample],
-                        _adjusted(rows, policies, sample))
+                        _adjusted(rows, policies, sample), kernels)
         for i, r in zip(sample, drawn):
             results[i] = r
     # The most likely ids with a chosen token (OpenAI's top_logprobs): the model's own, one

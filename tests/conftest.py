@@ -184,6 +184,20 @@ def pki(tmp_path_factory) -> Pki:
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
+@pytest.fixture(params=["torch", "cpu-kernel"])
+def sampling_kernels(request):
+    """What apply_policies draws SAMPLE rows with: torch's ops (None), or the CPU kernels'
+    one call (sampling.c), which float32 executors on a CPU use; skipped where they do not build."""
+    if request.param == "torch":
+        return None
+    from executors.cpu_kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels cannot be built on this machine")
+    return kernels
+
+
 @pytest.fixture(scope="session")
 def paged_server() -> Iterator[RunningServer]:
     running = start_server(PAGED_TEST_CONFIG)

@@ -134,31 +134,69 @@ VALUE = st.recursive(
 WILD_METADATA = st.one_of(st.just({}), st.dictionaries(st.text(max_size=12), VALUE, max_size=3))
 
 
-def _sample(temperature: float, top_k: int, top_p: float | None, seed: int | None) -> pb.LogitsPolicy:
-    s = pb.SampleToken(temperature=temperature, top_k=top_k)
+def _sample(temperature: float, top_k: int, top_p: float | None, seed: int | None, min_p: float | None = None,
+            top_logprobs: int = 0) -> pb.LogitsPolicy:
+    s = pb.SampleToken(temperature=temperature, top_k=top_k, top_logprobs=top_logprobs)
     if top_p is not None:
         s.top_p = top_p
     if seed is not None:
         s.seed = seed
+    if min_p is not None:
+        s.min_p = min_p
     return pb.LogitsPolicy(sample=s)
+
+
+def _adjusted(policy: pb.LogitsPolicy, ids: list[int], counts: list[int], repetition: float | None, presence: float,
+              frequency: float, bias: dict[int, float], allowed: list[int]) -> pb.LogitsPolicy:
+    out = pb.LogitsPolicy()
+    out.CopyFrom(policy)
+    a = out.adjustments
+    a.penalized_token_ids.extend(ids)
+    a.penalized_token_counts.extend(counts)
+    if repetition is not None:
+        a.repetition_penalty = repetition
+    a.presence_penalty, a.frequency_penalty = presence, frequency
+    for token, value in bias.items():
+        a.logit_bias[token] = value
+    a.allowed_token_ids.extend(allowed)
+    return out
+
+
+def _sane_adjusted(policy: pb.LogitsPolicy, ids: set[int], counted: bool, repetition: float | None, presence: float,
+                   frequency: float, bias: dict[int, float], allowed: list[int]) -> pb.LogitsPolicy:
+    return _adjusted(policy, sorted(ids), [i % 4 for i in sorted(ids)] if counted else [], repetition, presence,
+                     frequency, bias, allowed)
 
 
 # Requests are drawn "sane" (valid values, live caches at their true length: calls that
 # succeed and move state) or "wild" (anything at all), one or the other per rule.
+SANE_CHOOSING = st.one_of(
+    st.integers(0, 8).map(lambda n: pb.LogitsPolicy(argmax=pb.ArgmaxToken(top_logprobs=n))),
+    st.builds(_sample, st.floats(0, 2, width=32), st.integers(0, 50), st.none() | st.floats(0.0625, 1, width=32),
+              st.none() | U64, st.none() | st.floats(0, 1, width=32), st.integers(0, 8)),
+)
 SANE_POLICY = st.one_of(
     st.none(),
     st.integers(0, 3).map(lambda d: pb.LogitsPolicy(full=pb.FullLogits(dtype=d))),
-    st.builds(lambda: pb.LogitsPolicy(argmax=pb.ArgmaxToken())),
     st.integers(1, 20).map(lambda k: pb.LogitsPolicy(top_k=pb.TopKLogprobs(k=k))),
-    st.builds(_sample, st.floats(0, 2, width=32), st.integers(0, 50), st.none() | st.floats(0.0625, 1, width=32),
-              st.none() | U64),
+    SANE_CHOOSING,
+    st.builds(_sane_adjusted, SANE_CHOOSING, st.sets(st.integers(0, 255), max_size=6), st.booleans(),
+              st.none() | st.floats(0.25, 4, width=32), st.floats(-2, 2, width=32), st.floats(-2, 2, width=32),
+              st.dictionaries(st.integers(0, 255), st.floats(-100, 100, width=32), max_size=4),
+              st.lists(st.integers(0, 255), max_size=6)),
+)
+WILD_BASE = st.one_of(
+    ENUM.map(lambda d: pb.LogitsPolicy(full=pb.FullLogits(dtype=d))),
+    st.one_of(st.integers(0, 300), U32).map(lambda n: pb.LogitsPolicy(argmax=pb.ArgmaxToken(top_logprobs=n))),
+    st.one_of(st.integers(0, 300), U32).map(lambda k: pb.LogitsPolicy(top_k=pb.TopKLogprobs(k=k))),
+    st.builds(_sample, FLOAT32, st.one_of(st.integers(0, 300), U32), st.none() | FLOAT32, st.none() | U64,
+              st.none() | FLOAT32, st.one_of(st.integers(0, 300), U32)),
 )
 WILD_POLICY = st.one_of(
     st.none(),
-    ENUM.map(lambda d: pb.LogitsPolicy(full=pb.FullLogits(dtype=d))),
-    st.builds(lambda: pb.LogitsPolicy(argmax=pb.ArgmaxToken())),
-    st.one_of(st.integers(0, 300), U32).map(lambda k: pb.LogitsPolicy(top_k=pb.TopKLogprobs(k=k))),
-    st.builds(_sample, FLOAT32, st.one_of(st.integers(0, 300), U32), st.none() | FLOAT32, st.none() | U64),
+    WILD_BASE,
+    st.builds(_adjusted, WILD_BASE, st.lists(ANY_TOKEN, max_size=5), st.lists(U32, max_size=5), st.none() | FLOAT32,
+              FLOAT32, FLOAT32, st.dictionaries(ANY_TOKEN, FLOAT32, max_size=3), st.lists(ANY_TOKEN, max_size=5)),
 )
 SANE_TOKENS = st.one_of(
     VALID_TOKENS,

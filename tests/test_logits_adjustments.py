@@ -3,6 +3,7 @@ against a per-row float64 re-computation, then through a real server and the rea
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 
@@ -134,10 +135,11 @@ SMALL = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, -3.0])
         penalized_token_ids=(0, 6, 5), penalized_token_counts=(3, 1, 2), repetition_penalty=1.5,
         presence_penalty=0.3, frequency_penalty=0.2, logit_bias=((7, 4.0),))),
 ], ids=["allowed", "min_p", "top_k_top_p_min_p", "penalties_bias_min_p"])
-def test_draws_follow_the_adjusted_and_cut_distribution(policy):
+def test_draws_follow_the_adjusted_and_cut_distribution(policy, sampling_kernels):
+    apply = functools.partial(apply_policies, kernels=sampling_kernels)
     n = 20_000
     expected = sampled_probs(SMALL, policy)
-    out = apply_policies(SMALL[None].expand(n, -1), [policy] * n, range(n))
+    out = apply(SMALL[None].expand(n, -1), [policy] * n, range(n))
     counts = np.bincount([r.token_id for r in out], minlength=SMALL.numel())
     kept = expected > 0
     assert counts[~kept].sum() == 0, "a token masked or cut was drawn"
@@ -150,25 +152,28 @@ def test_draws_follow_the_adjusted_and_cut_distribution(policy):
         assert r.logprob == pytest.approx(float(torch.log_softmax(SMALL, dim=-1)[r.token_id]), abs=1e-5)
 
 
-def test_min_p_one_keeps_only_the_most_probable_token():
+def test_min_p_one_keeps_only_the_most_probable_token(sampling_kernels):
+    apply = functools.partial(apply_policies, kernels=sampling_kernels)
     x = rows(6, 3000, seed=3)
-    out = apply_policies(x, [Policy(LogitsKind.SAMPLE, temperature=1.5, seed=i, min_p=1.0) for i in range(6)], range(6))
+    out = apply(x, [Policy(LogitsKind.SAMPLE, temperature=1.5, seed=i, min_p=1.0) for i in range(6)], range(6))
     assert [r.token_id for r in out] == torch.argmax(x, dim=-1).tolist()
     assert all(r.sampling_logprob == 0.0 for r in out)
 
 
-def test_an_allowed_token_stays_choosable_whatever_its_logit():
+def test_an_allowed_token_stays_choosable_whatever_its_logit(sampling_kernels):
+    apply = functools.partial(apply_policies, kernels=sampling_kernels)
     x = rows(3, 500, seed=4)
     x[:, [10, 20]] = -math.inf  # the only allowed tokens are the model's impossible ones
     allowed = Adjust(allowed_token_ids=(10, 20))
     policies = [Policy(LogitsKind.ARGMAX, adjustments=allowed),
                 Policy(LogitsKind.SAMPLE, temperature=0.7, seed=1, adjustments=allowed),
                 Policy(LogitsKind.SAMPLE, temperature=0.0, adjustments=allowed)]
-    for r in apply_policies(x, policies, range(3)):
+    for r in apply(x, policies, range(3)):
         assert r.token_id in (10, 20)
 
 
-def test_adjusted_rows_do_not_depend_on_their_batch_mates():
+def test_adjusted_rows_do_not_depend_on_their_batch_mates(sampling_kernels):
+    apply = functools.partial(apply_policies, kernels=sampling_kernels)
     x = rows(10, 2000, seed=5)
     rng = np.random.default_rng(2)
     policies = []
@@ -176,9 +181,9 @@ def test_adjusted_rows_do_not_depend_on_their_batch_mates():
         a = random_adjustments(rng, 2000, row) if i % 2 else None
         policies.append(Policy(LogitsKind.ARGMAX, adjustments=a) if i % 3 == 0 else
                         Policy(LogitsKind.SAMPLE, temperature=0.9, top_p=0.95, min_p=0.05, seed=i, adjustments=a))
-    together = apply_policies(x, policies, range(10))
+    together = apply(x, policies, range(10))
     for i, r in enumerate(together):
-        alone = apply_policies(x[i:i + 1], [policies[i]], [i])[0]
+        alone = apply(x[i:i + 1], [policies[i]], [i])[0]
         assert (alone.token_id, alone.kind) == (r.token_id, r.kind)
         assert alone.logprob == pytest.approx(r.logprob, abs=1e-6)
 

@@ -14,6 +14,7 @@ it; built by build.py).
 - prefill_attention.c: causal attention of fresh prompts over themselves, as panel matmuls
   over the causal triangle;
 - argmax.c: the ARGMAX policy's token and log-probability in one call;
+- sampling.c: the SAMPLE policy's draw (top-k, top-p, min-p, inversion) in one call;
 - decode_step.c: a whole decode step of a dense model, every layer, in one call
   (executors/models/fused_decode.py; its structures in step.py).
 
@@ -85,6 +86,7 @@ class CpuKernels:
         self._glu = _bind(library, "me_glu_f32", [_P, _I, _I, _I, _C, _P, _C])
         self._store_kv = _bind(library, "me_store_kv_f32", [_P, _P, _I, _I, _I, _I, _P, _P, _P])
         self._argmax = _bind(library, "me_argmax_logprob_f32", [_P, _I, _I, _I, _P, _P, _C], ctypes.c_int)
+        self._sample = _bind(library, "me_sample_f32", [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _C], ctypes.c_int)
         self._decode_step = _bind(library, "me_decode_step_f32", [_P, _P, _C], ctypes.c_int)
         self._prefill_attention = _bind(library, "me_prefill_attention_f32",
                                         [_P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F, _P, _I, _C], ctypes.c_int)
@@ -269,6 +271,28 @@ class CpuKernels:
                         torch.get_num_threads()) != 0:
             return None
         return token.tolist(), logprob.tolist()
+
+    def sample(self, scaled: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float],
+               u: list[float]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each row's drawn token ([rows] int64) and the log of the probability it was drawn
+        with ([rows] float64), as logits._draw computes them: scaled [rows, vocab] float32
+        (logits / temperature, finite or -inf, each row's largest finite), the row's top_k
+        (0 keeps all), top_p, min_p and its uniform number u in [0, 1). None when the kernel's
+        scratch could not be allocated."""
+        if scaled.dtype is not _F32 or scaled.ndim != 2 or not scaled.is_cpu:
+            raise _refused("sample", "scaled", scaled, "a float32 CPU matrix [rows, vocab]", _F32)
+        rows, n = scaled.shape
+        if not len(top_k) == len(top_p) == len(min_p) == len(u) == rows:
+            raise ValueError(f"CpuKernels.sample: top_k, top_p, min_p and u need {rows} entries each, one a row")
+        if scaled.stride(1) != 1:
+            scaled = scaled.contiguous()
+        params = (torch.tensor(top_k, dtype=_I64), torch.tensor(top_p, dtype=_F32), torch.tensor(min_p, dtype=_F32),
+                  torch.tensor(u, dtype=torch.float64))
+        token, drawn = torch.empty(rows, dtype=_I64), torch.empty(rows, dtype=torch.float64)
+        if self._sample(scaled.data_ptr(), rows, n, scaled.stride(0), *(t.data_ptr() for t in params),
+                        token.data_ptr(), drawn.data_ptr(), torch.get_num_threads()) != 0:
+            return None
+        return token, drawn
 
     def decode_attention(self, q: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, tables: torch.Tensor,
                          lo: torch.Tensor, hi: torch.Tensor, scale: float, out: torch.Tensor) -> None:

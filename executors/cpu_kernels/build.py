@@ -29,7 +29,7 @@ import torch
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("weight_panel.c", "pointwise.c", "paged_attention.c", "prefill_attention.c",
-                                           "argmax.c", "decode_step.c", "fma_rate.c"))
+                                           "argmax.c", "sampling.c", "decode_step.c", "fma_rate.c"))
 HEADERS = tuple(HERE / name for name in ("simd.h", "isa.h", "panel.h", "weight_panel.h", "pack_x.h",
                                           "weight_panel512.h", "weight_linear.h", "weight_q8_dot.h", "weight_q8.h",
                                           "pointwise.h", "attention_row.h"))
