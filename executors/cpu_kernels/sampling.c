@@ -13,8 +13,8 @@
  * bin's probabilities sorted. Sums run in double, so a draw can differ from the torch
  * path's only where float32 rounding decides, as two torch builds can.
  */
+#include <float.h>
 #include <math.h>
-#include <omp.h>
 #include <string.h>
 
 #include "simd.h"
@@ -100,7 +100,7 @@ static float kth_largest_heap(const float *s, int64_t n, int64_t k, float *heap)
 
 #define BLOCK 128  /* tokens a block of the inverse CDF: its sum locates the draw's block */
 
-/* One row: s [n] scaled logits, finite or -inf, the largest finite. Scratch: e and spare of n
+/* One row: s [n] scaled logits, finite or -inf (never drawn), the largest finite. Scratch: e and spare of n
  * floats, mass of NUM_BINS doubles, sums of n / BLOCK + 1 doubles.
  *
  * The probabilities stay unnormalised, e = exp(s - max) in (0, 1] (the largest is 1), and
@@ -108,7 +108,9 @@ static float kth_largest_heap(const float *s, int64_t n, int64_t k, float *heap)
  * min_p itself. */
 static void sample_row(const float *s, int64_t n, int64_t top_k, float top_p, float min_p, double u, float *e,
                        float *spare, double *mass, double *sums, int64_t *token, double *drawn) {
-    float cut = -INFINITY;  /* logits below it are out */
+    /* Logits below the cut are out: -inf ones always (exp8 floors its argument at -87, so
+     * they would get a probability of 1.6e-38 instead of 0), the top_k cut's too. */
+    float cut = -FLT_MAX;
     if (top_k > 0 && top_k < n) {
         if (top_k <= HEAP_K) {
             cut = kth_largest_heap(s, n, top_k - 1, spare);
@@ -116,6 +118,7 @@ static void sample_row(const float *s, int64_t n, int64_t top_k, float top_p, fl
             memcpy(spare, s, sizeof(float) * (size_t)n);
             cut = kth_largest(spare, n, top_k - 1);
         }
+        cut = cut > -FLT_MAX ? cut : -FLT_MAX;
     }
     __m256 m8 = _mm256_set1_ps(-INFINITY);
     int64_t j = 0;
