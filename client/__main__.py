@@ -95,22 +95,17 @@ def _lora_unload_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_generate(ex: ExecutorClient, args: argparse.Namespace) -> None:
     """Stream a completion of --prompt (or a chat reply with --chat) to stdout. The prompt is
     printed once the prefill succeeded; a line left open is ended before an error (or Ctrl-C)."""
-    from .cli_options import load_tokenizer
+    from .cli_options import load_tokenizer, sampling_penalties, sampling_policy
     from .generate import generate_text
-    from .types import LogitsPolicy, Penalties
 
     tok = load_tokenizer(args.tokenizer)
     text = args.prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         text = tok.apply_chat_template(messages + [{"role": "user", "content": args.prompt}])
-    policy = (LogitsPolicy.argmax() if args.temperature == 0 else
-              LogitsPolicy.sample(args.temperature, top_k=args.top_k or 0, top_p=args.top_p, seed=args.seed,
-                                  min_p=args.min_p))
-    penalties = Penalties(args.repetition_penalty, args.presence_penalty, args.frequency_penalty)
     stop = set() if args.ignore_eos else tok.eos_ids
-    pieces = generate_text(ex, tok, tok.encode(text), max_tokens=args.max_tokens, policy=policy, stop_ids=stop,
-                           penalties=penalties)
+    pieces = generate_text(ex, tok, tok.encode(text), max_tokens=args.max_tokens,
+                           policy=sampling_policy(args, args.seed), stop_ids=stop, penalties=sampling_penalties(args))
     wrote = False
 
     def show(text: str) -> None:
@@ -141,37 +136,23 @@ def cmd_generate(ex: ExecutorClient, args: argparse.Namespace) -> None:
 
 
 def _check_generate(args: argparse.Namespace) -> str | None:
-    if args.temperature == 0:
-        for flag in ("top_p", "top_k", "seed", "min_p"):
-            if getattr(args, flag) is not None:
-                return f"--{flag.replace('_', '-')} has no effect on greedy decoding: add --temperature > 0"
+    from .cli_options import check_sampling_arguments
+
+    if (refused := check_sampling_arguments(args)) is not None:
+        return refused
     if args.system is not None and not args.chat:
         return "--system is the system message of --chat: add --chat"
     return None
 
 
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli_options import add_tokenizer_argument, at_least, float_in, positive, probability, seed, temperature
+    from .cli_options import add_sampling_arguments, add_tokenizer_argument, at_least
 
     p.add_argument("--prompt", required=True, help="text to complete (or the user message with --chat)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--max-tokens", type=at_least(1), default=64, help="most new tokens (default %(default)s)")
-    p.add_argument("--temperature", type=temperature, default=0.0,
-                   help="0 is greedy (default %(default)s); above 0, sampled on the server")
-    p.add_argument("--top-k", type=at_least(0, 2**32 - 1), default=None,
-                   help="sampling: among the k most likely tokens; 0 keeps all (default)")
-    p.add_argument("--top-p", type=probability, default=None, help="sampling: nucleus mass, in (0, 1]")
-    p.add_argument("--seed", type=seed, default=None, help="sampling: seed for a reproducible draw")
-    p.add_argument("--min-p", type=float_in(0, 1), default=None,
-                   help="sampling: keep tokens at least this share as probable as the most probable, in [0, 1]")
-    p.add_argument("--repetition-penalty", type=positive, default=None,
-                   help="divide the positive logits (multiply the negative) of the prompt's and generated tokens "
-                        "by this, > 0 (1: none)")
-    p.add_argument("--presence-penalty", type=float_in(-2, 2), default=0.0,
-                   help="subtract this from the logit of every token generated so far, in [-2, 2]")
-    p.add_argument("--frequency-penalty", type=float_in(-2, 2), default=0.0,
-                   help="subtract this times its count from the logit of every token generated so far, in [-2, 2]")
+    add_sampling_arguments(p, seed_help="sampling: seed for a reproducible draw")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
     add_tokenizer_argument(p)
 

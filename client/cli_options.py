@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .logits_policy import LogitsPolicy, Penalties
+
 TOKEN_ENV = "MODELEXEC_TOKEN"  # as the TypeScript client's demo and move scripts read it
 
 
@@ -154,3 +156,47 @@ def load_tokenizer(directory: str | None) -> Any:
                              f"tokenizer.json (the default, the embedded model at {directory}, is not there: it "
                              f"is only in a checkout, after `make model`)")
     return tokenizer.TextTokenizer(directory)
+
+
+# -- the sampling flags generate and schedule share -------------------------------------------
+SAMPLING_ONLY = ("top_k", "top_p", "min_p", "seed")  # flags that need --temperature > 0
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser, *, seed_help: str) -> None:
+    """--temperature, --top-k, --top-p, --min-p, --seed and the three penalties."""
+    p.add_argument("--temperature", type=temperature, default=0.0,
+                   help="0 is greedy (default %(default)s); above 0, sampled on the server")
+    p.add_argument("--top-k", type=at_least(0, 2**32 - 1), default=None,
+                   help="sampling: among the k most likely tokens; 0 keeps all (default)")
+    p.add_argument("--top-p", type=probability, default=None, help="sampling: nucleus mass, in (0, 1]")
+    p.add_argument("--min-p", type=float_in(0, 1), default=None,
+                   help="sampling: keep tokens at least this share as probable as the most probable, in [0, 1]")
+    p.add_argument("--seed", type=seed, default=None, help=seed_help)
+    p.add_argument("--repetition-penalty", type=positive, default=None,
+                   help="divide the positive logits (multiply the negative) of the prompt's and generated tokens "
+                        "by this, > 0 (1: none)")
+    p.add_argument("--presence-penalty", type=float_in(-2, 2), default=0.0,
+                   help="subtract this from the logit of every token generated so far, in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float_in(-2, 2), default=0.0,
+                   help="subtract this times its count from the logit of every token generated so far, in [-2, 2]")
+
+
+def check_sampling_arguments(args: argparse.Namespace) -> str | None:
+    """A sampling flag that greedy decoding would ignore, named; None when there is none."""
+    if args.temperature == 0:
+        for flag in SAMPLING_ONLY:
+            if getattr(args, flag) is not None:
+                return f"--{flag.replace('_', '-')} has no effect on greedy decoding: add --temperature > 0"
+    return None
+
+
+def sampling_policy(args: argparse.Namespace, seed: int | None) -> LogitsPolicy:
+    """The policy the flags ask for, drawing with `seed`."""
+    if args.temperature == 0:
+        return LogitsPolicy.argmax()
+    return LogitsPolicy.sample(args.temperature, top_k=args.top_k or 0, top_p=args.top_p, seed=seed,
+                               min_p=args.min_p)
+
+
+def sampling_penalties(args: argparse.Namespace) -> Penalties:
+    return Penalties(args.repetition_penalty, args.presence_penalty, args.frequency_penalty)

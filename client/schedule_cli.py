@@ -11,11 +11,19 @@ import time
 from typing import Any
 
 from .batch_runner import _Progress
-from .cli_options import MAX_SEED, add_tokenizer_argument, at_least, load_tokenizer, seed, temperature
+from .cli_options import (
+    MAX_SEED,
+    add_sampling_arguments,
+    add_tokenizer_argument,
+    at_least,
+    check_sampling_arguments,
+    load_tokenizer,
+    sampling_penalties,
+    sampling_policy,
+)
 from .latency import summarize_latency
 from .router import AsyncExecutorRouter, parse_targets
 from .scheduler import Completion, Scheduler, SchedulerConfig, run_batch
-from .types import LogitsPolicy
 
 
 def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,10 +39,7 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
                    help="most new tokens per prompt (default %(default)s)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
     add_tokenizer_argument(p)
-    p.add_argument("--temperature", type=temperature, default=0.0,
-                   help="0 is greedy (default); above 0, sampled on the server")
-    p.add_argument("--seed", type=seed, default=None,
-                   help="with --temperature: seed of server-side sampling (per prompt: seed + index)")
+    add_sampling_arguments(p, seed_help="with --temperature: seed of server-side sampling (per prompt: seed + index)")
     p.add_argument("--max-num-seqs", type=at_least(1), default=SchedulerConfig().max_num_seqs,
                    help="sequences per step and replica (default %(default)s)")
     p.add_argument("--max-batched-tokens", type=at_least(1), default=SchedulerConfig().max_num_batched_tokens,
@@ -44,9 +49,7 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_schedule_arguments(args: argparse.Namespace) -> str | None:
     """What argparse alone cannot refuse: a flag that would be ignored."""
-    if args.seed is not None and args.temperature == 0:
-        return "--seed has no effect on greedy decoding: add --temperature > 0"
-    return None
+    return check_sampling_arguments(args)
 
 
 def read_prompts(path: str) -> list[str]:
@@ -98,14 +101,12 @@ def run_schedule_command(args: argparse.Namespace, **client_options: Any) -> int
                 sched = Scheduler(routers[0], **options)
             async with sched:
                 started = time.monotonic()
-                policies = None
-                if args.temperature > 0:
-                    # One seed per prompt: prompts differ from each other, and a run repeats exactly.
-                    policies = [LogitsPolicy.sample(args.temperature,
-                                                    seed=None if args.seed is None else (args.seed + i) % (MAX_SEED + 1))
-                                for i in range(len(prompts))]
+                # One seed per prompt: prompts differ from each other, and a run repeats exactly.
+                policies = [sampling_policy(args, None if args.seed is None else (args.seed + i) % (MAX_SEED + 1))
+                            for i in range(len(prompts))]
                 completions = await run_batch(sched, prompts, max_tokens=args.max_tokens, policy=policies,
-                                              progress=progress, ignore_eos=args.ignore_eos)
+                                              progress=progress, ignore_eos=args.ignore_eos,
+                                              penalties=sampling_penalties(args) or None)
                 elapsed = time.monotonic() - started
                 return completions, elapsed, sched.stats
         finally:

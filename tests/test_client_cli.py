@@ -302,6 +302,9 @@ def test_health_exits_1_unless_serving(make_server, capsys):
     (["schedule", "--max-tokens", "0"], "--max-tokens"),
     (["schedule", "--temperature", "0.5", "--seed", "-3"], "--seed"),
     (["schedule", "--seed", "3"], "--seed"),
+    (["schedule", "--top-p", "0.5"], "--top-p"),
+    (["schedule", "--temperature", "1", "--min-p", "-0.1"], "--min-p"),
+    (["schedule", "--frequency-penalty", "-3"], "--frequency-penalty"),
     (["schedule", "--max-num-seqs", "0"], "--max-num-seqs"),
 ])
 def test_flags_that_would_be_ignored_or_are_out_of_range_are_refused(argv, flag, words, tmp_path, capsys):
@@ -323,6 +326,11 @@ def test_sampling_flags_are_passed_on(paged_server, words, tmp_path, capsys):
     rc, out, err = cli(capsys, "--target", paged_server.address, "schedule", "--prompts-file", str(prompts),
                        "--tokenizer", str(words), "--max-tokens", "3", "--temperature", "0.5", "--seed", "3")
     assert rc == 0 and "(0 failed)" in out, (out, err)
+    rc, out, err = cli(capsys, "--target", paged_server.address, "schedule", "--prompts-file", str(prompts),
+                       "--tokenizer", str(words), "--max-tokens", "3", "--temperature", "0.5", "--top-k", "9",
+                       "--top-p", "0.9", "--min-p", "0.1", "--repetition-penalty", "1.2", "--presence-penalty", "1",
+                       "--frequency-penalty", "0.5")
+    assert rc == 0 and "(0 failed)" in out, (out, err)
 
 
 def test_generate_applies_penalties_over_its_own_tokens(paged_server, words, capsys):
@@ -338,6 +346,19 @@ def test_generate_applies_penalties_over_its_own_tokens(paged_server, words, cap
                        str(words), "--max-tokens", "4", "--temperature", "0.8", "--min-p", "0.5", "--seed", "3",
                        "--presence-penalty", "-1")
     assert rc == 0 and out.startswith("w1 w2"), (out, err)
+
+
+def test_schedule_applies_penalties_over_each_prompts_own_tokens(paged_server, words, tmp_path, capsys):
+    penalties = Penalties(repetition=1.3, presence=1.5, frequency=0.5)
+    prompts = [[1, 2], [7, 9, 11]]
+    (tmp_path / "p.txt").write_text("".join(" ".join(f"w{t}" for t in p) + "\n" for p in prompts))
+    rc, out, err = cli(capsys, "--target", paged_server.address, "schedule", "--prompts-file", str(tmp_path / "p.txt"),
+                       "--tokenizer", str(words), "--max-tokens", "10", "--ignore-eos", "--repetition-penalty", "1.3",
+                       "--presence-penalty", "1.5", "--frequency-penalty", "0.5")
+    assert rc == 0, (out, err)
+    for prompt in prompts:  # each completion printed on the line after its prompt's
+        expected = " ".join(f"w{t}" for t in penalized_greedy(prompt, 10, penalties))
+        assert f"{' '.join(f'w{t}' for t in prompt)}\n{expected}\n" in out, out
 
 
 # -- 7. generate's output and errors ------------------------------------------------------------
