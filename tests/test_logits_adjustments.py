@@ -20,6 +20,7 @@ from executors.logits_adjust import adjust_rows
 from executors.types import LogitsKind
 from executors.types import LogitsPolicy as Policy
 from tests.paged_reference import PagedModel
+from tests.test_logits import sampled_probs as cut_probs
 
 MODEL = PagedModel()
 
@@ -44,22 +45,10 @@ def reference(row: torch.Tensor, a: Adjust) -> np.ndarray:
     return out
 
 
-def softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max())
-    return e / e.sum()
-
-
 def sampled_probs(row: torch.Tensor, p: Policy) -> np.ndarray:
-    """The distribution a SAMPLE row draws from, by sorting, in float64."""
-    scaled = torch.from_numpy(reference(row, p.adjustments or Adjust())) / p.temperature
-    if 0 < p.top_k < scaled.numel():
-        scaled = scaled.masked_fill(scaled < torch.topk(scaled, p.top_k).values[-1], -math.inf)
-    probs = torch.softmax(scaled, dim=-1)
-    if p.top_p < 1.0:
-        ordered, order = torch.sort(probs, descending=True)
-        probs[order[torch.cumsum(ordered, 0) - ordered >= p.top_p]] = 0.0
-    probs[probs < p.min_p * probs.max()] = 0.0
-    return (probs / probs.sum()).numpy()
+    """The distribution a SAMPLE row draws from: the cuts' re-computation (tests/test_logits.py)
+    over the adjusted row."""
+    return cut_probs(torch.from_numpy(reference(row, p.adjustments or Adjust())), p)
 
 
 def random_adjustments(rng: np.random.Generator, vocab: int, row: torch.Tensor) -> Adjust:
