@@ -105,7 +105,8 @@ def cmd_generate(ex: ExecutorClient, args: argparse.Namespace) -> None:
         text = tok.apply_chat_template(messages + [{"role": "user", "content": args.prompt}])
     stop = set() if args.ignore_eos else tok.eos_ids
     pieces = generate_text(ex, tok, tok.encode(text), max_tokens=args.max_tokens,
-                           policy=sampling_policy(args, args.seed), stop_ids=stop, penalties=sampling_penalties(args))
+                           policy=sampling_policy(args, args.seed), stop_ids=stop, penalties=sampling_penalties(args),
+                           min_tokens=args.min_tokens)
     wrote = False
 
     def show(text: str) -> None:

@@ -57,12 +57,12 @@ class _Progress:
 async def run_batch(scheduler: Any, prompts: list[list[int]], *, max_tokens: int,
                     policy: LogitsPolicy | Sequence[LogitsPolicy | None] | None = None,
                     progress: _Progress | None = None, ignore_eos: bool = False,
-                    penalties: Penalties | None = None) -> list[Completion]:
+                    penalties: Penalties | None = None, min_tokens: int = 0) -> list[Completion]:
     """Submit every prompt at once to `scheduler` (a Scheduler, or anything with its `submit`,
     as DisaggregatedScheduler); wait for all; return the completions in prompt order.
 
-    `policy`: one for all prompts, or one per prompt (None: ARGMAX). `penalties`: every
-    prompt's, over its own tokens (Scheduler.submit's)."""
+    `policy`: one for all prompts, or one per prompt (None: ARGMAX). `penalties` and
+    `min_tokens`: every prompt's (Scheduler.submit's)."""
     policies = list(policy) if isinstance(policy, Sequence) else [policy] * len(prompts)
     async def consume(i: int, stream: RequestStream) -> Completion:
         try:
@@ -76,6 +76,6 @@ async def run_batch(scheduler: Any, prompts: list[list[int]], *, max_tokens: int
         return await stream.result()
 
     streams = [scheduler.submit(p, max_tokens=max_tokens, policy=pol, ignore_eos=ignore_eos,
-                                request_id=f"req-{i}", penalties=penalties)
+                                request_id=f"req-{i}", penalties=penalties, min_tokens=min_tokens)
                for i, (p, pol) in enumerate(zip(prompts, policies))]
     return list(await asyncio.gather(*(consume(i, s) for i, s in enumerate(streams))))

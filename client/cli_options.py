@@ -179,10 +179,15 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, seed_help: str) -> Non
                    help="subtract this from the logit of every token generated so far, in [-2, 2]")
     p.add_argument("--frequency-penalty", type=float_in(-2, 2), default=0.0,
                    help="subtract this times its count from the logit of every token generated so far, in [-2, 2]")
+    p.add_argument("--min-tokens", type=at_least(0), default=0,
+                   help="keep the end-of-sequence tokens out until this many new tokens came (at most --max-tokens)")
 
 
 def check_sampling_arguments(args: argparse.Namespace) -> str | None:
-    """A sampling flag that greedy decoding would ignore, named; None when there is none."""
+    """A sampling flag that greedy decoding would ignore, or one out of range with another,
+    named; None when there is none."""
+    if args.min_tokens > args.max_tokens:
+        return f"--min-tokens {args.min_tokens} is more than --max-tokens {args.max_tokens}"
     if args.temperature == 0:
         for flag in SAMPLING_ONLY:
             if getattr(args, flag) is not None:

@@ -59,6 +59,7 @@ def adjustments_to_proto(adjustments: LogitsAdjustments) -> pb.LogitsAdjustments
         frequency_penalty=adjustments.frequency_penalty,
         logit_bias=dict(adjustments.logit_bias),
         allowed_token_ids=adjustments.allowed_token_ids,
+        banned_token_ids=adjustments.banned_token_ids,
     )
     if adjustments.repetition_penalty is not None:
         out.repetition_penalty = adjustments.repetition_penalty
@@ -74,6 +75,7 @@ def adjustments_from_proto(msg: pb.LogitsAdjustments) -> LogitsAdjustments:
         frequency_penalty=msg.frequency_penalty,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         allowed_token_ids=tuple(msg.allowed_token_ids),
+        banned_token_ids=tuple(msg.banned_token_ids),
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from .blocking import ExecutorClient
+from .logits_policy import with_banned
 from .tokenizer import TextTokenizer
 from .types import DecodeInput, LogitsPolicy, Penalties, PrefillInput
 
@@ -18,10 +19,12 @@ def generate_text(
     policy: LogitsPolicy,
     stop_ids: set[int],
     penalties: Penalties | None = None,
+    min_tokens: int = 0,
 ) -> Iterator[str]:
     """Yield the text of each new token as it comes; the cache is released however it ends.
 
-    `penalties` are applied to every step's policy over the prompt and the tokens so far.
+    `penalties` are applied to every step's policy over the prompt and the tokens so far;
+    `stop_ids` are banned until `min_tokens` tokens came.
 
     Text is yielded as the difference between successive decodings of all new ids, and held
     back while it ends in a partial UTF-8 character, so multi-token characters print whole.
@@ -29,7 +32,8 @@ def generate_text(
     new_ids: list[int] = []
 
     def step_policy() -> LogitsPolicy:
-        return penalties.apply(policy, prompt_ids, new_ids) if penalties else policy
+        step = penalties.apply(policy, prompt_ids, new_ids) if penalties else policy
+        return with_banned(step, stop_ids) if len(new_ids) < min_tokens and stop_ids else step
 
     out = ex.prefill(PrefillInput(prompt_ids, logits_policy=step_policy()))
     handle = out.kv_cache

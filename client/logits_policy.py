@@ -24,8 +24,8 @@ class LogitsAdjustments:
     penalties on the penalized ids (repetition on each, then frequency * count, and
     presence where the count is at least 1, subtracted; a count is how often the id was
     generated, 0 for an id seen only in the prompt), the bias added, every token outside
-    `allowed_token_ids` (when given) masked out. The server keeps no history: send the
-    tokens to penalize with each step.
+    `allowed_token_ids` (when given) masked out, then `banned_token_ids`. The server keeps
+    no history: send the tokens to penalize with each step.
 
     `build()` counts the tokens for you; the fields are the wire form.
     """
@@ -37,6 +37,7 @@ class LogitsAdjustments:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     allowed_token_ids: tuple[int, ...] = ()  # empty: every token
+    banned_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def build(
@@ -49,10 +50,11 @@ class LogitsAdjustments:
         frequency_penalty: float = 0.0,
         logit_bias: Mapping[int, float] | None = None,
         allowed_token_ids: Iterable[int] = (),
+        banned_token_ids: Iterable[int] = (),
     ) -> LogitsAdjustments:
         """From the tokens generated so far (repeats included), which every penalty counts,
         and the prompt's, which only the repetition penalty does (vLLM's scopes); a bias
-        per token id; and the ids that may be chosen."""
+        per token id; the ids that may be chosen, and those that may not."""
         counts = Counter(int(t) for t in generated_tokens)
         for token in prompt_tokens:
             counts.setdefault(int(token), 0)
@@ -64,6 +66,7 @@ class LogitsAdjustments:
             frequency_penalty=float(frequency_penalty),
             logit_bias=tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items())),
             allowed_token_ids=tuple(int(t) for t in allowed_token_ids),
+            banned_token_ids=tuple(int(t) for t in banned_token_ids),
         )
 
 
@@ -120,6 +123,16 @@ class LogitsPolicy:
                    min_p=min_p, adjustments=adjustments, top_logprobs=int(top_logprobs))
 
 
+def with_banned(policy: LogitsPolicy, banned: Iterable[int]) -> LogitsPolicy:
+    """`policy` with `banned` added to its banned ids (an argmax or sample policy): how a
+    generation loop keeps end-of-sequence ids out until a minimum length."""
+    if policy.kind not in ("argmax", "sample"):
+        raise ValueError(f"a ban applies to argmax and sample policies, not {policy.kind!r}")
+    adjustments = policy.adjustments or LogitsAdjustments()
+    ids = tuple(sorted(set(adjustments.banned_token_ids) | {int(t) for t in banned}))
+    return replace(policy, adjustments=replace(adjustments, banned_token_ids=ids))
+
+
 @dataclass(frozen=True, slots=True)
 class Penalties:
     """Penalties over a sequence's own tokens, which a generation loop (the CLI's generate,
@@ -135,12 +148,13 @@ class Penalties:
         return self.repetition is not None or bool(self.presence) or bool(self.frequency)
 
     def apply(self, policy: LogitsPolicy, prompt: Sequence[int], generated: Sequence[int]) -> LogitsPolicy:
-        """`policy` for the next step, its bias and allow-list kept."""
+        """`policy` for the next step, its bias, allow-list and ban kept."""
         if policy.kind not in ("argmax", "sample"):
             raise ValueError(f"penalties apply to argmax and sample policies, not {policy.kind!r}")
         made = LogitsAdjustments.build(generated, prompt_tokens=prompt, repetition_penalty=self.repetition,
                                        presence_penalty=self.presence, frequency_penalty=self.frequency)
         if policy.adjustments is not None:
             made = replace(made, logit_bias=policy.adjustments.logit_bias,
-                           allowed_token_ids=policy.adjustments.allowed_token_ids)
+                           allowed_token_ids=policy.adjustments.allowed_token_ids,
+                           banned_token_ids=policy.adjustments.banned_token_ids)
         return replace(policy, adjustments=made)

@@ -106,7 +106,7 @@ def run_schedule_command(args: argparse.Namespace, **client_options: Any) -> int
                             for i in range(len(prompts))]
                 completions = await run_batch(sched, prompts, max_tokens=args.max_tokens, policy=policies,
                                               progress=progress, ignore_eos=args.ignore_eos,
-                                              penalties=sampling_penalties(args) or None)
+                                              penalties=sampling_penalties(args) or None, min_tokens=args.min_tokens)
                 elapsed = time.monotonic() - started
                 return completions, elapsed, sched.stats
         finally:

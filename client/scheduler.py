@@ -100,10 +100,12 @@ class Scheduler:
 
     def submit(self, prompt_ids: Sequence[int], *, max_tokens: int = 64, policy: LogitsPolicy | None = None,
                stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
-               request_id: str | None = None, penalties: Penalties | None = None) -> RequestStream:
+               request_id: str | None = None, penalties: Penalties | None = None,
+               min_tokens: int = 0) -> RequestStream:
         """Queue a request; returns its token stream. policy: ARGMAX by default. penalties:
         repetition over the prompt and the generated tokens, presence and frequency over the
-        generated ones, sent with every sampling step (argmax and sample policies)."""
+        generated ones, sent with every sampling step (argmax and sample policies).
+        min_tokens: the stop ids are banned until this many tokens came (at most max_tokens)."""
         if self._closing:
             raise RuntimeError("the scheduler is closed")
         prompt = [int(t) for t in prompt_ids]
@@ -111,15 +113,17 @@ class Scheduler:
             raise ValueError("prompt_ids must hold at least one token")
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if not 0 <= min_tokens <= max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens = {max_tokens}], got {min_tokens}")
         serial = next(self._ids)
         rid = request_id or f"req-{serial}"
         stream = RequestStream(self, rid)
         stop = frozenset() if ignore_eos else (frozenset(int(t) for t in stop_token_ids)
                                                if stop_token_ids is not None else None)
         policy = policy or LogitsPolicy.argmax()
-        if penalties and policy.kind not in ("argmax", "sample"):
-            raise ValueError(f"penalties apply to argmax and sample policies, not {policy.kind!r}")
-        seq = _Seq(rid, serial, prompt, max_tokens, policy, stop, stream, penalties)
+        if (penalties or min_tokens) and policy.kind not in ("argmax", "sample"):
+            raise ValueError(f"penalties and min_tokens apply to argmax and sample policies, not {policy.kind!r}")
+        seq = _Seq(rid, serial, prompt, max_tokens, policy, stop, stream, penalties, min_tokens)
         stream._seq = seq
         self._waiting.append(seq)
         self._ensure_task()

@@ -12,6 +12,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Self
 
+from .logits_policy import with_banned
 from .scheduler_types import Completion
 from .types import LogitsPolicy, Penalties
 
@@ -36,6 +37,7 @@ class _Seq:
         "done",
         "id",
         "max_tokens",
+        "min_tokens",
         "order",
         "penalties",
         "policy",
@@ -49,12 +51,14 @@ class _Seq:
     )
 
     def __init__(self, rid: str, serial: int, prompt: list[int], max_tokens: int, policy: LogitsPolicy,
-                 stop_ids: frozenset[int] | None, stream: RequestStream, penalties: Penalties | None = None) -> None:
+                 stop_ids: frozenset[int] | None, stream: RequestStream, penalties: Penalties | None = None,
+                 min_tokens: int = 0) -> None:
         self.id = rid  # the caller's name for it: any string, not necessarily unique
         self.serial = serial  # unique in its scheduler: its cache ids are made from it
         self.prompt = prompt
         self.tokens = list(prompt)
         self.max_tokens = max_tokens
+        self.min_tokens = min_tokens  # the stop ids are banned until this many tokens came
         self.policy = policy
         self.penalties = penalties if penalties else None
         self.stop_ids = stop_ids  # None: the scheduler's end-of-sequence ids
@@ -74,12 +78,18 @@ class _Seq:
     def remaining(self) -> int:
         return len(self.tokens) - self.computed
 
-    def step_policy(self) -> LogitsPolicy:
+    def step_policy(self, eos_ids: frozenset[int]) -> LogitsPolicy:
         """The policy of the step that samples the next token: with penalties, over the prompt
-        and the tokens generated so far."""
-        if self.penalties is None:
-            return self.policy
-        return self.penalties.apply(self.policy, self.prompt, self.tokens[len(self.prompt):])
+        and the tokens generated so far; short of min_tokens, the stop ids (`eos_ids`, the
+        scheduler's, unless the request named its own) banned."""
+        policy = self.policy
+        generated = self.tokens[len(self.prompt):]
+        if self.penalties is not None:
+            policy = self.penalties.apply(policy, self.prompt, generated)
+        stop = eos_ids if self.stop_ids is None else self.stop_ids
+        if len(generated) < self.min_tokens and stop:
+            policy = with_banned(policy, stop)
+        return policy
 
 
 class RequestStream:

@@ -40,7 +40,7 @@ async def run_step(sched: Scheduler, r: int, items: list[tuple[_Seq, int]]) -> N
     for s, n in items:
         final = s.computed + n == len(s.tokens)
         batch.append(UnifiedBatchItem(s.cache_id, s.tokens[s.computed:s.computed + n], s.computed, final,
-                                      logits_policy=s.step_policy() if final else None))
+                                      logits_policy=s.step_policy(sched.eos_token_ids) if final else None))
     delay = sched.config.retry_backoff_s
     for attempt in itertools.count():
         try:

@@ -8,7 +8,8 @@ They change the logits an ARGMAX or SAMPLE policy chooses from, in this order:
    often the id was generated; 0 marks an id seen only in the prompt, so one list gives
    vLLM's scopes: the repetition penalty over prompt and output, the others over output;
 2. `logit_bias` added;
-3. with `allowed_token_ids`, every other token masked out.
+3. with `allowed_token_ids`, every other token masked out;
+4. `banned_token_ids` masked out (at least one token must be left).
 
 The executor keeps no token history for the penalties: the caller sends the ids they count
 with every step. A retried step is then the same request with the same answer, and a
@@ -42,11 +43,13 @@ class LogitsAdjustments:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias), ids increasing
     allowed_token_ids: tuple[int, ...] = ()  # empty: every token
+    banned_token_ids: tuple[int, ...] = ()
 
     @property
     def changes_nothing(self) -> bool:
         penalties = self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
-        return not ((self.penalized_token_ids and penalties) or self.logit_bias or self.allowed_token_ids)
+        return not ((self.penalized_token_ids and penalties) or self.logit_bias or self.allowed_token_ids
+                    or self.banned_token_ids)
 
     def counts(self) -> tuple[int, ...]:
         """The occurrence of each penalized id (1 each when the caller sent no counts)."""
@@ -82,6 +85,17 @@ class LogitsAdjustments:
             raise InvalidParameter(f"{where}.allowed_token_ids holds {len(self.allowed_token_ids)} ids, more than the "
                                    f"vocabulary's {vocab_size}", field=f"{where}.allowed_token_ids")
         _check_ids(self.allowed_token_ids, vocab_size, f"{where}.allowed_token_ids")
+        if len(self.banned_token_ids) > vocab_size:
+            raise InvalidParameter(f"{where}.banned_token_ids holds {len(self.banned_token_ids)} ids, more than the "
+                                   f"vocabulary's {vocab_size}", field=f"{where}.banned_token_ids")
+        _check_ids(self.banned_token_ids, vocab_size, f"{where}.banned_token_ids")
+        if self.banned_token_ids:
+            banned = set(self.banned_token_ids)
+            left = (set(self.allowed_token_ids) - banned) if self.allowed_token_ids else vocab_size - len(banned)
+            if not left:
+                raise InvalidParameter(f"{where}.banned_token_ids leaves no token to choose"
+                                       + (" among allowed_token_ids" if self.allowed_token_ids else ""),
+                                       field=f"{where}.banned_token_ids")
 
 
 def _check_ids(ids: Sequence[int], vocab_size: int, where: str) -> None:

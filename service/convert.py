@@ -162,6 +162,7 @@ def logits_adjustments(msg: pb.LogitsAdjustments) -> LogitsAdjustments:
         frequency_penalty=msg.frequency_penalty,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         allowed_token_ids=tuple(msg.allowed_token_ids),
+        banned_token_ids=tuple(msg.banned_token_ids),
     )
 
 

@@ -303,6 +303,8 @@ def test_health_exits_1_unless_serving(make_server, capsys):
     (["schedule", "--temperature", "0.5", "--seed", "-3"], "--seed"),
     (["schedule", "--seed", "3"], "--seed"),
     (["schedule", "--top-p", "0.5"], "--top-p"),
+    (["generate", "--min-tokens", "9", "--max-tokens", "5"], "--min-tokens"),
+    (["schedule", "--min-tokens", "-1"], "--min-tokens"),
     (["schedule", "--temperature", "1", "--min-p", "-0.1"], "--min-p"),
     (["schedule", "--frequency-penalty", "-3"], "--frequency-penalty"),
     (["schedule", "--max-num-seqs", "0"], "--max-num-seqs"),

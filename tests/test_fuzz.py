@@ -147,7 +147,7 @@ def _sample(temperature: float, top_k: int, top_p: float | None, seed: int | Non
 
 
 def _adjusted(policy: pb.LogitsPolicy, ids: list[int], counts: list[int], repetition: float | None, presence: float,
-              frequency: float, bias: dict[int, float], allowed: list[int]) -> pb.LogitsPolicy:
+              frequency: float, bias: dict[int, float], allowed: list[int], banned: list[int] = ()) -> pb.LogitsPolicy:
     out = pb.LogitsPolicy()
     out.CopyFrom(policy)
     a = out.adjustments
@@ -159,13 +159,15 @@ def _adjusted(policy: pb.LogitsPolicy, ids: list[int], counts: list[int], repeti
     for token, value in bias.items():
         a.logit_bias[token] = value
     a.allowed_token_ids.extend(allowed)
+    a.banned_token_ids.extend(banned)
     return out
 
 
 def _sane_adjusted(policy: pb.LogitsPolicy, ids: set[int], counted: bool, repetition: float | None, presence: float,
-                   frequency: float, bias: dict[int, float], allowed: list[int]) -> pb.LogitsPolicy:
+                   frequency: float, bias: dict[int, float], allowed: list[int], banned: list[int]) -> pb.LogitsPolicy:
+    banned = [t for t in banned if t not in allowed[:1]]  # the first allowed id stays choosable
     return _adjusted(policy, sorted(ids), [i % 4 for i in sorted(ids)] if counted else [], repetition, presence,
-                     frequency, bias, allowed)
+                     frequency, bias, allowed, banned)
 
 
 # Requests are drawn "sane" (valid values, live caches at their true length: calls that
@@ -183,7 +185,7 @@ SANE_POLICY = st.one_of(
     st.builds(_sane_adjusted, SANE_CHOOSING, st.sets(st.integers(0, 255), max_size=6), st.booleans(),
               st.none() | st.floats(0.25, 4, width=32), st.floats(-2, 2, width=32), st.floats(-2, 2, width=32),
               st.dictionaries(st.integers(0, 255), st.floats(-100, 100, width=32), max_size=4),
-              st.lists(st.integers(0, 255), max_size=6)),
+              st.lists(st.integers(0, 255), max_size=6), st.lists(st.integers(0, 255), max_size=4)),
 )
 WILD_BASE = st.one_of(
     ENUM.map(lambda d: pb.LogitsPolicy(full=pb.FullLogits(dtype=d))),
@@ -196,7 +198,8 @@ WILD_POLICY = st.one_of(
     st.none(),
     WILD_BASE,
     st.builds(_adjusted, WILD_BASE, st.lists(ANY_TOKEN, max_size=5), st.lists(U32, max_size=5), st.none() | FLOAT32,
-              FLOAT32, FLOAT32, st.dictionaries(ANY_TOKEN, FLOAT32, max_size=3), st.lists(ANY_TOKEN, max_size=5)),
+              FLOAT32, FLOAT32, st.dictionaries(ANY_TOKEN, FLOAT32, max_size=3), st.lists(ANY_TOKEN, max_size=5),
+              st.lists(ANY_TOKEN, max_size=5)),
 )
 SANE_TOKENS = st.one_of(
     VALID_TOKENS,

@@ -42,6 +42,7 @@ def reference(row: torch.Tensor, a: Adjust) -> np.ndarray:
         masked = np.full_like(out, -np.inf)
         masked[list(a.allowed_token_ids)] = out[list(a.allowed_token_ids)]
         out = masked
+    out[list(a.banned_token_ids)] = -np.inf
     return out
 
 
@@ -63,6 +64,7 @@ def random_adjustments(rng: np.random.Generator, vocab: int, row: torch.Tensor) 
         frequency_penalty=float(rng.uniform(-2, 2)),
         logit_bias=tuple(sorted({int(t): float(rng.uniform(-100, 100)) for t in rng.integers(0, vocab, 5)}.items())),
         allowed_token_ids=tuple(int(t) for t in rng.integers(0, vocab, 30)) if rng.random() < 0.5 else (),
+        banned_token_ids=tuple(int(t) for t in top[:int(rng.integers(0, 4))]),  # the likeliest, so the ban bites
     )
 
 
@@ -189,6 +191,9 @@ def test_adjusted_rows_do_not_depend_on_their_batch_mates(sampling_kernels):
     (Adjust(logit_bias=((-1, 1.0),)), "logit_bias", "token id -1"),
     (Adjust(allowed_token_ids=(1, 1000)), "allowed_token_ids", "token id 1000"),
     (Adjust(allowed_token_ids=(1,) * 1001), "allowed_token_ids", "1001 ids, more than the vocabulary's 1000"),
+    (Adjust(banned_token_ids=(1000,)), "banned_token_ids", "token id 1000"),
+    (Adjust(banned_token_ids=tuple(range(1000))), "banned_token_ids", "leaves no token to choose"),
+    (Adjust(allowed_token_ids=(3, 4), banned_token_ids=(4, 3, 9)), "banned_token_ids", "among allowed_token_ids"),
 ])
 def test_bad_adjustments_name_their_field(adjustments, field, says):
     with pytest.raises(InvalidParameter) as err:
@@ -276,3 +281,22 @@ def test_bad_adjustments_through_the_server(client, policy, field):
     client.release_cache(still.kv_cache)
     kv = client.status().kv_pool
     assert kv.free_blocks == kv.total_blocks, "a refused prefill must leave no cache behind"
+
+
+def test_a_ban_keeps_its_tokens_out_and_the_rest_choosable(sampling_kernels):
+    x = rows(4, 400, seed=6)
+    top = torch.argsort(x, dim=-1, descending=True)
+    banned = [Adjust(banned_token_ids=tuple(int(t) for t in top[i, :3])) for i in range(4)]
+    policies = [Policy(LogitsKind.ARGMAX, adjustments=banned[0]),
+                Policy(LogitsKind.SAMPLE, temperature=0.05, seed=1, adjustments=banned[1]),
+                Policy(LogitsKind.SAMPLE, temperature=0.0, adjustments=banned[2]),
+                Policy(LogitsKind.ARGMAX, adjustments=Adjust(allowed_token_ids=(5, 6, 7), banned_token_ids=(5, 7)))]
+    out = apply_policies(x, policies, range(4), kernels=sampling_kernels)
+    for i in range(3):  # a cold temperature: the best token left
+        assert out[i].token_id == int(top[i, 3])
+    assert out[3].token_id == 6
+    # Every token impossible already: the ban still holds, the first other token is chosen.
+    x[0] = -math.inf
+    out = apply_policies(x[:1], [Policy(LogitsKind.ARGMAX, adjustments=Adjust(banned_token_ids=(50, 0, 1)))], [0],
+                         kernels=sampling_kernels)
+    assert out[0].token_id == 2

@@ -14,6 +14,7 @@ from client.errors import OutOfRangeError, ResourceExhaustedError
 from client.router import AsyncExecutorRouter
 from client.scheduler import Scheduler
 from tests.conftest import eventually
+from tests.paged_reference import PagedModel
 from tests.test_logits_adjustments import penalized_greedy
 
 ARGMAX = LogitsPolicy.argmax()
@@ -176,6 +177,39 @@ def test_penalties_go_with_every_step_over_the_sequences_own_tokens(make_server)
     out, stats = asyncio.run(run())
     assert [c.token_ids for c in out] == expected
     assert stats.preemptions > 0
+    with ExecutorClient(server.address) as c:
+        pool_is_clean(c)
+
+
+def test_min_tokens_keeps_the_stop_ids_out_until_then(make_server):
+    server = make_server()
+    with ExecutorClient(server.address) as c:
+        greedy = [plain(c, p, 16) for p in PROMPTS[:6]]
+    stops = [g[2] for g in greedy]  # each request stops at the third token plain greedy decoding gives it
+    model = PagedModel()
+
+    def reference(prompt: list[int], stop: int) -> tuple[list[int], str]:
+        tokens: list[int] = []
+        while len(tokens) < 16:
+            logits = model.last_logits(prompt + tokens)
+            if len(tokens) < 10:
+                logits[stop] = -np.inf
+            token = int(np.argmax(logits))
+            if token == stop:
+                return tokens, "stop"
+            tokens.append(token)
+        return tokens, "length"
+
+    async def run():
+        async with Scheduler(AsyncExecutorClient(server.address), max_num_batched_tokens=32) as sched:
+            with pytest.raises(ValueError, match="min_tokens"):
+                sched.submit([1], max_tokens=4, min_tokens=5)
+            return await asyncio.gather(*(sched.generate(p, max_tokens=16, min_tokens=10, stop_token_ids=[stop])
+                                          for p, stop in zip(PROMPTS[:6], stops)))
+
+    for prompt, stop, comp in zip(PROMPTS[:6], stops, asyncio.run(run())):
+        assert (comp.token_ids, comp.finish_reason) == reference(prompt, stop)
+        assert len(comp.token_ids) >= 10 and stop not in comp.token_ids[:10]
     with ExecutorClient(server.address) as c:
         pool_is_clean(c)
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from client import convert
+from client.logits_policy import with_banned
 from client.types import (
     DecodeInput,
     KvCacheHandle,
@@ -174,6 +175,12 @@ def test_adjustments_and_min_p_round_trip_and_build_counts_the_tokens() -> None:
     with pytest.raises(ValueError, match="argmax and sample"):
         Penalties(presence=1.0).apply(LogitsPolicy.full(), [1], [])
     assert not Penalties() and Penalties(repetition=1.0)
+    banned = with_banned(LogitsPolicy.argmax(adjust), [2, 9])
+    assert banned.adjustments is not None and banned.adjustments.banned_token_ids == (2, 9)
+    assert banned.adjustments.logit_bias == adjust.logit_bias  # the rest kept
+    back = convert.policy_from_proto(convert.policy_to_proto(banned))
+    assert back is not None and back.adjustments is not None and back.adjustments.banned_token_ids == (2, 9)
+    assert with_banned(banned, [9, 1]).adjustments.banned_token_ids == (1, 2, 9)
 
 
 def test_top_logprobs_with_a_chosen_token_round_trip() -> None:

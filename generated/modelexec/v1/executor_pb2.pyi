@@ -205,7 +205,7 @@ class SampleToken(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class LogitsAdjustments(_message.Message):
-    __slots__ = ("penalized_token_ids", "penalized_token_counts", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "allowed_token_ids")
+    __slots__ = ("penalized_token_ids", "penalized_token_counts", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "allowed_token_ids", "banned_token_ids")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,7 @@ class LogitsAdjustments(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BANNED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     penalized_token_ids: _containers.RepeatedScalarFieldContainer[int]
     penalized_token_counts: _containers.RepeatedScalarFieldContainer[int]
     repetition_penalty: float
@@ -227,7 +228,8 @@ class LogitsAdjustments(_message.Message):
     frequency_penalty: float
     logit_bias: _containers.ScalarMap[int, float]
     allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, penalized_token_ids: _Optional[_Iterable[int]] = ..., penalized_token_counts: _Optional[_Iterable[int]] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    banned_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, penalized_token_ids: _Optional[_Iterable[int]] = ..., penalized_token_counts: _Optional[_Iterable[int]] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., banned_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LogitsPolicy(_message.Message):
     __slots__ = ("full", "argmax", "top_k", "sample", "adjustments")
