@@ -277,3 +277,21 @@ def test_the_cpu_kernel_draws_what_the_torch_path_draws():
                                           abs=1e-5)
         if equal:
             assert a.sampling_logprob == pytest.approx(b.sampling_logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("vocab", [1, 3, 13, 130])
+def test_the_cpu_kernel_takes_rows_shorter_than_a_vector_or_a_block(vocab):
+    """Every length draws what the torch path draws; half of each row sits 90 below its
+    largest logit (a probability under 1e-39 of it), which neither path draws."""
+    from executors.cpu_kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels cannot be built on this machine")
+    x = torch.full((64, vocab), -90.0)
+    x[:, : (vocab + 1) // 2] = torch.linspace(0.0, 1.0, (vocab + 1) // 2)
+    policies = [sample(1.0, top_k=[0, 1, 2][i % 3], top_p=[1.0, 0.5][i % 2], seed=i) for i in range(64)]
+    ours = apply_policies(x, policies, range(64), kernels=kernels)
+    theirs = apply_policies(x, policies, range(64))
+    assert all(r.token_id < (vocab + 1) // 2 for r in ours)
+    assert [r.token_id for r in ours] == [r.token_id for r in theirs]

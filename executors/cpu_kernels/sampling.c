@@ -126,6 +126,9 @@ static void sample_row(const float *s, int64_t n, int64_t top_k, float top_p, fl
     float top = hmax(m8);
     for (; j < n; j++) top = s[j] > top ? s[j] : top;
     m8 = _mm256_set1_ps(top);
+    /* exp8 floors its argument at -87, where expf would underflow: below, a probability is
+     * 0 (under 1.6e-38 of the largest), as the docstring of executors/logits.py promises. */
+    cut = cut > top - 87.0f ? cut : top - 87.0f;
     const __m256 cut8 = _mm256_set1_ps(cut);
     __m256 acc = _mm256_setzero_ps();
     for (j = 0; j + 8 <= n; j += 8) {
