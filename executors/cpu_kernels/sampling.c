@@ -100,16 +100,16 @@ static float kth_largest_heap(const float *s, int64_t n, int64_t k, float *heap)
 
 #define BLOCK 128  /* tokens a block of the inverse CDF: its sum locates the draw's block */
 
-/* One row: s [n] scaled logits, finite or -inf (never drawn), the largest finite. Scratch: e and spare of n
- * floats, mass of NUM_BINS doubles, sums of n / BLOCK + 1 doubles.
+/* One row: s [n] scaled logits, finite or -inf (never drawn), the largest finite. Scratch: e
+ * and spare of n floats, mass of NUM_BINS doubles, sums of n / BLOCK + 1 doubles.
  *
  * The probabilities stay unnormalised, e = exp(s - max) in (0, 1] (the largest is 1), and
  * every threshold is scaled instead: top_p's mass is top_p times their sum, min_p's floor is
  * min_p itself. */
 static void sample_row(const float *s, int64_t n, int64_t top_k, float top_p, float min_p, double u, float *e,
                        float *spare, double *mass, double *sums, int64_t *token, double *drawn) {
-    /* Logits below the cut are out: -inf ones always (exp8 floors its argument at -87, so
-     * they would get a probability of 1.6e-38 instead of 0), the top_k cut's too. */
+    /* Logits below the cut are out: the top_k cut's, and (below, once the largest is known)
+     * those more than 87 under it, -inf ones among them. */
     float cut = -FLT_MAX;
     if (top_k > 0 && top_k < n) {
         if (top_k <= HEAP_K) {
@@ -126,8 +126,9 @@ static void sample_row(const float *s, int64_t n, int64_t top_k, float top_p, fl
     float top = hmax(m8);
     for (; j < n; j++) top = s[j] > top ? s[j] : top;
     m8 = _mm256_set1_ps(top);
-    /* exp8 floors its argument at -87, where expf would underflow: below, a probability is
-     * 0 (under 1.6e-38 of the largest), as the docstring of executors/logits.py promises. */
+    /* exp8 floors its argument at -87, where expf would underflow, and would give those
+     * logits 1.6e-38: their probability is 0, as the docstring of executors/logits.py
+     * promises for underflowed tokens. */
     cut = cut > top - 87.0f ? cut : top - 87.0f;
     const __m256 cut8 = _mm256_set1_ps(cut);
     __m256 acc = _mm256_setzero_ps();
