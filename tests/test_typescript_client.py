@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from client import DecodeInput, ExecutorClient, LogitsPolicy, PrefillInput
+from tests.paged_reference import PagedModel
 
 REPO = Path(__file__).resolve().parent.parent
 TS = REPO / "client" / "typescript"
@@ -79,7 +80,7 @@ def test_demo_prefill_decode_release(built: Path, make_server) -> None:
     out = run_demo(built, server.address, "--prompt", "1,2,3")
     assert out.returncode == 0, f"demo failed:\n{out.stdout}{out.stderr}"
     s = steps(out.stdout)
-    assert list(s) == ["info", "prefill", "decode", "release", "status"], out.stdout
+    assert list(s) == ["info", "prefill", "decode", "release", "constrained", "status"], out.stdout
 
     vocab = s["info"]["vocabSize"]
     assert vocab == 256 and s["info"]["modelId"]
@@ -105,6 +106,17 @@ def test_demo_prefill_decode_release(built: Path, make_server) -> None:
         ex.release_cache(py.kv_cache)
     assert py.logits.token_id == prefill["tokenId"]
     assert py.logits.logprob == pytest.approx(prefill["logprob"], abs=1e-5)
+
+    # The constrained step: the argmax of the paged model's row over ids 7-9, 8 biased by 5,
+    # with the model's own three most likely ids and log-probabilities.
+    row = PagedModel().last_logits([1, 2, 3]).astype(np.float64)
+    chosen = 7 + int(np.argmax(row[7:10] + np.array([0.0, 5.0, 0.0])))
+    logprobs = row - np.log(np.exp(row - row.max()).sum()) - row.max()
+    constrained = s["constrained"]
+    assert constrained["tokenId"] == chosen
+    assert constrained["logprob"] == pytest.approx(logprobs[chosen], abs=1e-5)
+    np.testing.assert_allclose(constrained["topLogprobs"], np.sort(logprobs)[::-1][:3], atol=1e-5)
+    assert [logprobs[t] for t in constrained["topTokenIds"]] == pytest.approx(constrained["topLogprobs"], abs=1e-5)
 
 
 def test_demo_reports_a_refused_call(built: Path, make_server) -> None:

@@ -1,4 +1,6 @@
-// Demo: prefill, decode and release against a running executor, one JSON line per step.
+// Demo: prefill, decode and release against a running executor, one JSON line per step; then
+// the same prompt once more with the next token constrained (an allow-list and a bias) and
+// its three most likely ids asked for.
 //
 //   npm run demo -- localhost:50051 [--prompt 1,2,3] [--timeout 30]
 //
@@ -78,6 +80,17 @@ async function main(): Promise<void> {
     const release = await client.releaseCache(afterDecode?.cacheId ?? "");
     made = undefined;
     emit({ step: "release", cacheId: afterDecode?.cacheId, released: release.released, freedBlocks: release.freedBlocks });
+
+    // Only ids 7, 8 and 9 may come next, 8 with 5 added to its logit.
+    const constrained = await client.prefill({
+      inputIds: args.prompt,
+      logitsPolicy: { argmax: { topLogprobs: 3 }, adjustments: { allowedTokenIds: [7, 8, 9], logitBias: { 8: 5 } } },
+    });
+    made = constrained.output?.kvCache?.cacheId;
+    const out = constrained.output?.logits;
+    emit({ step: "constrained", ...logits(out), topTokenIds: out?.topTokenIds, topLogprobs: out?.topLogprobs });
+    await client.releaseCache(made ?? "");
+    made = undefined;
 
     const pool = (await client.getStatus()).status?.kvPool;
     emit({ step: "status", totalBlocks: pool?.totalBlocks, freeBlocks: pool?.freeBlocks, activeCaches: pool?.activeCaches });
