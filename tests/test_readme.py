@@ -248,7 +248,7 @@ def test_example_typescript(paged_server, tmp_path):
     script = " && ".join(readme.commands(readme.example("typescript")))
     done = readme.shell(readme.substitute(script, {ADDRESS: paged_server.address}), tmp_path, timeout=600)
     steps = [json.loads(x)["step"] for x in ok(done).splitlines() if x.startswith("{")]
-    assert steps == ["info", "prefill", "decode", "release", "status"], done.stdout
+    assert steps == ["info", "prefill", "decode", "release", "constrained", "status"], done.stdout
 
 
 # -- grpcurl ---------------------------------------------------------------------------------
