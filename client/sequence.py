@@ -83,6 +83,8 @@ class _Seq:
         and the tokens generated so far; short of min_tokens, the stop ids (`eos_ids`, the
         scheduler's, unless the request named its own) banned."""
         policy = self.policy
+        if self.penalties is None and not self.min_tokens:  # most requests: no copy of their tokens a step
+            return policy
         generated = self.tokens[len(self.prompt):]
         if self.penalties is not None:
             policy = self.penalties.apply(policy, self.prompt, generated)

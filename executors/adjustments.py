@@ -46,10 +46,14 @@ class LogitsAdjustments:
     banned_token_ids: tuple[int, ...] = ()
 
     @property
+    def penalizes(self) -> bool:
+        """Whether the penalties change a logit: ids listed, and a penalty that is not neutral."""
+        return bool(self.penalized_token_ids) and (self.repetition_penalty != 1.0 or bool(self.presence_penalty)
+                                                   or bool(self.frequency_penalty))
+
+    @property
     def changes_nothing(self) -> bool:
-        penalties = self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
-        return not ((self.penalized_token_ids and penalties) or self.logit_bias or self.allowed_token_ids
-                    or self.banned_token_ids)
+        return not (self.penalizes or self.logit_bias or self.allowed_token_ids or self.banned_token_ids)
 
     def counts(self) -> tuple[int, ...]:
         """The occurrence of each penalized id (1 each when the caller sent no counts)."""

@@ -187,13 +187,12 @@ def _draw(scaled: torch.Tensor, policies: list[LogitsPolicy], states: list[int],
     one call (sampling.c) where given and the rows are float32 on the CPU."""
     n, vocab = scaled.shape
     dev = scaled.device
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in policies]
     if kernels is not None and dev.type == "cpu" and scaled.dtype == torch.float32:
-        found = kernels.sample(scaled, [p.top_k if 0 < p.top_k < vocab else 0 for p in policies],
-                               [p.top_p for p in policies], [p.min_p for p in policies],
+        found = kernels.sample(scaled, top_k, [p.top_p for p in policies], [p.min_p for p in policies],
                                [sampling_uniform(s) for s in states])
         if found is not None:
             return found
-    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in policies]
     if any(top_k):
         cut = [i for i, k in enumerate(top_k) if k]
         ks = torch.tensor([top_k[i] - 1 for i in cut], device=dev)

@@ -25,8 +25,7 @@ def adjust_rows(rows: torch.Tensor, adjustments: Sequence[LogitsAdjustments]) ->
     allow-list or a ban is given), so a row's argmax is always a token it may choose.
     """
     out = rows.clone()
-    penalized = [i for i, a in enumerate(adjustments) if a.penalized_token_ids
-                 and (a.repetition_penalty != 1.0 or a.presence_penalty or a.frequency_penalty)]
+    penalized = [i for i, a in enumerate(adjustments) if a.penalizes]
     if penalized:
         where, each = _entries(penalized, [adjustments[i].penalized_token_ids for i in penalized], rows.device)
         counts = each(_concat([adjustments[i].counts() for i in penalized], np.float32))

@@ -8,6 +8,7 @@ that names the tensor, raised at start-up.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -161,14 +162,14 @@ def checkpoint_parameters(model_dir: str | Path, dtype: torch.dtype,
     config = DecoderConfig.from_dir(model_dir)
     with torch.device("meta"):
         names = [name for name, _ in DecoderLM(config).named_parameters()]
-    found: dict[str, Path] = {}
-    for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            found.update((name, path) for name in f.keys())
-    missing = [name for name in names if name not in found]
-    if missing:
-        raise UnsupportedModel(f"{model_dir}: missing tensors: {', '.join(missing[:5])}")
-    for name in names:
-        with safe_open(str(found[name]), framework="pt", device="cpu") as f:
-            tensor = f.get_tensor(name).to(dtype)
-        yield name, quantize(tensor).unpack() if name in int8 else tensor
+    with contextlib.ExitStack() as files:  # each file opened once, for every tensor it holds
+        found = {}
+        for path in weight_files(model_dir):
+            f = files.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+            found.update((name, f) for name in f.keys())
+        missing = [name for name in names if name not in found]
+        if missing:
+            raise UnsupportedModel(f"{model_dir}: missing tensors: {', '.join(missing[:5])}")
+        for name in names:
+            tensor = found[name].get_tensor(name).to(dtype)
+            yield name, quantize(tensor).unpack() if name in int8 else tensor
