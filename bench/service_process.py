@@ -105,8 +105,14 @@ def wait_ready(server: Server, timeout: float = 300.0) -> None:
             except OSError:
                 pass
         time.sleep(0.05)
+    from client.errors import ExecutorError
+
     with ExecutorClient(server.address) as c:
-        c.wait_ready(max(deadline - time.monotonic(), 1.0))
+        try:
+            c.wait_ready(max(deadline - time.monotonic(), 1.0))
+        except ExecutorError as e:  # listening but not serving: what the server said is the clue
+            raise RuntimeError(f"the server listened but was not SERVING within {timeout} s ({e}):\n"
+                               f"{server.log_tail()}") from e
 
 
 def stop(server: Server, graceful: bool = True) -> None:
