@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -41,7 +42,36 @@ class Server:
         return self.output()[-3000:]
 
 
+def _ephemeral_ports() -> range:
+    """The ports the kernel hands out to bind(0) and to outgoing connections."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)  # Linux's default; elsewhere a guess that only narrows the choice
+
+
 def _free_port() -> int:
+    """A loopback port free now, outside the ephemeral range where there is room.
+
+    The server binds it seconds later, after its model loads; meanwhile any bind(0) on the
+    host could be given a port of the ephemeral range: another server's rendezvous store, a
+    gloo pair's listener, a client's connection. One such theft left a test's server unable
+    to bind while something else answered on its port. Ports outside that range are only
+    taken by a process that asks for them by number."""
+    ephemeral = _ephemeral_ports()
+    spans = [range(10000, ephemeral.start), range(ephemeral.stop, 65536)]
+    pool = max(spans, key=len)
+    if len(pool) >= 1000:
+        chooser = random.SystemRandom()
+        for _ in range(64):
+            port = chooser.choice(pool)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -108,11 +138,17 @@ def wait_ready(server: Server, timeout: float = 300.0) -> None:
     from client.errors import ExecutorError
 
     with ExecutorClient(server.address) as c:
-        try:
-            c.wait_ready(max(deadline - time.monotonic(), 1.0))
-        except ExecutorError as e:  # listening but not serving: what the server said is the clue
-            raise RuntimeError(f"the server listened but was not SERVING within {timeout} s ({e}):\n"
-                               f"{server.log_tail()}") from e
+        while True:
+            try:  # in slices, so that a server that exits meanwhile is said at once, with its log
+                c.wait_ready(max(min(deadline - time.monotonic(), 1.0), 0.1))
+                return
+            except ExecutorError as e:  # listening but not serving (yet): what the server said is the clue
+                if server.proc.poll() is not None:
+                    raise RuntimeError(f"the server exited with {server.proc.returncode} before it was SERVING:\n"
+                                       f"{server.log_tail()}") from e
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"the server listened but was not SERVING within {timeout} s ({e}):\n"
+                                       f"{server.log_tail()}") from e
 
 
 def stop(server: Server, graceful: bool = True) -> None:

@@ -20,7 +20,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,6 +43,7 @@ Refuse = Callable[[str], LoraAdapterError]  # a problem -> the error that names 
 MODULE_PARENTS = {
     "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
     "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+    "qkv_proj": "self_attn", "gate_up_proj": "mlp",  # Phi-3's fused projections
 }
 TENSOR_PREFIX = "base_model.model."  # PeftModel wrapping the CausalLM, as save_pretrained names tensors
 _LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight")
@@ -75,11 +76,20 @@ class LoraTargets:
 
     num_layers: int
     shapes: dict[str, tuple[int, int]]  # "q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"
+    # Phi-3: a fused projection (qkv_proj, gate_up_proj) -> the decoder's projections in its
+    # output rows, as (module, first row, end row). An adapter on it is cut into theirs.
+    splits: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: DecoderConfig) -> LoraTargets:
         hidden, inter = config.hidden_size, config.intermediate_size
         q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        if config.fused_checkpoint:  # the projections PEFT sees on this family's transformers model
+            return cls(config.num_layers, {
+                "qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden),
+                "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden),
+            }, {"qkv_proj": (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
+                "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))})
         attention = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
         if config.moe is not None:  # a mixture of experts: adapters on attention only
             return cls(config.num_layers, attention)
@@ -95,7 +105,9 @@ class LoraAdapter:
     rank: int  # largest r over its modules
     alpha: float
     target_modules: tuple[str, ...]  # sorted
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, module) -> (A [r, in], B_scaled [out, r])
+    # (layer, module) -> (A [r, in], B_scaled [out, r]); the decoder's module names (a fused
+    # projection's pair is cut into its parts', which share its A)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     scaling: float  # alpha / r, or alpha / sqrt(r) with use_rslora
     num_parameters: int
     nbytes: int
@@ -194,11 +206,22 @@ def build_adapter(name: str, key: str, config: dict, tensors: dict[str, torch.Te
     return LoraAdapter(
         name=name, key=key, rank=rank, alpha=alpha,
         target_modules=tuple(sorted({m for _, m in weights})),
-        weights=weights, scaling=scaling,
+        weights=_split_fused(weights, targets), scaling=scaling,
         num_parameters=sum(t.numel() for t in flat),
         nbytes=sum(t.numel() * t.element_size() for t in flat),
         source=source,
     )
+
+
+def _split_fused(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                 targets: LoraTargets) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """A fused projection's (A, B) as its parts' (A, rows of B): the delta x A^T B^T of the
+    fused output, column block by column block, is exactly the parts' deltas."""
+    out = {}
+    for (layer, module), (a, b) in weights.items():
+        for part, lo, hi in targets.splits.get(module, ((module, 0, b.shape[0]),)):
+            out[(layer, part)] = (a, b[lo:hi])
+    return out
 
 
 def _supported(targets: LoraTargets) -> str:

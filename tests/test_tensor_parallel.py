@@ -69,7 +69,7 @@ def build_mqa(out: Path) -> None:
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp")
     dirs = {}
-    for family in ("qwen3", "llama", "qwen2", "qwen2_moe", "gemma3"):
+    for family in ("qwen3", "llama", "qwen2", "qwen2_moe", "gemma3", "phi3"):
         build(family, root / family)
         dirs[family] = root / family
     build_mqa(root / "mqa")
@@ -178,7 +178,7 @@ def stop_and_check(server) -> None:
     assert not left, f"processes left behind after SIGTERM: {left}"
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama", "qwen2", "mqa", "qwen2_moe", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3", "llama", "qwen2", "mqa", "qwen2_moe", "gemma3", "phi3"])
 def test_two_ranks_answer_every_rpc_as_one_process(name, models, references):
     server = serve_tp(models[name])
     try:
@@ -298,15 +298,25 @@ def test_two_torchrun_nodes(models, references):
             stop(node)
 
 
-def test_lora_and_prefix_caching_against_peft(tmp_path):
+# Per family: the wide and the narrow adapter's target modules (Phi-3's projections are fused:
+# its adapters' qkv_proj and gate_up_proj pairs are cut into the ranks' q/k/v and gate/up rows).
+LORA_TARGETS = {
+    "qwen3": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+              ["q_proj", "v_proj", "down_proj"]),
+    "phi3": (["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], ["qkv_proj", "down_proj"]),
+}
+
+
+@pytest.mark.parametrize("family", list(LORA_TARGETS))
+def test_lora_and_prefix_caching_against_peft(family, tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    base = build("qwen3", tmp_path / "base")
+    base = build(family, tmp_path / "base")
     torch.manual_seed(31)
-    wide = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                         "up_proj", "down_proj"]}
-    peft = get_peft_model(base, LoraConfig(**wide, init_lora_weights=False), adapter_name="wide")
-    peft.add_adapter("narrow", LoraConfig(r=4, lora_alpha=12, target_modules=["q_proj", "v_proj", "down_proj"],
+    wide_targets, narrow_targets = LORA_TARGETS[family]
+    peft = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=wide_targets, init_lora_weights=False),
+                          adapter_name="wide")
+    peft.add_adapter("narrow", LoraConfig(r=4, lora_alpha=12, target_modules=narrow_targets,
                                           init_lora_weights=False))
     peft.eval()
     peft.save_pretrained(tmp_path / "saved")

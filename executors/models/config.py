@@ -35,9 +35,12 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": ("qwen2_moe", False),
     "Qwen3MoeForCausalLM": ("qwen3_moe", True),
     "Gemma3ForCausalLM": ("gemma3", True),
+    "Phi3ForCausalLM": ("phi3", False),
 }
 # Families whose every layer sees the same `sliding_window` (when the config sets one).
-WINDOWED_FAMILIES = ("mistral", "mixtral")
+WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")
+# Families whose checkpoints store q/k/v as one qkv_proj and gate/up as one gate_up_proj.
+FUSED_CHECKPOINT_FAMILIES = ("phi3",)
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 LAYER_TYPE_KEYS = ("full_attention", "sliding_attention")
 
@@ -94,6 +97,9 @@ class DecoderConfig:
     sandwich_norms: bool = False
     attn_scale: float | None = None  # None: 1/sqrt(head_dim)
     final_softcap: float | None = None
+    # Phi-3: the checkpoint holds q/k/v as one qkv_proj and gate/up as one gate_up_proj, which
+    # the loader splits into the decoder's parameters (checkpoint_sections.py).
+    fused_checkpoint: bool = False
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def window(self, layer: int) -> int | None:
@@ -185,6 +191,7 @@ class DecoderConfig:
             sandwich_norms=gemma,
             attn_scale=_number(cfg, "query_pre_attn_scalar", defaults.query_pre_attn_scalar) ** -0.5 if gemma else None,
             final_softcap=_positive(cfg, "final_logit_softcapping") if gemma else None,
+            fused_checkpoint=family in FUSED_CHECKPOINT_FAMILIES,
             raw=cfg,
         )
 
@@ -251,10 +258,25 @@ def _read_rope(cfg: dict[str, Any], family: str, defaults: FamilyDefaults,
     if nested:  # transformers ignores them on these families (or fails to build the model)
         raise UnsupportedModel(f"rope_parameters per layer type ({', '.join(nested)}) is only read for Gemma 3")
     theta = _number(rope, "rope_theta", cfg.get("rope_theta", defaults.rope_theta))
+    if family == "phi3":
+        _check_phi3_rope(cfg, rope, where)
     # A top-level original_max_position_embeddings (Phi-3's place for it) overrides the nested one.
     if "original_max_position_embeddings" in cfg:
         rope = {**rope, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
     return theta, _rope_scaling(rope, where, max_positions), None
+
+
+def _check_phi3_rope(cfg: dict[str, Any], rope: dict[str, Any], where: str) -> None:
+    """Phi3Config accepts only the default rope and longrope (su, yarn: older names for it),
+    and rotates partial_rotary_factor of each head (Phi-4-mini: 0.75)."""
+    kind = _rope_kind(rope, where)
+    if kind != "default":
+        raise UnsupportedModel(f"Phi-3 rope type {kind!r} ({where}) is not supported; only the default rope "
+                               f"(longrope, su and yarn are not)")
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise UnsupportedModel(f"partial_rotary_factor {partial!r} is not supported; only rotary embeddings over "
+                               f"the whole head (1.0)")
 
 
 def _read_gemma3_rope(cfg: dict[str, Any], defaults: FamilyDefaults,

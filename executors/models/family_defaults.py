@@ -18,7 +18,7 @@ class FamilyDefaults:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool = False
-    sliding_window: int | None = None  # read only where the family applies it (Mistral, Mixtral, Gemma 3)
+    sliding_window: int | None = None  # read only where the family applies it (Mistral, Mixtral, Phi-3, Gemma 3)
     activation_key: str = "hidden_act"  # the one key the family's MLP reads its activation from
     activation: str = "silu"
     # q/k/v bias: switched by this key (None: fixed at attention_bias, whatever the config says).
@@ -46,6 +46,7 @@ FAMILY_DEFAULTS = {
                                 sliding_window=4096, attention_bias_key="qkv_bias", attention_bias=True),
     "qwen3_moe": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
                                 sliding_window=4096, attention_bias_key="attention_bias", o_proj_bias=True),
+    "phi3": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096),
     "gemma3": FamilyDefaults(rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=131072,
                              tie_word_embeddings=True, sliding_window=4096, activation_key="hidden_activation",
                              activation="gelu_pytorch_tanh", attention_bias_key="attention_bias", o_proj_bias=True,

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from executors.cpu_kernels.qpanels import QGROUP, quantize
+from executors.models.checkpoint_sections import fused_sections, fused_shape
 from executors.models.config import DecoderConfig, UnsupportedModel
 from executors.models.decoder import DecoderLM
 
@@ -99,9 +100,23 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     progress, started = _Progress(model_dir.name, total), time.perf_counter()
+    sections = fused_sections(config)  # Phi-3's qkv_proj and gate_up_proj: cut into the decoder's parameters
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
+                if name in sections:
+                    parts = sections[name]
+                    fused = f.get_tensor(name)  # whole, also for one rank: its rows of each part are cut below
+                    want = fused_shape(parts, expected_full)
+                    if tuple(fused.shape) != want:
+                        raise UnsupportedModel(
+                            f"{path.name}: tensor {name} has shape {tuple(fused.shape)}, the config implies {want}")
+                    for part, lo, hi in parts:
+                        section = fused[lo:hi]
+                        state[part] = _converted(section if plan is None else plan.read(part, section, section.shape),
+                                                 dtype, device)
+                    progress.add(sizes[path].get(name, 0))
+                    continue
                 if name not in expected:
                     tied_head = name == "lm_head.weight" and config.tie_word_embeddings
                     if not tied_head and not name.endswith(IGNORED_SUFFIXES):
@@ -119,15 +134,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                         f"{path.name}: tensor {name} has shape {shape}, the config implies {expected_full[name]}")
                 if plan is not None:
                     tensor = plan.read(name, piece, shape)
-                converted = tensor.to(dtype=dtype, device=device)
-                if converted.dim() == 1 and converted.data_ptr() == tensor.data_ptr():
-                    # Already in the serving dtype and device, a tensor is a view of the file's memory
-                    # map, and one such view kept alive keeps the whole map resident, every page the
-                    # load touched, beside the model's own copy of the weights. Matrices are repacked
-                    # by fuse() (or served from the map where they are not); vectors (norms, biases)
-                    # are kept as loaded, so they get memory of their own here.
-                    converted = converted.clone()
-                state[name] = converted
+                state[name] = _converted(tensor, dtype, device)
                 progress.add(sizes[path].get(name, 0))
     missing = sorted(set(expected) - set(state))
     if missing:
@@ -147,6 +154,18 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     return model.eval()
 
 
+def _converted(tensor: torch.Tensor, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    converted = tensor.to(dtype=dtype, device=device)
+    if converted.dim() == 1 and converted.data_ptr() == tensor.data_ptr():
+        # Already in the serving dtype and device, a tensor is a view of the file's memory map,
+        # and one such view kept alive keeps the whole map resident, every page the load
+        # touched, beside the model's own copy of the weights. Matrices are repacked by fuse()
+        # (or served from the map where they are not); vectors (norms, biases) are kept as
+        # loaded, so they get memory of their own here.
+        converted = converted.clone()
+    return converted
+
+
 def checkpoint_parameters(model_dir: str | Path, dtype: torch.dtype,
                           int8: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """The whole model's parameters as one process serves them, read from the files one at a
@@ -162,14 +181,22 @@ def checkpoint_parameters(model_dir: str | Path, dtype: torch.dtype,
     config = DecoderConfig.from_dir(model_dir)
     with torch.device("meta"):
         names = [name for name, _ in DecoderLM(config).named_parameters()]
+    sections = {part: (fused, lo, hi) for fused, parts in fused_sections(config).items() for part, lo, hi in parts}
     with contextlib.ExitStack() as files:  # each file opened once, for every tensor it holds
         found = {}
         for path in weight_files(model_dir):
             f = files.enter_context(safe_open(str(path), framework="pt", device="cpu"))
             found.update((name, f) for name in f.keys())
-        missing = [name for name in names if name not in found]
+        missing = [name for name in names if sections.get(name, (name,))[0] not in found]
         if missing:
             raise UnsupportedModel(f"{model_dir}: missing tensors: {', '.join(missing[:5])}")
+        last_fused: tuple[str, torch.Tensor] | None = None  # q, k and v (gate and up) follow one another
         for name in names:
-            tensor = found[name].get_tensor(name).to(dtype)
+            if name in sections:
+                fused, lo, hi = sections[name]
+                if last_fused is None or last_fused[0] != fused:
+                    last_fused = (fused, found[fused].get_tensor(fused))
+                tensor = last_fused[1][lo:hi].to(dtype)
+            else:
+                tensor = found[name].get_tensor(name).to(dtype)
             yield name, quantize(tensor).unpack() if name in int8 else tensor

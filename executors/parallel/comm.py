@@ -137,17 +137,24 @@ def rank_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def join(spec: WorldSpec, device: str, timeout_s: float) -> TpGroup:
-    """Join the world (blocks until every rank has) and make the two groups."""
+def join(spec: WorldSpec, device: str, timeout_s: float, store: dist.Store | None = None) -> TpGroup:
+    """Join the world (blocks until every rank has) and make the two groups. `store`: the
+    rendezvous store this process hosts (rank 0 of the service's own spawn)."""
     dev = rank_device(device, spec.local_rank)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     timeout = timedelta(seconds=timeout_s)
-    # Under torchrun the agent already hosts the rendezvous store on MASTER_PORT and env://
-    # joins it as a client; the service's own spawn has rank 0 host it.
-    init = "env://" if spec.launcher == "torchrun" else f"tcp://{spec.master_addr}:{spec.master_port}"
-    dist.init_process_group(backend, init_method=init, rank=spec.rank, world_size=spec.world, timeout=timeout)
+    if spec.launcher == "torchrun":
+        # The agent already hosts the rendezvous store on MASTER_PORT; env:// joins it.
+        dist.init_process_group(backend, init_method="env://", rank=spec.rank, world_size=spec.world, timeout=timeout)
+    else:
+        # The service's own spawn: rank 0 hosts the store (`store`), the other ranks join it
+        # as clients. Both hand their store over as it is (an init_method would add a prefix
+        # to the keys on one side only).
+        if store is None:
+            store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world, timeout=timeout)
     group = TpGroup(spec.rank, spec.world, dev, backend, timeout_s)
     group.control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
     log.info("tensor-parallel rank %d of %d joined (%s, %s, launched by %s on %s)", spec.rank, spec.world, backend,

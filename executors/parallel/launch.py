@@ -13,12 +13,13 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from executors.parallel.comm import TpGroup, WorldSpec, join, world_from_env
 
@@ -33,12 +34,6 @@ class World:
     children: list[subprocess.Popen] = field(default_factory=list)  # ranks this process spawned
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def die_with_parent() -> None:
     """Linux: SIGTERM this process when the process that spawned it exits (best effort elsewhere)."""
     try:
@@ -48,18 +43,24 @@ def die_with_parent() -> None:
         log.debug("no parent-death signal: %s", e)
 
 
-def spawn(world: int, argv: list[str]) -> tuple[WorldSpec, list[subprocess.Popen]]:
-    """Start ranks 1..world-1 as copies of this command line; this process is rank 0."""
-    port = _free_port()
+def spawn(world: int, argv: list[str], timeout_s: float) -> tuple[WorldSpec, list[subprocess.Popen], dist.TCPStore]:
+    """Start ranks 1..world-1 as copies of this command line; this process is rank 0.
+
+    Rank 0's rendezvous store listens before any rank starts, on a port the kernel picks: a
+    port found free, closed and handed to the store later could be taken meanwhile (another
+    server's listener, or one of gloo's own, which bind free ports too). A server whose own
+    gRPC port the store took could then never start, while a client found that port open."""
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
     children = []
     for rank in range(1, world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
                "MODELEXEC_TP_SPAWNED": "1"}
         children.append(subprocess.Popen([sys.executable, "-m", "service", *argv], env=env))
     log.info("tensor parallelism: started %d rank process(es): %s", len(children),
              ", ".join(str(p.pid) for p in children))
-    return WorldSpec(0, world, 0, "127.0.0.1", port, "spawn"), children
+    return WorldSpec(0, world, 0, "127.0.0.1", store.port, "spawn"), children, store
 
 
 def start_world(tensor_parallel_size: int, device: str, timeout_s: float, argv: list[str]) -> World | None:
@@ -68,9 +69,9 @@ def start_world(tensor_parallel_size: int, device: str, timeout_s: float, argv: 
     if spec is None:
         if tensor_parallel_size == 1:
             return None
-        spec, children = spawn(tensor_parallel_size, argv)
+        spec, children, store = spawn(tensor_parallel_size, argv, timeout_s)
     else:
-        children = []
+        children, store = [], None
         if spec.world != tensor_parallel_size:
             raise ValueError(f"this process is rank {spec.rank} of a world of {spec.world} processes (from "
                              f"{spec.launcher}), but --tensor-parallel-size is {tensor_parallel_size}: they must match")
@@ -84,7 +85,7 @@ def start_world(tensor_parallel_size: int, device: str, timeout_s: float, argv: 
         local = int(os.environ.get("LOCAL_WORLD_SIZE", spec.world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     try:
-        group = join(spec, device, timeout_s)
+        group = join(spec, device, timeout_s, store)
     except BaseException:
         for child in children:
             child.terminate()

@@ -147,7 +147,8 @@ class ShardPlan:
 
     def shard_adapter(self, adapter: LoraAdapter) -> LoraAdapter:
         weights = self.shard_adapter_weights(adapter.weights)
-        nbytes = sum(t.numel() * t.element_size() for pair in weights.values() for t in pair)
+        unique = {id(t): t for pair in weights.values() for t in pair}  # a fused projection's parts share A
+        nbytes = sum(t.numel() * t.element_size() for t in unique.values())
         return dataclasses.replace(adapter, weights=weights, nbytes=nbytes)
 
 

@@ -26,6 +26,9 @@ VOCAB, TOL = 320, 1e-4
 DEL = object()  # in an edit: remove the key
 COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+PHI3 = {**COMMON, "pad_token_id": 0}  # Phi3Config's default pad id, 32000, is outside the tiny vocabulary
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "rope_theta": 1e4,
+            "original_max_position_embeddings": 256}
 GEMMA = {**COMMON, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
          "layer_types": ["sliding_attention", "full_attention"]}
 # transformers 4's Gemma 3 layout, as google/gemma-3-* ship it.
@@ -90,6 +93,18 @@ CASES = {
     "qwen3_moe_attention_bias": ("qwen3_moe", {**QWEN3_MOE, "attention_bias": True}, {}, 20, None),
     "mistral_attention_bias_ignored": (
         "mistral", {"sliding_window": None}, {"attention_bias": True, "mlp_bias": True}, 20, None),
+    # 8. Phi-3: fused qkv_proj and gate_up_proj (cut by the loader), a window over every layer,
+    # its own defaults; longrope (and its older name su) and partial rotary refused.
+    "phi3": ("phi3", {}, {}, 40, None),
+    "phi3_sliding_window_no_eps": ("phi3", {"sliding_window": 8, "rms_norm_eps": 1e-5}, {"rms_norm_eps": DEL}, 40, None),
+    "phi3_gqa_head_dim": ("phi3", {"num_key_value_heads": 1, "head_dim": 8}, {}, 40, None),
+    "phi3_longrope": ("phi3", {}, {"rope_parameters": LONGROPE, "original_max_position_embeddings": 256}, 40,
+                      "'longrope'"),
+    "phi3_su": ("phi3", {}, {"rope_scaling": {**LONGROPE, "rope_type": "su"}, "original_max_position_embeddings": 256},
+                40, "'su'"),
+    "phi3_partial_rotary": (
+        "phi3", {}, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+        40, "partial_rotary_factor 0.5"),
 }
 
 MODELS = {
@@ -97,6 +112,7 @@ MODELS = {
     "mixtral": ("MixtralForCausalLM", "MixtralConfig"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"), "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"), "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config"),
 }
 
 
@@ -104,7 +120,7 @@ def save_tiny(family: str, kwargs: dict, edits: dict, out):
     """Save a random tiny model, apply `edits` to its config.json, return transformers' reading of it."""
     model_cls, config_cls = (getattr(tf, n) for n in MODELS[family])
     torch.manual_seed(0)
-    model = model_cls(config_cls(**{**(GEMMA if family == "gemma3" else COMMON), **kwargs}))
+    model = model_cls(config_cls(**{**{"gemma3": GEMMA, "phi3": PHI3}.get(family, COMMON), **kwargs}))
     with torch.no_grad():  # random init leaves biases at zero and norms at one: make them count
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -174,12 +190,13 @@ def test_family_bias_layout_matches_transformers_modeling(family):
     model_cls, config_cls = (getattr(tf, n) for n in MODELS[family])
     moe = {"num_experts": 2, "num_local_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 8,
            "shared_expert_intermediate_size": 8, "mlp_only_layers": [0]}  # layer 0 dense, layer 1 sparse
-    config = config_cls(**{**COMMON, "hidden_size": 16, "intermediate_size": 8, "head_dim": 4, "attention_bias": True,
+    config = config_cls(**{**COMMON, "pad_token_id": 0, "hidden_size": 16, "intermediate_size": 8, "head_dim": 4, "attention_bias": True,
                            "qkv_bias": True, "mlp_bias": True, **(moe if family in MOE_FAMILIES else {})})
     with torch.device("meta"):
         names = {n for n, _ in model_cls(config).named_parameters()}
     switchable = ours.attention_bias_key is not None
-    assert ("model.layers.0.self_attn.q_proj.bias" in names) == (switchable or ours.attention_bias), family
+    q_bias = {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.qkv_proj.bias"} & names  # Phi-3: qkv
+    assert bool(q_bias) == (switchable or ours.attention_bias), family
     assert ("model.layers.0.self_attn.o_proj.bias" in names) == ours.o_proj_bias, family
     mlp_biases = {n for n in names if n.endswith("bias") and ("mlp" in n or "sparse_moe" in n)}
     assert bool(mlp_biases) == (ours.mlp_bias_key is not None), (family, mlp_biases)

@@ -1,6 +1,6 @@
 """Tiny random checkpoints built with transformers (the test oracle): the dense Qwen3, Llama
 and Qwen2; the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral; the sliding-window
-Mistral and Gemma 3."""
+Mistral, Gemma 3 and Phi-3 (whose checkpoint fuses q/k/v and gate/up)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def build(family: str, out_dir: Path, **save_kwargs):
     return model
 
 
-SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8}
+SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8, "phi3": 9}
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
 
 
@@ -75,4 +75,8 @@ def _new_family(tf, family: str, common: dict):
             rope_parameters=rope, final_logit_softcapping=30.0, attn_logit_softcapping=20.0)
         config._attn_implementation = "eager"
         return tf.Gemma3ForCausalLM(config)
+    if family == "phi3":
+        # Phi-3-mini's layout: one qkv_proj, one gate_up_proj, a window over every layer.
+        return tf.Phi3ForCausalLM(tf.Phi3Config(**common, sliding_window=WINDOW, pad_token_id=0, bos_token_id=1,
+                                                eos_token_id=2, tie_word_embeddings=False))
     raise ValueError(family)

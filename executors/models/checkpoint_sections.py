@@ -1,0 +1,38 @@
+"""Checkpoint tensors that hold several of the decoder's parameters, and where each one sits.
+
+Phi-3 stores each layer's q, k and v projections as one `qkv_proj` ([q; k; v] rows, in that
+order) and the MLP's gate and up projections as one `gate_up_proj` ([gate; up]). The decoder
+keeps one set of parameter names for every family (tensor parallelism, LoRA and the weights
+digest all go by them), so the loader cuts such a tensor into its row ranges as it reads it;
+the fast forward fuses q/k/v and gate/up again anyway (fused_weights.py).
+"""
+
+from __future__ import annotations
+
+from executors.models.config import DecoderConfig
+
+# checkpoint tensor -> ((parameter, first row, end row), ...)
+Sections = dict[str, tuple[tuple[str, int, int], ...]]
+
+
+def fused_sections(config: DecoderConfig) -> Sections:
+    """Each fused checkpoint tensor of `config`'s family and the rows of each parameter in it
+    (empty for families that store every projection on its own)."""
+    if not config.fused_checkpoint:
+        return {}
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    sections: Sections = {}
+    for layer in range(config.num_layers):
+        attn, mlp = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
+        sections[f"{attn}qkv_proj.weight"] = ((f"{attn}q_proj.weight", 0, q), (f"{attn}k_proj.weight", q, q + kv),
+                                              (f"{attn}v_proj.weight", q + kv, q + 2 * kv))
+        sections[f"{mlp}gate_up_proj.weight"] = ((f"{mlp}gate_proj.weight", 0, inter),
+                                                 (f"{mlp}up_proj.weight", inter, 2 * inter))
+    return sections
+
+
+def fused_shape(parts: tuple[tuple[str, int, int], ...], expected: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape the fused tensor must have: its parts' rows stacked, their columns."""
+    return (parts[-1][2], *expected[parts[0][0]][1:])

@@ -1,0 +1,108 @@
+"""LoRA on Phi-3's fused projections (qkv_proj, gate_up_proj) against transformers + PEFT.
+
+PEFT adapts the modules the transformers model has, so a Phi-3 adapter carries one A and B
+for qkv_proj and one for gate_up_proj. The decoder keeps q/k/v and gate/up as parameters of
+their own; build_adapter cuts each fused pair into its parts' (the same A, B's rows), which
+must give PEFT's output exactly (fp32, 1e-4), on the fast path and on the reference, in a
+batch that mixes both adapters and none.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executors.lora import LoraAdapterError, LoraTargets, build_adapter, read_peft_dir
+from executors.models.loader import load_model
+from tests.models.test_lora import TOL, forward, max_diff, prompt
+from tests.models.tiny_models import build
+
+ADAPTERS = {
+    "all": {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"},
+    "narrow": {"r": 4, "lora_alpha": 12, "use_rslora": True, "layers_to_transform": [0, 2],
+               "target_modules": ["qkv_proj", "down_proj"]},
+}
+MIXED = [("all", 9), (None, 6), ("narrow", 14), ("all", 12), ("narrow", 1)]
+
+
+class Phi3:
+    def __init__(self, root) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        base = build("phi3", root / "base")
+        self.model = load_model(root / "base", torch.float32, "cpu")
+        self.targets = LoraTargets.from_config(self.model.config)
+        torch.manual_seed(23)
+        first, second = ADAPTERS
+        self.peft = get_peft_model(base, LoraConfig(**ADAPTERS[first], init_lora_weights=False), adapter_name=first)
+        self.peft.add_adapter(second, LoraConfig(**ADAPTERS[second], init_lora_weights=False))
+        self.peft.eval()
+        self.peft.save_pretrained(root / "adapters")
+        self.saved = {name: read_peft_dir(root / "adapters" / name) for name in ADAPTERS}
+        self.adapters = {name: build_adapter(name, f"{name}@1", *self.saved[name], self.targets, dtype=torch.float32,
+                                             device="cpu", max_rank=16, source="test") for name in ADAPTERS}
+        self.prompts = [prompt(n) for _, n in MIXED]
+
+    @torch.no_grad()
+    def oracle(self, adapter: str | None, tokens: torch.Tensor) -> torch.Tensor:
+        causal_lm = self.peft.get_base_model()
+        if adapter is None:
+            with self.peft.disable_adapter():
+                return causal_lm(tokens[None]).logits[0]
+        self.peft.set_adapter(adapter)
+        return causal_lm(tokens[None]).logits[0]
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory) -> Phi3:
+    return Phi3(tmp_path_factory.mktemp("phi3-lora"))
+
+
+def test_peft_names_the_fused_modules_and_the_adapter_reports_them(phi3):
+    config, tensors = phi3.saved["all"]
+    # PEFT saves all-linear resolved, as the modules' paths.
+    assert {t.rsplit(".", 1)[-1] for t in config["target_modules"]} == {"down_proj", "gate_up_proj", "o_proj",
+                                                                       "qkv_proj"}
+    assert any(".qkv_proj.lora_B" in name for name in tensors)
+    adapter = phi3.adapters["all"]
+    assert adapter.target_modules == ("down_proj", "gate_up_proj", "o_proj", "qkv_proj")
+    # Counted as PEFT stores it (one A per fused projection), though q, k and v each use it.
+    assert adapter.num_parameters == sum(t.numel() for t in tensors.values())
+    assert adapter.nbytes == 4 * adapter.num_parameters
+    assert {m for _, m in adapter.weights} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj"}
+    a_q, b_q = adapter.weights[(0, "q_proj")]
+    a_v, b_v = adapter.weights[(0, "v_proj")]
+    assert a_q is a_v  # the parts share the fused pair's A
+    q = phi3.model.config.num_heads * phi3.model.config.head_dim
+    assert b_q.shape == (q, 8) and b_v.shape == (phi3.model.config.num_kv_heads * phi3.model.config.head_dim, 8)
+    narrow = phi3.adapters["narrow"]
+    assert sorted(narrow.weights) == [(layer, m) for layer in (0, 2)
+                                      for m in ("down_proj", "k_proj", "q_proj", "v_proj")]
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["fast", "reference"])
+def test_a_mixed_batch_matches_peft(phi3, reference):
+    batch = [(phi3.adapters.get(name), p) for (name, _), p in zip(MIXED, phi3.prompts, strict=True)]
+    outs, lora = forward(phi3.model, batch, reference)
+    for (name, _), p, (_, logits) in zip(MIXED, phi3.prompts, outs, strict=True):
+        want = phi3.oracle(name, p)
+        assert max_diff(logits, want) <= TOL, name
+        if name is not None:  # the adapter matters
+            assert max_diff(logits, phi3.oracle(None, p)) > 100 * TOL, name
+    assert lora.applications == len(phi3.adapters["all"].weights) + len(phi3.adapters["narrow"].weights)
+
+
+def test_the_split_projections_are_refused_by_their_own_names(phi3):
+    config, tensors = phi3.saved["narrow"]
+    renamed = {name.replace("qkv_proj", "q_proj"): t for name, t in tensors.items()}
+    with pytest.raises(LoraAdapterError, match=r"target module 'q_proj' is not one this executor can adapt; "
+                                               r"supported: qkv_proj, o_proj, gate_up_proj, down_proj"):
+        build_adapter("renamed", "renamed@1", {**config, "target_modules": ["q_proj", "down_proj"]}, renamed,
+                      phi3.targets, dtype=torch.float32, device="cpu", max_rank=16, source="test")
+    short = dict(tensors)
+    name = next(n for n in short if ".qkv_proj.lora_B" in n)
+    short[name] = short[name][:-1]  # one output row short of q + k + v
+    with pytest.raises(LoraAdapterError, match=r"qkv_proj maps 64 -> 128 features"):
+        build_adapter("short", "short@1", config, short, phi3.targets, dtype=torch.float32, device="cpu",
+                      max_rank=16, source="test")
