@@ -29,6 +29,7 @@ from safetensors.torch import load as load_safetensors
 
 from executors.config_regex import PatternError, fullmatching
 from executors.models.config import DecoderConfig
+from executors.models.partial_rotary import reorders, row_order
 
 
 class LoraAdapterError(ValueError):
@@ -79,23 +80,27 @@ class LoraTargets:
     # Phi-3: a fused projection (qkv_proj, gate_up_proj) -> the decoder's projections in its
     # output rows, as (module, first row, end row). An adapter on it is cut into theirs.
     splits: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
+    # Partial rotary embeddings: q's and k's rows in the order the loader served them
+    # (served row -> checkpoint row, partial_rotary.py); B's rows follow it.
+    row_orders: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: DecoderConfig) -> LoraTargets:
         hidden, inter = config.hidden_size, config.intermediate_size
         q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        orders = {"q_proj": row_order(q, config), "k_proj": row_order(kv, config)} if reorders(config) else {}
         if config.fused_checkpoint:  # the projections PEFT sees on this family's transformers model
             return cls(config.num_layers, {
                 "qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden),
                 "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden),
             }, {"qkv_proj": (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
-                "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))})
+                "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))}, orders)
         attention = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
         if config.moe is not None:  # a mixture of experts: adapters on attention only
-            return cls(config.num_layers, attention)
+            return cls(config.num_layers, attention, row_orders=orders)
         return cls(config.num_layers, {
             **attention, "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
-        })
+        }, row_orders=orders)
 
 
 @dataclass(slots=True)
@@ -206,21 +211,23 @@ def build_adapter(name: str, key: str, config: dict, tensors: dict[str, torch.Te
     return LoraAdapter(
         name=name, key=key, rank=rank, alpha=alpha,
         target_modules=tuple(sorted({m for _, m in weights})),
-        weights=_split_fused(weights, targets), scaling=scaling,
+        weights=_served_pairs(weights, targets), scaling=scaling,
         num_parameters=sum(t.numel() for t in flat),
         nbytes=sum(t.numel() * t.element_size() for t in flat),
         source=source,
     )
 
 
-def _split_fused(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-                 targets: LoraTargets) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """A fused projection's (A, B) as its parts' (A, rows of B): the delta x A^T B^T of the
-    fused output, column block by column block, is exactly the parts' deltas."""
+def _served_pairs(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                  targets: LoraTargets) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """PEFT's pairs as the decoder's projections take them. A fused projection's (A, B) as
+    its parts' (A, rows of B): the delta x A^T B^T of the fused output, column block by
+    column block, is exactly the parts' deltas. B's rows of q and k in the served order."""
     out = {}
     for (layer, module), (a, b) in weights.items():
         for part, lo, hi in targets.splits.get(module, ((module, 0, b.shape[0]),)):
-            out[(layer, part)] = (a, b[lo:hi])
+            rows = b[lo:hi]
+            out[(layer, part)] = (a, rows[targets.row_orders[part]] if part in targets.row_orders else rows)
     return out
 
 

@@ -1,13 +1,15 @@
 """Tensor parallelism over torch.distributed (executors/parallel/), two ranks on gloo.
 
 Tiny random Qwen3, Llama, Qwen2, a Llama with one KV head (fewer KV heads than ranks:
-replicated), a Qwen2-MoE (routed and shared experts, split like dense MLPs) and a Gemma 3
-(sandwich norms, sliding windows, soft-capped logits) are served by `python -m service --tensor-parallel-size 2` (which spawns its
-second rank) and under `torchrun --nproc-per-node 2`. Every RPC of one scenario must give
-the single-process server's logits within 1e-5, the same greedy tokens and the same pool
-accounting. LoRA and prefix caching are checked against transformers + PEFT. A rank killed
-or frozen mid-stream turns health NOT_SERVING and calls UNAVAILABLE in bounded time, and
-no process outlives its server. On two or more GPUs the same comparison runs on NCCL.
+replicated), a Qwen2-MoE (routed and shared experts, split like dense MLPs), a Gemma 3
+(sandwich norms, sliding windows, soft-capped logits), a Phi-3 (fused checkpoint
+projections) and a Phi-4-mini (partial rotary embeddings, LongRoPE) are served by
+`python -m service --tensor-parallel-size 2` (which spawns its second rank) and under
+`torchrun --nproc-per-node 2`. Every RPC of one scenario must give the single-process
+server's logits within 1e-5, the same greedy tokens and the same pool accounting. LoRA
+and prefix caching are checked against transformers + PEFT. A rank killed or frozen
+mid-stream turns health NOT_SERVING and calls UNAVAILABLE in bounded time, and no process
+outlives its server. On two or more GPUs the same comparison runs on NCCL.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def build_mqa(out: Path) -> None:
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp")
     dirs = {}
-    for family in ("qwen3", "llama", "qwen2", "qwen2_moe", "gemma3", "phi3"):
+    for family in ("qwen3", "llama", "qwen2", "qwen2_moe", "gemma3", "phi3", "phi4_mini"):
         build(family, root / family)
         dirs[family] = root / family
     build_mqa(root / "mqa")
@@ -178,7 +180,7 @@ def stop_and_check(server) -> None:
     assert not left, f"processes left behind after SIGTERM: {left}"
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama", "qwen2", "mqa", "qwen2_moe", "gemma3", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3", "llama", "qwen2", "mqa", "qwen2_moe", "gemma3", "phi3", "phi4_mini"])
 def test_two_ranks_answer_every_rpc_as_one_process(name, models, references):
     server = serve_tp(models[name])
     try:

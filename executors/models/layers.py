@@ -35,10 +35,15 @@ class RMSNorm(nn.Module):
         return (w.float() + self.offset).to(w.dtype) if self.offset else w
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,
+                        factors: tuple[float, ...] = ()) -> torch.Tensor:
+    """`head_dim`: the rotated dimensions; `factors`: LongRoPE's per-frequency divisors."""
     # float32 throughout, as the checkpoints' reference implementation computes it: the
     # positions' phases then agree with it bit for bit rather than "more accurately".
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    powers = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    if factors:
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * powers)
+    inv = 1.0 / powers
     if scaling is None:
         return inv
     if scaling.kind == "linear":
@@ -61,19 +66,12 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: DecoderConfig, local: bool = False) -> None:
         """`local`: the sliding layers' table (config.local_rope_theta, unscaled)."""
         super().__init__()
-        if local:
-            inv = inverse_frequencies(config.head_dim, config.local_rope_theta, None)
-        else:
-            inv = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, inv.float())
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        cos, sin = rope_tables(config, local)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         # sin with the first half negated: rotate_half(x) * sin == swap_halves(x) * signed_sin.
-        half = config.head_dim // 2
-        signed = emb.sin()
-        signed[:, :half].neg_()
+        signed = sin.clone()
+        signed[:, :config.head_dim // 2].neg_()
         self.register_buffer("signed_sin", signed, persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,6 +88,42 @@ class RotaryEmbedding(nn.Module):
         faster than promoting to float32 and back, bench/RESULTS.md)."""
         cos, sin = self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
         return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
+
+
+def rope_tables(config: DecoderConfig, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position's phases, [max_positions, head_dim] float32.
+
+    With a partial rotary_dim, the rotated pairs are the first rotary_dim / 2 of each half
+    (the loader moved q's and k's dimensions there, partial_rotary.py) and the others keep
+    cos 1 and sin 0. LongRoPE picks a position's frequencies by the position alone (short
+    below original_max_position_embeddings, long from there): transformers picks them by
+    the longest position of the forward, so a prompt that crosses that length is rotated
+    with the long ones throughout there, and each token as here when it comes one a step;
+    a position's rotation here never depends on the chunk or the batch it came in."""
+    head, rotary = config.head_dim, config.rotary_dim or config.head_dim
+    scaling = None if local else config.rope_scaling
+    theta = config.local_rope_theta if local else config.rope_theta
+    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+    if scaling is not None and scaling.kind == "longrope":
+        original = scaling.original_max_position_embeddings
+        freqs = torch.cat([torch.outer(positions[:original], inverse_frequencies(rotary, theta, None,
+                                                                                 scaling.short_factor)),
+                           torch.outer(positions[original:], inverse_frequencies(rotary, theta, None,
+                                                                                 scaling.long_factor))])
+        gain = scaling.attention_factor
+    else:
+        freqs = torch.outer(positions, inverse_frequencies(rotary, theta, scaling).float())
+        gain = 1.0
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos() * gain, emb.sin() * gain
+    if rotary == head:
+        return cos, sin
+    # Pairs beyond the rotated ones: identity (cos 1, sin 0), not scaled by the gain.
+    keep = (head - rotary) // 2
+    ones, zeros = torch.ones(len(positions), keep), torch.zeros(len(positions), keep)
+    half = rotary // 2
+    return (torch.cat([cos[:, :half], ones, cos[:, half:], ones], dim=-1),
+            torch.cat([sin[:, :half], zeros, sin[:, half:], zeros], dim=-1))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

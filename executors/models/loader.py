@@ -23,6 +23,7 @@ from executors.cpu_kernels.qpanels import QGROUP, quantize
 from executors.models.checkpoint_sections import fused_sections, fused_shape
 from executors.models.config import DecoderConfig, UnsupportedModel
 from executors.models.decoder import DecoderLM
+from executors.models.partial_rotary import served
 
 if TYPE_CHECKING:
     from executors.parallel.shard import ShardPlan
@@ -113,8 +114,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                             f"{path.name}: tensor {name} has shape {tuple(fused.shape)}, the config implies {want}")
                     for part, lo, hi in parts:
                         section = fused[lo:hi]
-                        state[part] = _converted(section if plan is None else plan.read(part, section, section.shape),
-                                                 dtype, device)
+                        mine = section if plan is None else plan.read(part, section, section.shape)
+                        state[part] = _converted(served(part, mine, config), dtype, device)
                     progress.add(sizes[path].get(name, 0))
                     continue
                 if name not in expected:
@@ -134,7 +135,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                         f"{path.name}: tensor {name} has shape {shape}, the config implies {expected_full[name]}")
                 if plan is not None:
                     tensor = plan.read(name, piece, shape)
-                state[name] = _converted(tensor, dtype, device)
+                state[name] = _converted(served(name, tensor, config), dtype, device)
                 progress.add(sizes[path].get(name, 0))
     missing = sorted(set(expected) - set(state))
     if missing:
@@ -199,4 +200,5 @@ def checkpoint_parameters(model_dir: str | Path, dtype: torch.dtype,
                 tensor = last_fused[1][lo:hi].to(dtype)
             else:
                 tensor = found[name].get_tensor(name).to(dtype)
+            tensor = served(name, tensor, config)
             yield name, quantize(tensor).unpack() if name in int8 else tensor

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
 import torch
 
+from executors.models.config import DecoderConfig
 from executors.models.errors import UnsupportedModel
 from executors.models.family_defaults import FAMILY_DEFAULTS
 from executors.models.moe_config import MOE_FAMILIES
@@ -94,17 +96,23 @@ CASES = {
     "mistral_attention_bias_ignored": (
         "mistral", {"sliding_window": None}, {"attention_bias": True, "mlp_bias": True}, 20, None),
     # 8. Phi-3: fused qkv_proj and gate_up_proj (cut by the loader), a window over every layer,
-    # its own defaults; longrope (and its older name su) and partial rotary refused.
+    # its own defaults, partial rotary (Phi-4-mini: 0.75; q and k reordered by the loader),
+    # LongRoPE (and its older names su and yarn) within the original context, where it is
+    # the short factors throughout (tests/models/test_longrope.py goes past it).
     "phi3": ("phi3", {}, {}, 40, None),
     "phi3_sliding_window_no_eps": ("phi3", {"sliding_window": 8, "rms_norm_eps": 1e-5}, {"rms_norm_eps": DEL}, 40, None),
     "phi3_gqa_head_dim": ("phi3", {"num_key_value_heads": 1, "head_dim": 8}, {}, 40, None),
-    "phi3_longrope": ("phi3", {}, {"rope_parameters": LONGROPE, "original_max_position_embeddings": 256}, 40,
-                      "'longrope'"),
-    "phi3_su": ("phi3", {}, {"rope_scaling": {**LONGROPE, "rope_type": "su"}, "original_max_position_embeddings": 256},
-                40, "'su'"),
-    "phi3_partial_rotary": (
-        "phi3", {}, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
-        40, "partial_rotary_factor 0.5"),
+    "phi3_longrope": ("phi3", {}, {"rope_parameters": LONGROPE, "original_max_position_embeddings": 256}, 40, None),
+    "phi3_su": ("phi3", {}, {"rope_scaling": {**LONGROPE, "rope_type": "su"}}, 40, None),
+    "phi3_partial_rotary": ("phi3", {}, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                             "partial_rotary_factor": 0.75}}, 40, None),
+    "phi3_partial_rotary_top_level": ("phi3", {}, {"rope_parameters": DEL, "partial_rotary_factor": 0.5}, 40, None),
+    "phi3_partial_longrope": (
+        "phi3", {}, {"rope_parameters": {**LONGROPE, "short_factor": [1.0, 1.5, 2.0], "long_factor": [2.0, 3.0, 4.0],
+                                         "partial_rotary_factor": 0.375, "attention_factor": 1.3}}, 40, None),
+    "phi3_partial_rotary_rounded_down": ("phi3", {}, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                                          "partial_rotary_factor": 0.3}}, 40, None),
+    "llama_longrope": ("llama", {}, {"rope_parameters": {**LONGROPE, "factor": 4.0}}, 40, None),
 }
 
 MODELS = {
@@ -158,6 +166,37 @@ def test_config_read_as_transformers_reads_it(name, tmp_path):
         executor.close()
     diff = np.abs(ours - ref).max(axis=1)
     assert diff.max() <= TOL, f"max |diff| {diff.max():.3g}, first position over {TOL}: {int(np.argmax(diff > TOL))}"
+
+
+PHI3_CONFIG = {"architectures": ["Phi3ForCausalLM"], **COMMON}
+
+
+@pytest.mark.parametrize("edit, refusal", [
+    ({"rope_parameters": {**LONGROPE, "partial_rotary_factor": 0.5}}, "longrope short_factor must list 4 positive"),
+    ({"rope_parameters": {**LONGROPE, "long_factor": [1.0] * 7 + [0]}}, "long_factor must list 8 positive"),
+    ({"rope_parameters": {k: v for k, v in LONGROPE.items() if k != "original_max_position_embeddings"}},
+     "original_max_position_embeddings"),
+    ({"rope_parameters": {**LONGROPE, "attention_factor": -1}}, "attention_factor must be a positive"),
+    ({"partial_rotary_factor": 0.3125}, "rotates 5 of the 16 dimensions"),
+    ({"partial_rotary_factor": 0}, r"must be a number in \(0, 1\]"),
+    ({"rope_parameters": L3}, "Phi3Config takes the default rope or longrope"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "Phi3Config takes the default rope or longrope"),
+])
+def test_phi3_rope_settings_transformers_refuses_are_refused(edit, refusal):
+    """What Phi3Config's own validation (or its model) fails on: refused at start-up too."""
+    with pytest.raises(UnsupportedModel, match=refusal):
+        DecoderConfig.from_dict({**PHI3_CONFIG, **edit})
+
+
+def test_phi3_yarn_is_longrope_and_its_factor_comes_from_the_context():
+    """Phi3Config renames su and yarn to longrope; without attention_factor or factor, the
+    attention factor is sqrt(1 + ln(max / original) / ln(original)), as transformers computes it."""
+    config = DecoderConfig.from_dict({**PHI3_CONFIG, "max_position_embeddings": 1024,
+                                      "rope_scaling": {**LONGROPE, "rope_type": "yarn"}})
+    scaling = config.rope_scaling
+    assert scaling.kind == "longrope" and scaling.original_max_position_embeddings == 256
+    assert scaling.short_factor == (1.0,) * 8 and scaling.long_factor == (2.0,) * 8
+    assert scaling.attention_factor == pytest.approx(math.sqrt(1 + math.log(4) / math.log(256)))
 
 
 def test_family_defaults_match_transformers_config_classes():

@@ -1,5 +1,8 @@
 """LoRA on Phi-3's fused projections (qkv_proj, gate_up_proj) against transformers + PEFT.
 
+Phi-4-mini's partial rotary embeddings reorder q's and k's rows as they load (partial_rotary.py);
+an adapter's B rows for them are reordered the same way.
+
 PEFT adapts the modules the transformers model has, so a Phi-3 adapter carries one A and B
 for qkv_proj and one for gate_up_proj. The decoder keeps q/k/v and gate/up as parameters of
 their own; build_adapter cuts each fused pair into its parts' (the same A, B's rows), which
@@ -26,10 +29,10 @@ MIXED = [("all", 9), (None, 6), ("narrow", 14), ("all", 12), ("narrow", 1)]
 
 
 class Phi3:
-    def __init__(self, root) -> None:
+    def __init__(self, family: str, root) -> None:
         from peft import LoraConfig, get_peft_model
 
-        base = build("phi3", root / "base")
+        base = build(family, root / "base")
         self.model = load_model(root / "base", torch.float32, "cpu")
         self.targets = LoraTargets.from_config(self.model.config)
         torch.manual_seed(23)
@@ -53,9 +56,11 @@ class Phi3:
         return causal_lm(tokens[None]).logits[0]
 
 
-@pytest.fixture(scope="module")
-def phi3(tmp_path_factory) -> Phi3:
-    return Phi3(tmp_path_factory.mktemp("phi3-lora"))
+# phi4_mini: partial rotary embeddings, so B's rows of q and k follow the order the loader
+# gave the weights' (the prompts stay within its LongRoPE's original context).
+@pytest.fixture(scope="module", params=["phi3", "phi4_mini"])
+def phi3(request, tmp_path_factory) -> Phi3:
+    return Phi3(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def test_peft_names_the_fused_modules_and_the_adapter_reports_them(phi3):

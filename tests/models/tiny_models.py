@@ -43,7 +43,9 @@ def build(family: str, out_dir: Path, **save_kwargs):
     return model
 
 
-SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8, "phi3": 9}
+SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8, "phi3": 9, "phi4_mini": 10}
+# phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
+LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
 
 
@@ -79,4 +81,16 @@ def _new_family(tf, family: str, common: dict):
         # Phi-3-mini's layout: one qkv_proj, one gate_up_proj, a window over every layer.
         return tf.Phi3ForCausalLM(tf.Phi3Config(**common, sliding_window=WINDOW, pad_token_id=0, bos_token_id=1,
                                                 eos_token_id=2, tie_word_embeddings=False))
+    if family == "phi4_mini":
+        # Phi-4-mini's rope: 3/4 of each head rotates (12 of 16 dimensions here), LongRoPE with
+        # a factor per frequency, short and long, and the attention factor of a 512/24 context.
+        gen = torch.Generator().manual_seed(10)
+        rope = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+                "short_factor": (1 + 3 * torch.rand(6, generator=gen)).tolist(),
+                "long_factor": (2 + 6 * torch.rand(6, generator=gen)).tolist(),
+                "original_max_position_embeddings": LONGROPE_ORIGINAL}
+        return tf.Phi3ForCausalLM(tf.Phi3Config(**dict(common, num_attention_heads=4, num_key_value_heads=2),
+                                                rope_parameters=rope, original_max_position_embeddings=LONGROPE_ORIGINAL,
+                                                pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                                tie_word_embeddings=True))
     raise ValueError(family)

@@ -1,0 +1,52 @@
+"""Partial rotary embeddings (Phi-4-mini) on the one full-head rotation every path runs.
+
+transformers rotates only the first R of a head's D dimensions, pairing dimension i with
+i + R/2, and passes the other D - R through. Every attention path here (torch, the CPU
+kernels, the Triton prologue) rotates whole heads, pairing j with j + D/2, from tables of
+cos and sin per position. So the loader moves q's and k's head dimensions: the R/2 pairs to
+the first R/2 places of each half, the passed-through dimensions after them, where the
+tables hold cos 1 and sin 0 (layers.rope_tables). Scores are dot products of q and k, which
+the same reordering of both leaves as they were, and v is not touched, so the logits are
+transformers'. What changes is the order of K's dimensions in the cache, which only this
+executor (or another of the same model, reordered alike) reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from executors.models.config import DecoderConfig
+
+ROTATED = ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias")
+
+
+def head_order(head_dim: int, rotary_dim: int) -> list[int]:
+    """new position -> checkpoint dimension, within one head."""
+    half, rest = rotary_dim // 2, list(range(rotary_dim, head_dim))
+    keep = len(rest) // 2
+    return [*range(half), *rest[:keep], *range(half, rotary_dim), *rest[keep:]]
+
+
+def reorders(config: DecoderConfig) -> bool:
+    return config.rotary_dim is not None and config.rotary_dim != config.head_dim
+
+
+def row_order(rows: int, config: DecoderConfig) -> torch.Tensor:
+    """served row -> checkpoint row, over `rows` rows of whole heads (q's or k's)."""
+    d = config.head_dim
+    if rows % d:
+        raise ValueError(f"{rows} rows are not whole heads of {d}")
+    within = torch.tensor(head_order(d, config.rotary_dim))
+    return (torch.arange(0, rows, d)[:, None] + within[None, :]).reshape(-1)
+
+
+def reorder_rows(tensor: torch.Tensor, config: DecoderConfig) -> torch.Tensor:
+    """q's or k's rows (a weight, a bias or a LoRA B) in the served order."""
+    return tensor[row_order(tensor.shape[0], config)].contiguous()
+
+
+def served(name: str, tensor: torch.Tensor, config: DecoderConfig) -> torch.Tensor:
+    """A checkpoint tensor (or one rank's part of it, whole heads) as the decoder holds it."""
+    if reorders(config) and name.endswith(ROTATED):
+        return reorder_rows(tensor, config)
+    return tensor
