@@ -51,7 +51,7 @@ def _ephemeral_ports() -> range:
         return range(32768, 61000)  # Linux's default; elsewhere a guess that only narrows the choice
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A loopback port free now, outside the ephemeral range where there is room.
 
     The server binds it seconds later, after its model loads; meanwhile any bind(0) on the
@@ -96,7 +96,7 @@ def launch(transport: str, args: list[str], *, torchrun_nproc: int | None = None
     if transport == "unix":
         listen, address = ["--unix-socket", str(where / "s.sock")], f"unix://{where / 's.sock'}"
     else:
-        port = _free_port()
+        port = free_port()
         listen, address = ["--host", "127.0.0.1", "--port", str(port)], f"127.0.0.1:{port}"
     with open(where / "server.log", "w") as out:
         runner = [sys.executable, "-m", "service"]

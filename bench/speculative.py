@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.service_process import free_port
 from client import AsyncExecutorClient, DecodeInput, LogitsPolicy, PrefillInput
 from client.speculative import SpeculativeDecoder, SpeculativeStats
 
@@ -47,12 +47,6 @@ DEFAULT_PROMPTS = [
     "def fibonacci(n):",
 ]
 ARGMAX = LogitsPolicy.argmax()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -83,24 +83,29 @@ class LoraTargets:
     # Partial rotary embeddings: q's and k's rows in the order the loader served them
     # (served row -> checkpoint row, partial_rotary.py); B's rows follow it.
     row_orders: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Granite: the outputs of o_proj and down_proj are scaled before the residual add, their
+    # adapters' deltas with them (folded into B, as the loader folds it into the weights).
+    output_scales: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: DecoderConfig) -> LoraTargets:
         hidden, inter = config.hidden_size, config.intermediate_size
         q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         orders = {"q_proj": row_order(q, config), "k_proj": row_order(kv, config)} if reorders(config) else {}
+        scale = config.residual_scale
+        scales = {"o_proj": scale, "down_proj": scale} if scale not in (None, 1.0) else {}
         if config.fused_checkpoint:  # the projections PEFT sees on this family's transformers model
             return cls(config.num_layers, {
                 "qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden),
                 "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden),
             }, {"qkv_proj": (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
-                "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))}, orders)
+                "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))}, orders, scales)
         attention = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
         if config.moe is not None:  # a mixture of experts: adapters on attention only
-            return cls(config.num_layers, attention, row_orders=orders)
+            return cls(config.num_layers, attention, row_orders=orders, output_scales=scales)
         return cls(config.num_layers, {
             **attention, "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
-        }, row_orders=orders)
+        }, row_orders=orders, output_scales=scales)
 
 
 @dataclass(slots=True)
@@ -205,7 +210,7 @@ def build_adapter(name: str, key: str, config: dict, tensors: dict[str, torch.Te
                 raise refuse(f"tensor {_tensor_name(layer, module, half)} has shape {got}, expected {shape} "
                              f"(r={rank}, {module} maps {in_features} -> {out_features} features)")
         # B times the scaling in float32, then one rounding to the model's dtype.
-        b_scaled = ab["B"].to(device=device, dtype=torch.float32) * scaling
+        b_scaled = ab["B"].to(device=device, dtype=torch.float32) * (scaling * targets.output_scales.get(module, 1.0))
         weights[(layer, module)] = (ab["A"].to(device=device, dtype=dtype), b_scaled.to(dtype))
     flat = [t for pair in weights.values() for t in pair]
     return LoraAdapter(

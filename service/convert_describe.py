@@ -11,7 +11,8 @@ from google.protobuf import json_format
 
 from executors import descriptions as desc
 from generated.modelexec.v1 import executor_pb2 as pb
-from service.convert import ATTENTION_TO_PB, DEVICE_TYPE_TO_PB, DTYPE_TO_PB, MODEL_TYPE_TO_PB, STATE_TO_PB, device
+from service.convert import ATTENTION_TO_PB, DEVICE_TYPE_TO_PB, DTYPE_TO_PB, MODEL_TYPE_TO_PB, STATE_TO_PB
+from service.convert_results import device
 
 
 def _value_map(target: Any, values: dict[str, Any]) -> None:

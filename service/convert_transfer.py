@@ -6,7 +6,8 @@ from __future__ import annotations
 from executors import transfer_types as tt
 from executors.errors import InvalidParameter
 from generated.modelexec.v1 import executor_pb2 as pb
-from service.convert import DEVICE_TYPE_TO_PB, DTYPE_TO_PB, _dtype, handle
+from service.convert import DEVICE_TYPE_TO_PB, DTYPE_TO_PB, _dtype
+from service.convert_results import handle
 
 DEVICE_TYPE_FROM_PB = {v: k for k, v in DEVICE_TYPE_TO_PB.items()}  # informational in a fingerprint
 

@@ -19,7 +19,7 @@ from executors.timing import CallTimer, current_call_timer
 from executors.transfer_types import DEFAULT_MAX_CHUNK_BYTES
 from generated.modelexec.v1 import executor_pb2 as pb
 from generated.modelexec.v1 import executor_pb2_grpc as pb_grpc
-from service import convert, convert_describe, convert_transfer
+from service import convert, convert_describe, convert_results, convert_transfer
 from service.config import ServeConfig
 from service.errors import _malformed, _Undecodable, to_status_error
 from service.read_ahead import answered_in_order
@@ -125,14 +125,14 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         prefill = convert.prefill_input(request.input, "input")
         self.responses.check_prefills((prefill,), "input")
         out = await self.executor.prefill(prefill)
-        return call.stamp(convert.with_output(pb.PrefillResponse(), out))
+        return call.stamp(convert_results.with_output(pb.PrefillResponse(), out))
 
     async def Decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
         call = _Call()
         decode = convert.decode_input(request.input, "input")
         self.responses.check_decodes((decode,), "input")
         out = await self.executor.decode(decode)
-        return call.stamp(convert.with_output(pb.DecodeResponse(), out))
+        return call.stamp(convert_results.with_output(pb.DecodeResponse(), out))
 
     async def BatchPrefill(self, request: pb.BatchPrefillRequest, context) -> pb.BatchPrefillResponse:
         call = _Call()
@@ -140,7 +140,7 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         inputs = [convert.prefill_input(m, f"inputs[{i}]") for i, m in enumerate(request.inputs)]
         self.responses.check_prefills(inputs, "inputs")
         outs = await self.executor.batch_prefill(inputs)
-        return call.stamp(convert.with_outputs(pb.BatchPrefillResponse(), outs))
+        return call.stamp(convert_results.with_outputs(pb.BatchPrefillResponse(), outs))
 
     async def BatchDecode(self, request: pb.BatchDecodeRequest, context) -> pb.BatchDecodeResponse:
         call = _Call()
@@ -148,12 +148,12 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         inputs = [convert.decode_input(m, f"inputs[{i}]") for i, m in enumerate(request.inputs)]
         self.responses.check_decodes(inputs, "inputs")
         outs = await self.executor.batch_decode(inputs)
-        return call.stamp(convert.with_outputs(pb.BatchDecodeResponse(), outs))
+        return call.stamp(convert_results.with_outputs(pb.BatchDecodeResponse(), outs))
 
     async def UnifiedDecode(self, request: pb.UnifiedDecodeRequest, context) -> pb.UnifiedDecodeResponse:
         call = _Call()
         results = await self._unified(request.batch)
-        return call.stamp(convert.with_results(pb.UnifiedDecodeResponse(), results))
+        return call.stamp(convert_results.with_results(pb.UnifiedDecodeResponse(), results))
 
     async def _unified(self, batch: pb.UnifiedBatch) -> list:
         """A unified batch checked, converted and run (UnifiedDecode, and each StepSession step)."""
@@ -184,7 +184,7 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
                 step_id=getattr(request, "step_id", 0), timing=call.timing(),
                 error=pb.StepError(code=err.code.value[0], message=err.message, reason=err.reason,
                                    metadata=err.metadata))
-        return call.stamp(convert.with_results(pb.StepSessionResponse(step_id=request.step_id), results))
+        return call.stamp(convert_results.with_results(pb.StepSessionResponse(step_id=request.step_id), results))
 
     # -- forward and speculative decoding -------------------------------------------------
     async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:
@@ -193,7 +193,7 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         kind, dtype = convert.forward_kind(request.output), convert.forward_dtype(request.dtype)
         self.responses.check_forward(len(request.input_ids), kind, dtype, "input_ids")
         out = await self.executor.forward(request.input_ids, kind, dtype)
-        return pb.ForwardResponse(output=convert.tensor(out), kind=convert.FORWARD_TO_PB[kind], timing=call.timing())
+        return pb.ForwardResponse(output=convert_results.tensor(out), kind=convert.FORWARD_TO_PB[kind], timing=call.timing())
 
     async def ForwardVerify(self, request: pb.ForwardVerifyRequest, context) -> pb.ForwardVerifyResponse:
         call = _Call()
@@ -201,13 +201,13 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         handle, policy = convert.verify_handle(request), convert.logits_policy(request.logits_policy, "logits_policy")
         self.responses.check_verify(handle, len(request.tokens), policy, "tokens")
         out = await self.executor.forward_verify(handle, request.tokens, policy)
-        return pb.ForwardVerifyResponse(outputs=[convert.logits_output(r) for r in out.outputs],
-                                        kv_cache=convert.handle(out.kv_cache), timing=call.timing())
+        return pb.ForwardVerifyResponse(outputs=[convert_results.logits_output(r) for r in out.outputs],
+                                        kv_cache=convert_results.handle(out.kv_cache), timing=call.timing())
 
     async def TruncateKv(self, request: pb.TruncateKvRequest, context) -> pb.TruncateKvResponse:
         call = _Call()
         out = await self.executor.truncate_kv(convert.cache_id(request.cache_id), request.new_length)
-        return pb.TruncateKvResponse(kv_cache=convert.handle(out.kv_cache), freed_blocks=out.freed_blocks,
+        return pb.TruncateKvResponse(kv_cache=convert_results.handle(out.kv_cache), freed_blocks=out.freed_blocks,
                                      timing=call.timing())
 
     async def ReleaseCache(self, request: pb.ReleaseCacheRequest, context) -> pb.ReleaseCacheResponse:

@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import re
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -16,6 +15,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.service_process import free_port
 from client import (
     DecodeInput,
     ExecutorClient,
@@ -31,12 +31,6 @@ from service.logs import JsonFormatter, configure_logging
 from service.observability import request_id
 
 SERVICE = "modelexec.v1.ModelExecutorService"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.service_process import Server, _ephemeral_ports, _free_port, stop, wait_ready
+from bench.service_process import Server, _ephemeral_ports, free_port, stop, wait_ready
 
 
 def test_ports_are_picked_outside_the_ephemeral_range():
@@ -21,7 +21,7 @@ def test_ports_are_picked_outside_the_ephemeral_range():
     ephemeral = _ephemeral_ports()
     if ephemeral.start - 10000 < 1000 and 65536 - ephemeral.stop < 1000:
         pytest.skip(f"the ephemeral range {ephemeral.start}-{ephemeral.stop - 1} leaves no room outside it")
-    ports = {_free_port() for _ in range(20)}
+    ports = {free_port() for _ in range(20)}
     assert len(ports) > 1
     assert not any(p in ephemeral for p in ports), (sorted(ports), ephemeral)
 
@@ -29,7 +29,7 @@ def test_ports_are_picked_outside_the_ephemeral_range():
 def test_a_listener_that_exits_before_serving_is_reported_at_once():
     """Something answers on the port but is not a serving gRPC server, and exits: wait_ready
     says the process exited, with its log, instead of waiting out its timeout."""
-    port = _free_port()
+    port = free_port()
     where = Path(tempfile.mkdtemp(prefix="mx-", dir="/tmp"))
     listener = ("import socket, time\n"
                 f"s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen()\n"

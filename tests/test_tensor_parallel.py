@@ -3,7 +3,8 @@
 Tiny random Qwen3, Llama, Qwen2, a Llama with one KV head (fewer KV heads than ranks:
 replicated), a Qwen2-MoE (routed and shared experts, split like dense MLPs), a Gemma 3
 (sandwich norms, sliding windows, soft-capped logits), a Phi-3 (fused checkpoint
-projections) and a Phi-4-mini (partial rotary embeddings, LongRoPE) are served by
+projections), a Phi-4-mini (partial rotary embeddings, LongRoPE) and a Granite (multipliers,
+its residual one folded into row-parallel weights and rank 0's biases) are served by
 `python -m service --tensor-parallel-size 2` (which spawns its second rank) and under
 `torchrun --nproc-per-node 2`. Every RPC of one scenario must give the single-process
 server's logits within 1e-5, the same greedy tokens and the same pool accounting. LoRA
@@ -29,7 +30,7 @@ from grpc_health.v1 import health_pb2
 
 from bench.service_process import (
     TorchrunNode,
-    _free_port,
+    free_port,
     launch,
     session_members,
     stop,
@@ -71,7 +72,7 @@ def build_mqa(out: Path) -> None:
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp")
     dirs = {}
-    for family in ("qwen3", "llama", "qwen2", "qwen2_moe", "gemma3", "phi3", "phi4_mini"):
+    for family in ("qwen3", "llama", "qwen2", "qwen2_moe", "gemma3", "phi3", "phi4_mini", "granite"):
         build(family, root / family)
         dirs[family] = root / family
     build_mqa(root / "mqa")
@@ -180,7 +181,8 @@ def stop_and_check(server) -> None:
     assert not left, f"processes left behind after SIGTERM: {left}"
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama", "qwen2", "mqa", "qwen2_moe", "gemma3", "phi3", "phi4_mini"])
+@pytest.mark.parametrize("name", ["qwen3", "llama", "qwen2", "mqa", "qwen2_moe", "gemma3", "phi3", "phi4_mini",
+                                  "granite"])
 def test_two_ranks_answer_every_rpc_as_one_process(name, models, references):
     server = serve_tp(models[name])
     try:
@@ -272,7 +274,7 @@ def test_two_torchrun_nodes(models, references):
     (the README's multi-host command): rank 1 serves from a node whose agent has no gRPC server,
     and a SIGTERM to node 0 stops node 1's rank and agent too."""
     for attempt in range(2):  # the master port is picked here, then bound by node 0: rarely, taken between
-        port = _free_port()
+        port = free_port()
         nodes = [launch("tcp", ["--model", str(models["qwen3"]), *SERVER_ARGS, "--tensor-parallel-size", "2"],
                         torchrun_nproc=1, torchrun_node=TorchrunNode(rank, 2, port)) for rank in (0, 1)]
         try:

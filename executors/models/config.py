@@ -38,6 +38,7 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", True),
     "Gemma3ForCausalLM": ("gemma3", True),
     "Phi3ForCausalLM": ("phi3", False),
+    "GraniteForCausalLM": ("granite", False),
 }
 # Families whose every layer sees the same `sliding_window` (when the config sets one).
 WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")
@@ -92,6 +93,10 @@ class DecoderConfig:
     # Phi-3: the checkpoint holds q/k/v as one qkv_proj and gate/up as one gate_up_proj, which
     # the loader splits into the decoder's parameters (checkpoint_sections.py).
     fused_checkpoint: bool = False
+    # Granite: each attention and MLP output is scaled before its residual add (folded into
+    # o_proj and down_proj as they load, served_tensors.py), the logits divided by this.
+    residual_scale: float | None = None
+    logits_divisor: float | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def window(self, layer: int) -> int | None:
@@ -152,6 +157,11 @@ class DecoderConfig:
         else:
             attention_bias = bool(cfg.get(defaults.attention_bias_key, defaults.attention_bias))
         gemma = family == "gemma3"
+
+        def granite(key: str) -> float | None:
+            """Granite's multipliers (1.0 when absent, as GraniteConfig has them); None elsewhere."""
+            return positive_number(cfg, key, 1.0) if family == "granite" else None
+
         windows = _layer_windows(cfg, family, defaults, int(need("num_hidden_layers")))
         return cls(
             architecture=arch,
@@ -180,12 +190,15 @@ class DecoderConfig:
             layer_windows=windows,
             local_rope_theta=local_theta,
             norm_offset=1.0 if gemma else 0.0,
-            embed_scale=hidden ** 0.5 if gemma else None,
+            embed_scale=hidden ** 0.5 if gemma else granite("embedding_multiplier"),
             hidden_act="gelu_tanh" if gemma else "silu",
             sandwich_norms=gemma,
-            attn_scale=positive_number(cfg, "query_pre_attn_scalar", defaults.query_pre_attn_scalar) ** -0.5 if gemma else None,
+            attn_scale=(positive_number(cfg, "query_pre_attn_scalar", defaults.query_pre_attn_scalar) ** -0.5 if gemma
+                        else granite("attention_multiplier")),
             final_softcap=_positive(cfg, "final_logit_softcapping") if gemma else None,
             fused_checkpoint=family in FUSED_CHECKPOINT_FAMILIES,
+            residual_scale=granite("residual_multiplier"),
+            logits_divisor=granite("logits_scaling"),
             raw=cfg,
         )
 

@@ -212,7 +212,7 @@ class DecoderLM(nn.Module):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # nn.Embedding, or PanelEmbedding over the tied head's panels
-        if self.config.embed_scale is not None:  # Gemma: sqrt(hidden), rounded to the model's dtype
+        if self.config.embed_scale is not None:  # Gemma's sqrt(hidden), Granite's multiplier; in the model's dtype
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
         return x
 
@@ -228,5 +228,7 @@ class DecoderLM(nn.Module):
             out = step_ops.linear(hidden.contiguous(), self.packed_head_fp32, None)
         else:
             out = torch.nn.functional.linear(hidden, self.head_weight()).float()
+        if self.config.logits_divisor is not None:  # Granite's logits_scaling
+            out = out / self.config.logits_divisor
         cap = self.config.final_softcap
         return out if cap is None else torch.tanh(out / cap) * cap

@@ -47,6 +47,8 @@ FAMILY_DEFAULTS = {
     "qwen3_moe": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
                                 sliding_window=4096, attention_bias_key="attention_bias", o_proj_bias=True),
     "phi3": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096),
+    "granite": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048,
+                              attention_bias_key="attention_bias", o_proj_bias=True, mlp_bias_key="mlp_bias"),
     "gemma3": FamilyDefaults(rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=131072,
                              tie_word_embeddings=True, sliding_window=4096, activation_key="hidden_activation",
                              activation="gelu_pytorch_tanh", attention_bias_key="attention_bias", o_proj_bias=True,

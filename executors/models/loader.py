@@ -23,7 +23,7 @@ from executors.cpu_kernels.qpanels import QGROUP, quantize
 from executors.models.checkpoint_sections import fused_sections, fused_shape
 from executors.models.config import DecoderConfig, UnsupportedModel
 from executors.models.decoder import DecoderLM
-from executors.models.partial_rotary import served
+from executors.models.served_tensors import served
 
 if TYPE_CHECKING:
     from executors.parallel.shard import ShardPlan
@@ -197,8 +197,8 @@ def checkpoint_parameters(model_dir: str | Path, dtype: torch.dtype,
                 fused, lo, hi = sections[name]
                 if last_fused is None or last_fused[0] != fused:
                     last_fused = (fused, found[fused].get_tensor(fused))
-                tensor = last_fused[1][lo:hi].to(dtype)
+                tensor = last_fused[1][lo:hi]
             else:
-                tensor = found[name].get_tensor(name).to(dtype)
-            tensor = served(name, tensor, config)
+                tensor = found[name].get_tensor(name)
+            tensor = served(name, tensor, config).to(dtype)  # as the loader: served, then the dtype
             yield name, quantize(tensor).unpack() if name in int8 else tensor

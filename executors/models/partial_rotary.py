@@ -43,10 +43,3 @@ def row_order(rows: int, config: DecoderConfig) -> torch.Tensor:
 def reorder_rows(tensor: torch.Tensor, config: DecoderConfig) -> torch.Tensor:
     """q's or k's rows (a weight, a bias or a LoRA B) in the served order."""
     return tensor[row_order(tensor.shape[0], config)].contiguous()
-
-
-def served(name: str, tensor: torch.Tensor, config: DecoderConfig) -> torch.Tensor:
-    """A checkpoint tensor (or one rank's part of it, whole heads) as the decoder holds it."""
-    if reorders(config) and name.endswith(ROTATED):
-        return reorder_rows(tensor, config)
-    return tensor

@@ -113,6 +113,12 @@ CASES = {
     "phi3_partial_rotary_rounded_down": ("phi3", {}, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                                                                           "partial_rotary_factor": 0.3}}, 40, None),
     "llama_longrope": ("llama", {}, {"rope_parameters": {**LONGROPE, "factor": 4.0}}, 40, None),
+    # 9. Granite: each multiplier read (and 1.0 where the file leaves it out).
+    "granite": ("granite", {"embedding_multiplier": 2.0, "attention_multiplier": 0.3, "residual_multiplier": 0.6,
+                            "logits_scaling": 4.0, "mlp_bias": True}, {}, 40, None),
+    "granite_no_multipliers": ("granite", {"embedding_multiplier": 2.0, "residual_multiplier": 0.6},
+                               {"embedding_multiplier": DEL, "residual_multiplier": DEL, "logits_scaling": DEL}, 40, None),
+    "granite_negative_multiplier": ("granite", {}, {"residual_multiplier": -0.5}, 20, "residual_multiplier must be"),
 }
 
 MODELS = {
@@ -120,7 +126,7 @@ MODELS = {
     "mixtral": ("MixtralForCausalLM", "MixtralConfig"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"), "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"), "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
-    "phi3": ("Phi3ForCausalLM", "Phi3Config"),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config"), "granite": ("GraniteForCausalLM", "GraniteConfig"),
 }
 
 
@@ -239,3 +245,11 @@ def test_family_bias_layout_matches_transformers_modeling(family):
     assert ("model.layers.0.self_attn.o_proj.bias" in names) == ours.o_proj_bias, family
     mlp_biases = {n for n in names if n.endswith("bias") and ("mlp" in n or "sparse_moe" in n)}
     assert bool(mlp_biases) == (ours.mlp_bias_key is not None), (family, mlp_biases)
+
+
+def test_every_family_has_a_model_type():
+    from executors.llm import FAMILY_TYPES
+    from executors.models.config import ARCHITECTURES
+
+    assert {family for family, _ in ARCHITECTURES.values()} == set(FAMILY_TYPES) == set(FAMILY_DEFAULTS)
+    assert set(MODELS) == set(FAMILY_DEFAULTS)  # each family checked against its transformers classes

@@ -1,6 +1,7 @@
 """Tiny random checkpoints built with transformers (the test oracle): the dense Qwen3, Llama
 and Qwen2; the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral; the sliding-window
-Mistral, Gemma 3 and Phi-3 (whose checkpoint fuses q/k/v and gate/up)."""
+Mistral, Gemma 3 and Phi-3 (whose checkpoint fuses q/k/v and gate/up); Phi-4-mini's rope;
+Granite's multipliers."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def build(family: str, out_dir: Path, **save_kwargs):
     return model
 
 
-SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8, "phi3": 9, "phi4_mini": 10}
+SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8, "phi3": 9, "phi4_mini": 10,
+         "granite": 11}
 # phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
 LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
@@ -93,4 +95,10 @@ def _new_family(tf, family: str, common: dict):
                                                 rope_parameters=rope, original_max_position_embeddings=LONGROPE_ORIGINAL,
                                                 pad_token_id=0, bos_token_id=1, eos_token_id=2,
                                                 tie_word_embeddings=True))
+    if family == "granite":
+        # Granite 3's multipliers (none of them 1), biases on attention (o_proj's scaled with
+        # its weight), tied embeddings.
+        return tf.GraniteForCausalLM(tf.GraniteConfig(
+            **common, embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.45,
+            logits_scaling=2.5, attention_bias=True, tie_word_embeddings=True))
     raise ValueError(family)

@@ -1,0 +1,29 @@
+"""A checkpoint tensor as the decoder holds it, where a family's checkpoint means something
+the one decoder computes another way: the loader, each tensor-parallel rank and the weights
+digest (loader.checkpoint_parameters) all pass every tensor through `served`, so that they
+agree on what is served.
+
+- Partial rotary embeddings (Phi-4-mini): q's and k's head dimensions reordered
+  (partial_rotary.py).
+- Granite's residual_multiplier: the attention and MLP outputs are scaled before each
+  residual add, which is o_proj's and down_proj's weights and biases scaled (in float32,
+  then rounded once to the serving dtype), and costs nothing per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from executors.models.config import DecoderConfig
+from executors.models.partial_rotary import ROTATED, reorder_rows, reorders
+
+RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight", "mlp.down_proj.bias")
+
+
+def served(name: str, tensor: torch.Tensor, config: DecoderConfig) -> torch.Tensor:
+    """Checkpoint tensor `name` (or one rank's part of it: whole heads, any columns) as served."""
+    if reorders(config) and name.endswith(ROTATED):
+        tensor = reorder_rows(tensor, config)
+    if config.residual_scale not in (None, 1.0) and name.endswith(RESIDUAL_OUTPUTS):
+        tensor = tensor.float() * config.residual_scale
+    return tensor
