@@ -20,7 +20,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,8 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from executors.config_regex import PatternError, fullmatching
-from executors.models.config import DecoderConfig
-from executors.models.partial_rotary import reorders, row_order
+from executors.lora_targets import MODULE_PARENTS, LoraTargets, served_pairs
 
 
 class LoraAdapterError(ValueError):
@@ -39,13 +38,6 @@ class LoraAdapterError(ValueError):
 Refuse = Callable[[str], LoraAdapterError]  # a problem -> the error that names the adapter
 
 
-# The adaptable projections and the submodule of a decoder layer that holds each
-# (Hugging Face names, which PEFT's tensor names and target_modules use).
-MODULE_PARENTS = {
-    "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-    "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
-    "qkv_proj": "self_attn", "gate_up_proj": "mlp",  # Phi-3's fused projections
-}
 TENSOR_PREFIX = "base_model.model."  # PeftModel wrapping the CausalLM, as save_pretrained names tensors
 _LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight")
 CONFIG_FILE, WEIGHTS_FILE, PICKLE_FILE = "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"
@@ -69,43 +61,6 @@ UNSUPPORTED_OPTIONS = {
     "rank_pattern": "per-module ranks (rank_pattern)",
     "alpha_pattern": "per-module alphas (alpha_pattern)",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class LoraTargets:
-    """What a model offers to adapters: its layer count and each projection's (in_features, out_features)."""
-
-    num_layers: int
-    shapes: dict[str, tuple[int, int]]  # "q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"
-    # Phi-3: a fused projection (qkv_proj, gate_up_proj) -> the decoder's projections in its
-    # output rows, as (module, first row, end row). An adapter on it is cut into theirs.
-    splits: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
-    # Partial rotary embeddings: q's and k's rows in the order the loader served them
-    # (served row -> checkpoint row, partial_rotary.py); B's rows follow it.
-    row_orders: dict[str, torch.Tensor] = field(default_factory=dict)
-    # Granite: the outputs of o_proj and down_proj are scaled before the residual add, their
-    # adapters' deltas with them (folded into B, as the loader folds it into the weights).
-    output_scales: dict[str, float] = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, config: DecoderConfig) -> LoraTargets:
-        hidden, inter = config.hidden_size, config.intermediate_size
-        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        orders = {"q_proj": row_order(q, config), "k_proj": row_order(kv, config)} if reorders(config) else {}
-        scale = config.residual_scale
-        scales = {"o_proj": scale, "down_proj": scale} if scale not in (None, 1.0) else {}
-        if config.fused_checkpoint:  # the projections PEFT sees on this family's transformers model
-            return cls(config.num_layers, {
-                "qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden),
-                "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden),
-            }, {"qkv_proj": (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
-                "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))}, orders, scales)
-        attention = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
-        if config.moe is not None:  # a mixture of experts: adapters on attention only
-            return cls(config.num_layers, attention, row_orders=orders, output_scales=scales)
-        return cls(config.num_layers, {
-            **attention, "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
-        }, row_orders=orders, output_scales=scales)
 
 
 @dataclass(slots=True)
@@ -216,24 +171,11 @@ def build_adapter(name: str, key: str, config: dict, tensors: dict[str, torch.Te
     return LoraAdapter(
         name=name, key=key, rank=rank, alpha=alpha,
         target_modules=tuple(sorted({m for _, m in weights})),
-        weights=_served_pairs(weights, targets), scaling=scaling,
+        weights=served_pairs(weights, targets), scaling=scaling,
         num_parameters=sum(t.numel() for t in flat),
         nbytes=sum(t.numel() * t.element_size() for t in flat),
         source=source,
     )
-
-
-def _served_pairs(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-                  targets: LoraTargets) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """PEFT's pairs as the decoder's projections take them. A fused projection's (A, B) as
-    its parts' (A, rows of B): the delta x A^T B^T of the fused output, column block by
-    column block, is exactly the parts' deltas. B's rows of q and k in the served order."""
-    out = {}
-    for (layer, module), (a, b) in weights.items():
-        for part, lo, hi in targets.splits.get(module, ((module, 0, b.shape[0]),)):
-            rows = b[lo:hi]
-            out[(layer, part)] = (a, rows[targets.row_orders[part]] if part in targets.row_orders else rows)
-    return out
 
 
 def _supported(targets: LoraTargets) -> str:

@@ -35,6 +35,13 @@ def attention_backend(config: LlmExecutorConfig, mc: DecoderConfig) -> str:
     have_triton = importlib.util.find_spec("triton") is not None
     if wanted == "auto" and not (cuda and have_triton):
         return "sdpa"
+    if mc.attn_softcap is not None:  # the kernels do not cap scores; attention.py's plain path does
+        if wanted == "triton":
+            raise ValueError("attention_backend triton: the Triton kernels do not soft-cap attention scores "
+                             f"(attn_logit_softcapping {mc.attn_softcap}); use sdpa or auto")
+        log.warning("Triton paged attention is off, SDPA's plain path serves instead: the model soft-caps its "
+                    "attention scores (attn_logit_softcapping %s), which the kernels do not", mc.attn_softcap)
+        return "sdpa"
     if not have_triton:
         raise ValueError("attention_backend triton needs the triton package, which is not installed")
     from executors.models import triton_attention

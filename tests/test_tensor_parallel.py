@@ -1,10 +1,11 @@
 """Tensor parallelism over torch.distributed (executors/parallel/), two ranks on gloo.
 
 Tiny random Qwen3, Llama, Qwen2, a Llama with one KV head (fewer KV heads than ranks:
-replicated), a Qwen2-MoE (routed and shared experts, split like dense MLPs), a Gemma 3
-(sandwich norms, sliding windows, soft-capped logits), a Phi-3 (fused checkpoint
-projections), a Phi-4-mini (partial rotary embeddings, LongRoPE) and a Granite (multipliers,
-its residual one folded into row-parallel weights and rank 0's biases) are served by
+replicated), a Qwen2-MoE (routed and shared experts, split like dense MLPs), a Gemma 2
+(soft-capped attention scores), a Gemma 3 (sandwich norms, sliding windows, soft-capped
+logits), a Phi-3 (fused checkpoint projections), a Phi-4-mini (partial rotary embeddings,
+LongRoPE) and a Granite (multipliers, its residual one folded into row-parallel weights
+and rank 0's biases) are served by
 `python -m service --tensor-parallel-size 2` (which spawns its second rank) and under
 `torchrun --nproc-per-node 2`. Every RPC of one scenario must give the single-process
 server's logits within 1e-5, the same greedy tokens and the same pool accounting. LoRA
@@ -72,7 +73,7 @@ def build_mqa(out: Path) -> None:
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp")
     dirs = {}
-    for family in ("qwen3", "llama", "qwen2", "qwen2_moe", "gemma3", "phi3", "phi4_mini", "granite"):
+    for family in ("qwen3", "llama", "qwen2", "qwen2_moe", "gemma2", "gemma3", "phi3", "phi4_mini", "granite"):
         build(family, root / family)
         dirs[family] = root / family
     build_mqa(root / "mqa")
@@ -181,8 +182,8 @@ def stop_and_check(server) -> None:
     assert not left, f"processes left behind after SIGTERM: {left}"
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama", "qwen2", "mqa", "qwen2_moe", "gemma3", "phi3", "phi4_mini",
-                                  "granite"])
+@pytest.mark.parametrize("name", ["qwen3", "llama", "qwen2", "mqa", "qwen2_moe", "gemma2", "gemma3", "phi3",
+                                  "phi4_mini", "granite"])
 def test_two_ranks_answer_every_rpc_as_one_process(name, models, references):
     server = serve_tp(models[name])
     try:

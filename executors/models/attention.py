@@ -6,8 +6,9 @@ into the pool by slot mapping, and the pool stays the only copy of every cached 
 
 Two implementations compute the same thing:
 
-- `attend_reference`: the plain computation. Each segment gathers its whole context slot by
-  slot from the pool (index_select of every cached position) and runs SDPA on the copy.
+- `attend_reference` (attention_reference.py): the plain computation. Each segment gathers
+  its whole context slot by slot from the pool (index_select of every cached position) and
+  runs SDPA on the copy.
 - `attend` (the fast path): a per-step `AttentionPlan` (attention_plan.py), built once and
   used by every layer, sorts the segments by how they read the pool:
     * fresh prompts (nothing cached): causal attention on the K and V just computed, one
@@ -34,7 +35,9 @@ A third implementation, for CUDA, is the Triton kernels of triton_attention.py
 with no plan of views and gathers.
 
 Per-layer options (`LayerAttention`, set by the decoder on the context): a sliding window
-(a query at position p sees keys p-W+1..p) and the score scale. Every path
+(a query at position p sees keys p-W+1..p), the score scale and Gemma 2's soft-cap of the
+scores, which no fused kernel here applies: soft-capped layers take the reference
+computation on every path. Every path
 honours the window: the plan of a sliding layer reads only the blocks that hold keys inside
 it (one plan per distinct window, built on the first layer that needs it) and masks the
 keys of its first block that fell out; the reference gathers only the positions inside it.
@@ -58,8 +61,8 @@ from executors.models.attention_plan import (
     PagedRows,
     flash_with_lse,
     plan_attention,
-    visibility,
 )
+from executors.models.attention_reference import attend_reference
 from kvcache.kv_pool import PagedKvPool
 
 if TYPE_CHECKING:
@@ -88,6 +91,7 @@ class LayerAttention:
 
     window: int | None = None  # keys p-window+1..p for a query at p; None: every earlier key
     scale: float | None = None  # of q.k; None: 1/sqrt(head_dim)
+    softcap: float | None = None  # Gemma 2: scores -> softcap * tanh(scores / softcap)
 
 
 PLAIN = LayerAttention()
@@ -125,61 +129,13 @@ class StepContext:
         return self.layers[i] if self.layers else PLAIN
 
 
-# -- the reference -----------------------------------------------------------------------
-def attend_reference(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-    """q [M, H, D], k and v [M, KVH, D] -> [M, H * D]; gathers every segment's context by slot."""
-    if ctx.pool is not None:
-        ctx.pool.write(layer, ctx.slot_mapping, k, v)
-    spec = ctx.layer(layer)
-    out = torch.empty_like(q)
-    for seg in ctx.segments:
-        rows = slice(seg.q_start, seg.q_start + seg.q_len)
-        if seg.start == 0 or ctx.pool is None:
-            ks, vs, key_start = k[rows], v[rows], 0
-        else:
-            # Only the positions some query of the segment sees: its first query's window on.
-            key_start = 0 if spec.window is None else max(0, seg.start - spec.window + 1)
-            ks, vs = ctx.pool.read(layer, _context_slots(seg, ctx.pool, key_start))
-            ks, vs = ks.to(q.dtype), vs.to(q.dtype)
-        out[rows] = _sdpa(q[rows], ks, vs, seg.start, spec, key_start)
-    return out.flatten(1)
-
-
-def _context_slots(seg: Segment, pool: PagedKvPool, key_start: int = 0) -> torch.Tensor:
-    """Pool slots of positions key_start..start+q_len-1 (cached on the segment for key_start 0)."""
-    if key_start or seg.context_slots is None:
-        bs, ids = pool.block_size, seg.block_ids
-        slots = torch.tensor([ids[p // bs] * bs + p % bs for p in range(key_start, seg.start + seg.q_len)],
-                             device=pool.device)
-        if key_start:
-            return slots
-        seg.context_slots = slots
-    return seg.context_slots
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, spec: LayerAttention = PLAIN,
-          key_start: int = 0) -> torch.Tensor:
-    """Causal attention of n queries at positions start.. over the keys at positions
-    key_start..start+n-1, within spec's window, with its scale."""
-    n, length = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-    windowed = spec.window is not None and start + n - key_start > spec.window
-    if n == 1 and not windowed:
-        mask, causal = None, False  # a single query sees every cached key
-    elif n == length and not windowed:
-        mask, causal = None, True
-    else:
-        mask, causal = visibility(n, start, length, key_start, spec.window, q.device), False
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, enable_gqa=True,
-                                         scale=spec.scale)
-    return out.squeeze(0).transpose(0, 1)
-
-
 # -- the fast path -----------------------------------------------------------------------
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """q [M, H, D], k and v [M, KVH, D] -> [M, H * D] (the plan is built on the first layer)."""
     spec = ctx.layer(layer)
-    if ctx.reference:
+    if ctx.reference or spec.softcap is not None:
+        # Soft-capped scores: no fused kernel here caps them (SDPA, flash, the CPU kernels),
+        # so they take the plain computation, which does.
         return attend_reference(layer, q, k, v, ctx)
     pool = ctx.pool
     if ctx.backend == "triton" and pool is not None:

@@ -36,6 +36,7 @@ ARCHITECTURES = {
     "MixtralForCausalLM": ("mixtral", False),
     "Qwen2MoeForCausalLM": ("qwen2_moe", False),
     "Qwen3MoeForCausalLM": ("qwen3_moe", True),
+    "Gemma2ForCausalLM": ("gemma2", False),
     "Gemma3ForCausalLM": ("gemma3", True),
     "Phi3ForCausalLM": ("phi3", False),
     "GraniteForCausalLM": ("granite", False),
@@ -45,12 +46,13 @@ WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")
 # Families whose checkpoints store q/k/v as one qkv_proj and gate/up as one gate_up_proj.
 FUSED_CHECKPOINT_FAMILIES = ("phi3",)
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+GEMMA_FAMILIES = ("gemma2", "gemma3")  # (1 + w) norms, scaled embeddings, GELU-tanh, sandwich norms
 
 
 @dataclass(frozen=True, slots=True)
 class DecoderConfig:
     architecture: str
-    family: str  # llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe, gemma3, phi3
+    family: str  # llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe, gemma2, gemma3, phi3, granite
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -79,17 +81,18 @@ class DecoderConfig:
     # (or an empty tuple for every layer): all earlier keys.
     layer_windows: tuple[int | None, ...] = ()
     local_rope_theta: float | None = None  # sliding layers' rope base, where it differs (Gemma 3)
-    # Gemma 3: RMSNorm weights stored as w - 1 (the norm multiplies by 1 + w), embeddings
-    # scaled by sqrt(hidden), GELU-tanh MLPs, norms around attention's and the MLP's outputs,
-    # an attention scale from query_pre_attn_scalar, optional tanh soft-capping of the final
-    # logits. (Its attn_logit_softcapping is a Gemma 2 key that Gemma 3's reference
-    # implementation does not apply; neither does this one.)
+    # Gemma 2 and 3: RMSNorm weights stored as w - 1 (the norm multiplies by 1 + w),
+    # embeddings scaled by sqrt(hidden), GELU-tanh MLPs, norms around attention's and the
+    # MLP's outputs, an attention scale from query_pre_attn_scalar, optional tanh
+    # soft-capping of the final logits and (Gemma 2) of the attention scores. (Gemma 3's
+    # reference implementation does not apply an attn_logit_softcapping; neither does this.)
     norm_offset: float = 0.0
     embed_scale: float | None = None
     hidden_act: str = "silu"  # silu or gelu_tanh
     sandwich_norms: bool = False
     attn_scale: float | None = None  # None: 1/sqrt(head_dim)
     final_softcap: float | None = None
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax
     # Phi-3: the checkpoint holds q/k/v as one qkv_proj and gate/up as one gate_up_proj, which
     # the loader splits into the decoder's parameters (checkpoint_sections.py).
     fused_checkpoint: bool = False
@@ -139,7 +142,7 @@ class DecoderConfig:
             raise UnsupportedModel("bidirectional attention (use_bidirectional_attention: true) is not supported")
         # Only the family's own key: transformers' Llama ignores a hidden_activation, Gemma 3 a hidden_act.
         act = cfg.get(defaults.activation_key, defaults.activation)
-        if act not in (GELU_TANH if family == "gemma3" else ("silu",)):
+        if act not in (GELU_TANH if family in GEMMA_FAMILIES else ("silu",)):
             raise UnsupportedModel(f"activation {act!r} ({defaults.activation_key}) is not supported for {arch}")
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         # A missing key here falls back to the checkpoint's own shape, not transformers' class
@@ -156,7 +159,7 @@ class DecoderConfig:
             attention_bias = defaults.attention_bias
         else:
             attention_bias = bool(cfg.get(defaults.attention_bias_key, defaults.attention_bias))
-        gemma = family == "gemma3"
+        gemma = family in GEMMA_FAMILIES
 
         def granite(key: str) -> float | None:
             """Granite's multipliers (1.0 when absent, as GraniteConfig has them); None elsewhere."""
@@ -195,7 +198,10 @@ class DecoderConfig:
             sandwich_norms=gemma,
             attn_scale=(positive_number(cfg, "query_pre_attn_scalar", defaults.query_pre_attn_scalar) ** -0.5 if gemma
                         else granite("attention_multiplier")),
-            final_softcap=_positive(cfg, "final_logit_softcapping") if gemma else None,
+            final_softcap=(_positive(cfg, "final_logit_softcapping", defaults.final_logit_softcapping) if gemma
+                           else None),
+            attn_softcap=(_positive(cfg, "attn_logit_softcapping", defaults.attn_logit_softcapping)
+                          if family == "gemma2" else None),
             fused_checkpoint=family in FUSED_CHECKPOINT_FAMILIES,
             residual_scale=granite("residual_multiplier"),
             logits_divisor=granite("logits_scaling"),
@@ -203,8 +209,8 @@ class DecoderConfig:
         )
 
 
-def _positive(cfg: dict[str, Any], key: str) -> float | None:
-    value = cfg.get(key)
+def _positive(cfg: dict[str, Any], key: str, default: float | None = None) -> float | None:
+    value = cfg.get(key, default)  # null in the file: none
     if value is None:
         return None
     if not isinstance(value, (int, float)) or value <= 0:
@@ -219,11 +225,13 @@ def _layer_windows(cfg: dict[str, Any], family: str, defaults: FamilyDefaults, l
         if window is None:
             return ()
         return (_window_size(window),) * layers
-    if family != "gemma3":
+    if family not in GEMMA_FAMILIES:
         return ()  # Qwen: sliding windows only with use_sliding_window, refused above
     types = cfg.get("layer_types")
     if types is None:  # older configs: every `sliding_window_pattern`-th layer is global
-        pattern = cfg.get("sliding_window_pattern", defaults.sliding_window_pattern)
+        # (Gemma2Config has no such key: every other layer, from the first, slides.)
+        pattern = (cfg.get("sliding_window_pattern", defaults.sliding_window_pattern) if family == "gemma3"
+                   else defaults.sliding_window_pattern)
         if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
             raise UnsupportedModel(f"sliding_window_pattern must be a positive integer, got {pattern!r}")
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]

@@ -67,7 +67,7 @@ class DecoderLM(nn.Module):
         self.model = DecoderModel(config)
         self.reset_buffers()
         # Each layer's attention options; () when every layer is plain (no window, default scale).
-        specs = tuple(LayerAttention(config.window(i), config.attn_scale)
+        specs = tuple(LayerAttention(config.window(i), config.attn_scale, config.attn_softcap)
                       for i in range(config.num_layers))
         self.attn_layers = specs if any(s != LayerAttention() for s in specs) else ()
         self.act = activation(config.hidden_act)

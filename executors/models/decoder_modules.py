@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from executors.lora_batch import LoraBatch
-from executors.models.attention import StepContext, attend_reference
+from executors.models.attention import StepContext
+from executors.models.attention_reference import attend_reference
 from executors.models.config import DecoderConfig
 from executors.models.layers import MLP, RMSNorm, RotaryEmbedding
 from executors.models.moe import SparseMoe

@@ -26,10 +26,12 @@ class FamilyDefaults:
     attention_bias: bool = False
     o_proj_bias: bool = False  # o_proj carries the bias whenever q/k/v do
     mlp_bias_key: str | None = None  # None: the MLP never has a bias
-    # Gemma 3 only.
-    local_rope_theta: float | None = None
+    # Gemma only.
+    local_rope_theta: float | None = None  # Gemma 3's sliding layers
     query_pre_attn_scalar: float | None = None
     sliding_window_pattern: int | None = None  # without layer_types: every n-th layer is global
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # applied on Gemma 2 only (config.py)
 
 
 FAMILY_DEFAULTS = {
@@ -49,6 +51,11 @@ FAMILY_DEFAULTS = {
     "phi3": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096),
     "granite": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048,
                               attention_bias_key="attention_bias", o_proj_bias=True, mlp_bias_key="mlp_bias"),
+    "gemma2": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=8192,
+                             tie_word_embeddings=True, sliding_window=4096, activation_key="hidden_activation",
+                             activation="gelu_pytorch_tanh", attention_bias_key="attention_bias", o_proj_bias=True,
+                             query_pre_attn_scalar=256, sliding_window_pattern=2, final_logit_softcapping=30.0,
+                             attn_logit_softcapping=50.0),
     "gemma3": FamilyDefaults(rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=131072,
                              tie_word_embeddings=True, sliding_window=4096, activation_key="hidden_activation",
                              activation="gelu_pytorch_tanh", attention_bias_key="attention_bias", o_proj_bias=True,

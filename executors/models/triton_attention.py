@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from executors.models.attention import StepContext, _sdpa
+from executors.models.attention import StepContext
+from executors.models.attention_reference import sdpa
 from executors.models.triton_attention_aot import compile_for
 from executors.models.triton_attention_launch import (
     LOG2E,
@@ -154,4 +155,4 @@ def _sdpa_over(q, key, value, table, length, start) -> torch.Tensor:
     """float32 SDPA of q (queries at positions start..) over keys 0..length-1 gathered through table."""
     bs, kvh, d = key.shape[1], key.shape[2], key.shape[3]
     slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(length)], device=q.device)
-    return _sdpa(q.float(), key.reshape(-1, kvh, d)[slots].float(), value.reshape(-1, kvh, d)[slots].float(), start)
+    return sdpa(q.float(), key.reshape(-1, kvh, d)[slots].float(), value.reshape(-1, kvh, d)[slots].float(), start)

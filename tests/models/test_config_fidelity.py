@@ -33,6 +33,8 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [
             "original_max_position_embeddings": 256}
 GEMMA = {**COMMON, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
          "layer_types": ["sliding_attention", "full_attention"]}
+# Small caps, so that capping changes the tiny model's scores and logits.
+GEMMA2 = {**GEMMA, "attn_logit_softcapping": 0.5, "final_logit_softcapping": 2.0}
 # transformers 4's Gemma 3 layout, as google/gemma-3-* ship it.
 GEMMA_LEGACY = {"rope_parameters": DEL, "layer_types": DEL, "sliding_window_pattern": 2,
                 "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
@@ -113,7 +115,15 @@ CASES = {
     "phi3_partial_rotary_rounded_down": ("phi3", {}, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                                                                           "partial_rotary_factor": 0.3}}, 40, None),
     "llama_longrope": ("llama", {}, {"rope_parameters": {**LONGROPE, "factor": 4.0}}, 40, None),
-    # 9. Granite: each multiplier read (and 1.0 where the file leaves it out).
+    # 9. Gemma 2: soft-capped scores; its defaults (caps 50 and 30, every other layer
+    # sliding from the first) where the file leaves them out; a null cap is none.
+    "gemma2": ("gemma2", {}, {}, 40, None),
+    "gemma2_defaults": ("gemma2", {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+                        {"attn_logit_softcapping": DEL, "final_logit_softcapping": DEL, "layer_types": DEL}, 40, None),
+    "gemma2_no_caps": ("gemma2", {"attn_logit_softcapping": None, "final_logit_softcapping": None}, {}, 40, None),
+    # A sliding_window_pattern is Gemma 3's key: Gemma2Config ignores it.
+    "gemma2_pattern_ignored": ("gemma2", {}, {"sliding_window_pattern": 3, "layer_types": DEL}, 40, None),
+    # 10. Granite: each multiplier read (and 1.0 where the file leaves it out).
     "granite": ("granite", {"embedding_multiplier": 2.0, "attention_multiplier": 0.3, "residual_multiplier": 0.6,
                             "logits_scaling": 4.0, "mlp_bias": True}, {}, 40, None),
     "granite_no_multipliers": ("granite", {"embedding_multiplier": 2.0, "residual_multiplier": 0.6},
@@ -127,6 +137,7 @@ MODELS = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"), "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"), "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
     "phi3": ("Phi3ForCausalLM", "Phi3Config"), "granite": ("GraniteForCausalLM", "GraniteConfig"),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config"),
 }
 
 
@@ -134,7 +145,7 @@ def save_tiny(family: str, kwargs: dict, edits: dict, out):
     """Save a random tiny model, apply `edits` to its config.json, return transformers' reading of it."""
     model_cls, config_cls = (getattr(tf, n) for n in MODELS[family])
     torch.manual_seed(0)
-    model = model_cls(config_cls(**{**{"gemma3": GEMMA, "phi3": PHI3}.get(family, COMMON), **kwargs}))
+    model = model_cls(config_cls(**{**{"gemma2": GEMMA2, "gemma3": GEMMA, "phi3": PHI3}.get(family, COMMON), **kwargs}))
     with torch.no_grad():  # random init leaves biases at zero and norms at one: make them count
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -194,6 +205,17 @@ def test_phi3_rope_settings_transformers_refuses_are_refused(edit, refusal):
         DecoderConfig.from_dict({**PHI3_CONFIG, **edit})
 
 
+def test_gemma2_caps_default_to_gemma2configs_and_null_is_none():
+    """Caps of 50 and 30 barely move a tiny model's scores: read them here, not by their effect."""
+    base = {"architectures": ["Gemma2ForCausalLM"], **GEMMA}
+    config = DecoderConfig.from_dict(base)
+    assert (config.attn_softcap, config.final_softcap) == (50.0, 30.0)
+    none = DecoderConfig.from_dict({**base, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert (none.attn_softcap, none.final_softcap) == (None, None)
+    gemma3 = DecoderConfig.from_dict({"architectures": ["Gemma3ForCausalLM"], **GEMMA, "attn_logit_softcapping": 50.0})
+    assert gemma3.attn_softcap is None  # Gemma 3's reference does not apply it
+
+
 def test_phi3_yarn_is_longrope_and_its_factor_comes_from_the_context():
     """Phi3Config renames su and yarn to longrope; without attention_factor or factor, the
     attention factor is sqrt(1 + ln(max / original) / ln(original)), as transformers computes it."""
@@ -215,7 +237,9 @@ def test_family_defaults_match_transformers_config_classes():
             "local_rope_theta": theta["local"] if isinstance(theta, dict) else None,
             "rms_norm_eps": fields["rms_norm_eps"], "max_position_embeddings": fields["max_position_embeddings"],
             "tie_word_embeddings": fields["tie_word_embeddings"], "sliding_window": fields.get("sliding_window"),
-            "activation": fields[ours.activation_key], "query_pre_attn_scalar": fields.get("query_pre_attn_scalar")}
+            "activation": fields[ours.activation_key], "query_pre_attn_scalar": fields.get("query_pre_attn_scalar"),
+            "final_logit_softcapping": fields.get("final_logit_softcapping"),
+            "attn_logit_softcapping": fields.get("attn_logit_softcapping") if family == "gemma2" else None}
         if ours.attention_bias_key is not None:
             expected["attention_bias"] = fields[ours.attention_bias_key]
         got = {k: getattr(ours, k) for k in expected}

@@ -1,6 +1,6 @@
 """The mixture-of-experts and sliding-window families over gRPC against transformers (fp32, 1e-4).
 
-Qwen3-MoE, Qwen2-MoE, Mixtral, Mistral, Gemma 3, Phi-3 and Granite: tiny random checkpoints saved by
+Qwen3-MoE, Qwen2-MoE, Mixtral, Mistral, Gemma 2, Gemma 3, Phi-3 and Granite: tiny random checkpoints saved by
 transformers (tiny_models.py), loaded by our loader and served by a real server, as
 test_llm_executor.py does for the dense families. The sliding families have a window of 8
 tokens with blocks of 4, and the sequences here run to 5-10 windows, with chunk boundaries
@@ -16,7 +16,7 @@ import torch
 from client import DecodeInput, PrefillInput, UnifiedBatchItem
 from tests.models.test_llm_executor import Served, close, greedy, prompt
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "mistral", "gemma3", "phi3", "granite"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "mistral", "gemma2", "gemma3", "phi3", "granite"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -126,3 +126,22 @@ def test_status_reports_expert_load_or_window_freeing(served):
         assert st.kv_pool.window_freed_blocks > 0
     else:
         assert st.kv_pool.window_freed_blocks == 0
+
+
+def test_gemma2_soft_capped_scores_take_the_plain_attention(tmp_path):
+    """No fused kernel caps scores: the one-call CPU decode step says so and stays off, and
+    the Triton kernels are refused when asked for by name (auto falls back to SDPA's path)."""
+    from executors.llm import LlmExecutor, LlmExecutorConfig
+    from executors.models.fused_decode import unsupported
+    from tests.models.tiny_models import build
+
+    build("gemma2", tmp_path)
+    executor = LlmExecutor(LlmExecutorConfig(model_dir=str(tmp_path), num_blocks=32))
+    try:
+        assert executor.model.fused_decode is None
+        assert unsupported(executor.model) == "soft-capped attention scores (Gemma 2)"
+        assert executor.attention_backend == "sdpa"
+    finally:
+        executor.close()
+    with pytest.raises(ValueError, match="the Triton kernels do not soft-cap attention scores"):
+        LlmExecutor(LlmExecutorConfig(model_dir=str(tmp_path), num_blocks=32, attention_backend="triton"))

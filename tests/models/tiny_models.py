@@ -1,7 +1,7 @@
 """Tiny random checkpoints built with transformers (the test oracle): the dense Qwen3, Llama
 and Qwen2; the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral; the sliding-window
-Mistral, Gemma 3 and Phi-3 (whose checkpoint fuses q/k/v and gate/up); Phi-4-mini's rope;
-Granite's multipliers."""
+Mistral, Gemma 2 (soft-capped attention scores), Gemma 3 and Phi-3 (whose checkpoint fuses
+q/k/v and gate/up); Phi-4-mini's rope; Granite's multipliers."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def build(family: str, out_dir: Path, **save_kwargs):
 
 
 SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8, "phi3": 9, "phi4_mini": 10,
-         "granite": 11}
+         "granite": 11, "gemma2": 12}
 # phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
 LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
@@ -95,6 +95,13 @@ def _new_family(tf, family: str, common: dict):
                                                 rope_parameters=rope, original_max_position_embeddings=LONGROPE_ORIGINAL,
                                                 pad_token_id=0, bos_token_id=1, eos_token_id=2,
                                                 tie_word_embeddings=True))
+    if family == "gemma2":
+        # Every other layer sliding, both soft-caps small enough to bite on a tiny model's
+        # scores and logits, a query scale that is not 1/sqrt(head_dim).
+        config = tf.Gemma2Config(**common, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                 attn_logit_softcapping=0.5, final_logit_softcapping=2.0, pad_token_id=0)
+        config._attn_implementation = "eager"
+        return tf.Gemma2ForCausalLM(config)
     if family == "granite":
         # Granite 3's multipliers (none of them 1), biases on attention (o_proj's scaled with
         # its weight), tied embeddings.

@@ -1,0 +1,83 @@
+"""The reference attention: each segment gathers its whole context from the pool slot by slot
+(an index_select of every cached position, only those inside a sliding window) and attends
+over the copy. The fast path (attention.py) is checked against it, and it serves what no
+fused kernel computes: Gemma 2's soft-capped scores.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from executors.models.attention_plan import visibility
+
+if TYPE_CHECKING:
+    from executors.models.attention import LayerAttention, Segment, StepContext
+    from kvcache.kv_pool import PagedKvPool
+
+
+def attend_reference(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """q [M, H, D], k and v [M, KVH, D] -> [M, H * D]; gathers every segment's context by slot."""
+    if ctx.pool is not None:
+        ctx.pool.write(layer, ctx.slot_mapping, k, v)
+    spec = ctx.layer(layer)
+    out = torch.empty_like(q)
+    for seg in ctx.segments:
+        rows = slice(seg.q_start, seg.q_start + seg.q_len)
+        if seg.start == 0 or ctx.pool is None:
+            ks, vs, key_start = k[rows], v[rows], 0
+        else:
+            # Only the positions some query of the segment sees: its first query's window on.
+            key_start = 0 if spec.window is None else max(0, seg.start - spec.window + 1)
+            ks, vs = ctx.pool.read(layer, _context_slots(seg, ctx.pool, key_start))
+            ks, vs = ks.to(q.dtype), vs.to(q.dtype)
+        out[rows] = sdpa(q[rows], ks, vs, seg.start, spec, key_start)
+    return out.flatten(1)
+
+
+def _context_slots(seg: Segment, pool: PagedKvPool, key_start: int = 0) -> torch.Tensor:
+    """Pool slots of positions key_start..start+q_len-1 (cached on the segment for key_start 0)."""
+    if key_start or seg.context_slots is None:
+        bs, ids = pool.block_size, seg.block_ids
+        slots = torch.tensor([ids[p // bs] * bs + p % bs for p in range(key_start, seg.start + seg.q_len)],
+                             device=pool.device)
+        if key_start:
+            return slots
+        seg.context_slots = slots
+    return seg.context_slots
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, spec: LayerAttention | None = None,
+         key_start: int = 0) -> torch.Tensor:
+    """Causal attention of n queries at positions start.. over the keys at positions
+    key_start..start+n-1, within spec's window, with its scale and soft-cap (None: none)."""
+    n, length = q.shape[0], k.shape[0]
+    window, scale, softcap = (None, None, None) if spec is None else (spec.window, spec.scale, spec.softcap)
+    if softcap is not None:
+        return _softcapped(q, k, v, visibility(n, start, length, key_start, window, q.device), scale, softcap)
+    qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    windowed = window is not None and start + n - key_start > window
+    if n == 1 and not windowed:
+        mask, causal = None, False  # a single query sees every cached key
+    elif n == length and not windowed:
+        mask, causal = None, True
+    else:
+        mask, causal = visibility(n, start, length, key_start, window, q.device), False
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, enable_gqa=True, scale=scale)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float | None,
+                softcap: float) -> torch.Tensor:
+    """Attention with Gemma 2's soft-capped scores, as its reference computes them: scaled
+    q.k, capped by softcap * tanh(s / softcap), masked, softmax in float32."""
+    group = q.shape[1] // k.shape[1]
+    kh = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+    vh = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(q.transpose(0, 1), kh.transpose(1, 2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap  # [H, n, L]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(weights, vh).transpose(0, 1)
