@@ -209,3 +209,14 @@ def test_the_quantization_bench_measures_int8_against_float32(monkeypatch):
     finally:
         for ex in executors.values():
             ex.worker.close()
+
+
+def test_the_softcap_bench_times_both_sides(capsys):
+    """bench.softcap on a tiny model: one line a case, the capped side on the plain path."""
+    from bench import softcap
+
+    assert softcap.main(["--batches", "1,2", "--contexts", "12", "--rounds", "1", "--hidden", "128",
+                         "--layers", "2", "--vocab", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "one-call CPU decode step: capped False" in out
+    assert out.count("context    12, batch") == 2 and "capped" in out and "uncapped" in out
