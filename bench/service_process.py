@@ -56,8 +56,9 @@ def free_port() -> int:
 
     The server binds it seconds later, after its model loads; meanwhile any bind(0) on the
     host could be given a port of the ephemeral range: another server's rendezvous store, a
-    gloo pair's listener, a client's connection. One such theft left a test's server unable
-    to bind while something else answered on its port. Ports outside that range are only
+    gloo pair's listener, a client's connection. Such a theft leaves the server unable to
+    bind while something else answers on its port (the likeliest cause of a tensor-parallel
+    test's server once found listening and never serving). Ports outside that range are only
     taken by a process that asks for them by number."""
     ephemeral = _ephemeral_ports()
     spans = [range(10000, ephemeral.start), range(ephemeral.stop, 65536)]

@@ -165,7 +165,7 @@ class DecoderConfig:
             """Granite's multipliers (1.0 when absent, as GraniteConfig has them); None elsewhere."""
             return positive_number(cfg, key, 1.0) if family == "granite" else None
 
-        windows = _layer_windows(cfg, family, defaults, int(need("num_hidden_layers")))
+        windows = _layer_windows(cfg, family, defaults, int(need("num_hidden_layers")), max_positions)
         return cls(
             architecture=arch,
             family=family,
@@ -218,11 +218,14 @@ def _positive(cfg: dict[str, Any], key: str, default: float | None = None) -> fl
     return float(value)
 
 
-def _layer_windows(cfg: dict[str, Any], family: str, defaults: FamilyDefaults, layers: int) -> tuple[int | None, ...]:
-    """Each layer's sliding window (None: global), or () when no layer has one."""
+def _layer_windows(cfg: dict[str, Any], family: str, defaults: FamilyDefaults, layers: int,
+                   max_positions: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: global), or () when no layer has one. A window as
+    long as the positions a sequence can have (Phi-4-mini's 262144 over 131072) hides no key:
+    none, so that attention takes the global paths."""
     window = cfg.get("sliding_window", defaults.sliding_window)  # null in the file: no window
     if family in WINDOWED_FAMILIES:
-        if window is None:
+        if window is None or _window_size(window) >= max_positions:
             return ()
         return (_window_size(window),) * layers
     if family not in GEMMA_FAMILIES:
@@ -243,6 +246,8 @@ def _layer_windows(cfg: dict[str, Any], family: str, defaults: FamilyDefaults, l
     if "sliding_attention" not in types:
         return ()
     size = _window_size(window)
+    if size >= max_positions:
+        return ()
     return tuple(size if t == "sliding_attention" else None for t in types)
 
 

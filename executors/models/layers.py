@@ -96,10 +96,10 @@ def rope_tables(config: DecoderConfig, local: bool = False) -> tuple[torch.Tenso
     With a partial rotary_dim, the rotated pairs are the first rotary_dim / 2 of each half
     (the loader moved q's and k's dimensions there, partial_rotary.py) and the others keep
     cos 1 and sin 0. LongRoPE picks a position's frequencies by the position alone (short
-    below original_max_position_embeddings, long from there): transformers picks them by
-    the longest position of the forward, so a prompt that crosses that length is rotated
-    with the long ones throughout there, and each token as here when it comes one a step;
-    a position's rotation here never depends on the chunk or the batch it came in."""
+    below original_max_position_embeddings, long from there). transformers picks them by
+    the longest position of each forward: a prompt that crosses that length gets the long
+    ones throughout there, while a token decoded one a step gets what it gets here. Here a
+    position's rotation never depends on the chunk or the batch it came in."""
     head, rotary = config.head_dim, config.rotary_dim or config.head_dim
     scaling = None if local else config.rope_scaling
     theta = config.local_rope_theta if local else config.rope_theta

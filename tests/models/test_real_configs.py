@@ -1,0 +1,84 @@
+"""config.json files shaped as the published checkpoints ship them, read into DecoderConfig.
+
+No hub is reachable from the tests, so these are the keys and values that matter of
+microsoft/Phi-3-mini-4k-instruct, microsoft/Phi-4-mini-instruct, google/gemma-2-2b-it and
+ibm-granite/granite-3.1-2b-instruct (the LongRoPE factor lists stand in for the published
+48 numbers: their count and place are what is read here). The tiny random models of the
+other tests check the arithmetic against transformers; these check that the real files'
+layouts (legacy keys, top-level rope fields, absent defaults) are read as transformers reads
+them.
+"""
+
+from __future__ import annotations
+
+import math
+
+from executors.models.config import DecoderConfig
+
+PHI3_MINI_4K = {
+    "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
+    "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+    "sliding_window": 2047, "tie_word_embeddings": False, "vocab_size": 32064, "bos_token_id": 1,
+    "eos_token_id": 32000, "pad_token_id": 32000, "torch_dtype": "bfloat16", "hidden_act": "silu",
+}
+PHI4_MINI = {
+    "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192,
+    "num_hidden_layers": 32, "num_attention_heads": 24, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+    "original_max_position_embeddings": 4096, "partial_rotary_factor": 0.75, "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0, "sliding_window": 262144, "tie_word_embeddings": True, "vocab_size": 200064,
+    "lm_head_bias": False, "full_attn_mod": 1, "interpolate_factor": 1, "torch_dtype": "bfloat16",
+    "rope_scaling": {"type": "longrope", "long_factor": [1 + i / 4 for i in range(48)], "short_factor": [1.0] * 48},
+}
+GEMMA2_2B = {
+    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192,
+    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096,
+    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "vocab_size": 256000,
+    "cache_implementation": "hybrid", "torch_dtype": "float32",
+}
+GRANITE_3_1_2B = {
+    "architectures": ["GraniteForCausalLM"], "model_type": "granite", "hidden_size": 2048, "intermediate_size": 8192,
+    "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+    "rope_theta": 5000000.0, "rms_norm_eps": 1e-05, "attention_bias": False, "mlp_bias": False,
+    "embedding_multiplier": 12.0, "attention_multiplier": 0.015625, "residual_multiplier": 0.22,
+    "logits_scaling": 8.0, "tie_word_embeddings": True, "vocab_size": 49155, "torch_dtype": "bfloat16",
+}
+
+
+def test_phi3_mini_4k_slides_every_layer_over_2047_tokens():
+    c = DecoderConfig.from_dict(PHI3_MINI_4K)
+    assert c.family == "phi3" and c.fused_checkpoint and c.head_dim == 96
+    assert c.layer_windows == (2047,) * 32 and c.all_layers_sliding
+    assert c.rope_scaling is None and c.rotary_dim is None
+    assert (c.rms_norm_eps, c.eos_token_ids) == (1e-5, (32000,))
+
+
+def test_phi4_mini_rotates_96_of_128_with_longrope_and_no_window():
+    c = DecoderConfig.from_dict(PHI4_MINI)
+    assert c.head_dim == 128 and c.rotary_dim == 96
+    s = c.rope_scaling
+    assert s.kind == "longrope" and s.original_max_position_embeddings == 4096  # from the top level
+    assert len(s.short_factor) == len(s.long_factor) == 48
+    # No factor in the file: the ratio of the contexts, 131072 / 4096 = 32.
+    assert s.attention_factor == math.sqrt(1 + math.log(32) / math.log(4096))
+    assert c.layer_windows == ()  # 262144 >= 131072: the window hides nothing
+    assert c.tie_word_embeddings
+
+
+def test_gemma2_2b_alternates_windows_and_caps_both():
+    c = DecoderConfig.from_dict(GEMMA2_2B)
+    assert c.family == "gemma2" and not c.qk_norm and c.head_dim == 256
+    assert c.layer_windows == tuple(4096 if i % 2 == 0 else None for i in range(26))
+    assert (c.attn_softcap, c.final_softcap) == (50.0, 30.0)
+    assert c.attn_scale == 256 ** -0.5 and c.embed_scale == 2304 ** 0.5 and c.norm_offset == 1.0
+    assert c.hidden_act == "gelu_tanh" and c.sandwich_norms and c.tie_word_embeddings
+    assert c.local_rope_theta is None and c.rope_theta == 10000.0
+
+
+def test_granite_3_1_reads_its_four_multipliers():
+    c = DecoderConfig.from_dict(GRANITE_3_1_2B)
+    assert (c.embed_scale, c.attn_scale, c.residual_scale, c.logits_divisor) == (12.0, 0.015625, 0.22, 8.0)
+    assert c.rope_theta == 5e6 and c.num_kv_heads == 8 and c.tie_word_embeddings
+    assert not c.qkv_bias and not c.o_bias and not c.mlp_bias
