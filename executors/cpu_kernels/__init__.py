@@ -91,7 +91,7 @@ class CpuKernels:
         self._prefill_attention = _bind(library, "me_prefill_attention_f32",
                                         [_P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F, _P, _I, _C], ctypes.c_int)
         self._attention = _bind(library, "me_decode_attention_f32",
-                                [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P, _F, _P, _I, _C], ctypes.c_int)
+                                [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P, _F, _F, _P, _I, _C], ctypes.c_int)
 
     @staticmethod
     def accepts(w: torch.Tensor) -> bool:
@@ -295,11 +295,15 @@ class CpuKernels:
         return token, drawn
 
     def decode_attention(self, q: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, tables: torch.Tensor,
-                         lo: torch.Tensor, hi: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+                         lo: torch.Tensor, hi: torch.Tensor, scale: float, out: torch.Tensor,
+                         softcap: float | None = None) -> None:
         """out [R, H * D] = attention of q [R, H, D] (heads D floats apart) over keys lo[r]..hi[r]-1
         of row r, read from one layer's pool ([blocks, block_size, KVH, D], contiguous) through
-        tables ([R, width] int32, rows of unit stride); lo and hi int32 [R]. The blocks those keys
-        fall in, and the bounds, are the caller's to check against the pool and the tables."""
+        tables ([R, width] int32, rows of unit stride); lo and hi int32 [R]; softcap: Gemma 2's
+        cap of the scaled scores. The blocks those keys fall in, and the bounds, are the
+        caller's to check against the pool and the tables."""
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"CpuKernels.decode_attention: softcap must be positive or None, got {softcap}")
         if q.dtype is not _F32 or q.ndim != 3 or not q.is_cpu:
             raise _refused("decode_attention", "q", q, "a float32 CPU tensor [rows, heads, d]", _F32)
         rows, heads, d = q.shape
@@ -330,7 +334,8 @@ class CpuKernels:
                            f"a float32 CPU matrix [rows, heads * d] = [{rows}, {heads * d}], rows of unit stride", _F32)
         status = self._attention(q.data_ptr(), rows, sq[0], heads, kv_heads, d, kpool.data_ptr(),
                                  vpool.data_ptr(), bs, tables.data_ptr(), tables.stride(0), lo.data_ptr(),
-                                 hi.data_ptr(), scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
+                                 hi.data_ptr(), scale, softcap or 0.0, out.data_ptr(), out.stride(0),
+                                 torch.get_num_threads())
         if status != 0:
             raise MemoryError("the decode attention kernel could not allocate its score buffer")
 

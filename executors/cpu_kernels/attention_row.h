@@ -40,10 +40,12 @@ static inline int64_t run_at(const float *pool, const int32_t *table, int64_t bs
 
 /* One row's query heads over KV heads [kv0, kv1): q and out hold the row's [heads, d];
  * scores: (kv1 - kv0) * group * keys floats. Block by block, each K and V block (all its KV
- * heads: a contiguous run of the pool) is read once, in order, while it sits in L1. */
+ * heads: a contiguous run of the pool) is read once, in order, while it sits in L1.
+ * softcap > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax
+ * (Gemma 2); 0: none. */
 static inline void attend_row(const float *q, int64_t group, int64_t d, const float *kpool, const float *vpool,
                        int64_t bs, int64_t kv_heads, int64_t kv0, int64_t kv1, const int32_t *table, int64_t lo,
-                       int64_t hi, float scale, float *scores, float *out) {
+                       int64_t hi, float scale, float softcap, float *scores, float *out) {
     const int64_t keys = hi - lo;
     const int64_t stride = kv_heads * d;  /* floats between consecutive slots of a block */
     const int64_t heads = (kv1 - kv0) * group;  /* query heads of this task, from kv0 * group */
@@ -84,6 +86,8 @@ static inline void attend_row(const float *q, int64_t group, int64_t d, const fl
     float inv_sum[MAX_HEADS];
     for (int64_t h = 0; h < heads; h++) {
         float *sh = scores + h * keys;
+        if (softcap > 0.0f)
+            for (int64_t t = 0; t < keys; t++) sh[t] = tanhf(sh[t] / softcap) * softcap;
         __m256 mx = _mm256_set1_ps(-INFINITY);
         int64_t j = 0;
         for (; j + 8 <= keys; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sh + j));

@@ -36,8 +36,9 @@ with no plan of views and gathers.
 
 Per-layer options (`LayerAttention`, set by the decoder on the context): a sliding window
 (a query at position p sees keys p-W+1..p), the score scale and Gemma 2's soft-cap of the
-scores, which no fused kernel here applies: soft-capped layers take the reference
-computation on every path. Every path
+scores, which SDPA, flash and the Triton kernels do not apply: soft-capped layers take the
+reference computation, but for a float32 CPU step's decode rows, which the CPU decode
+kernel caps (`_softcapped`). Every path
 honours the window: the plan of a sliding layer reads only the blocks that hold keys inside
 it (one plan per distinct window, built on the first layer that needs it) and masks the
 keys of its first block that fell out; the reference gathers only the positions inside it.
@@ -133,10 +134,10 @@ class StepContext:
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """q [M, H, D], k and v [M, KVH, D] -> [M, H * D] (the plan is built on the first layer)."""
     spec = ctx.layer(layer)
-    if ctx.reference or spec.softcap is not None:
-        # Soft-capped scores: no fused kernel here caps them (SDPA, flash, the CPU kernels),
-        # so they take the plain computation, which does.
+    if ctx.reference:
         return attend_reference(layer, q, k, v, ctx)
+    if spec.softcap is not None:
+        return _softcapped(layer, q, k, v, ctx, spec)
     pool = ctx.pool
     if ctx.backend == "triton" and pool is not None:
         from executors.models import triton_attention  # triton is needed only on this path
@@ -145,14 +146,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: S
     m, heads, d = q.shape
     kvh = k.shape[1]
     scale = spec.scale
-    if spec.window is None:
-        plan = ctx.plan
-        if plan is None:
-            plan = ctx.plan = plan_attention(ctx, m)
-    else:
-        plan = ctx.window_plans.get(spec.window)
-        if plan is None:
-            plan = ctx.window_plans[spec.window] = plan_attention(ctx, m, spec.window, q.device)
+    plan = _plan(ctx, spec, m, q.device)
     if pool is not None:
         if plan.kernel_store:
             ctx.cpu.store_kv(k, v, ctx.slot_mapping, pool.key[layer], pool.value[layer])
@@ -208,13 +202,47 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: S
     return out.view(m, heads * d)
 
 
+def _plan(ctx: StepContext, spec: LayerAttention, m: int, device) -> AttentionPlan:
+    """The step's plan for the layer's window (built on the first layer that needs it)."""
+    if spec.window is None:
+        if ctx.plan is None:
+            ctx.plan = plan_attention(ctx, m)
+        return ctx.plan
+    plan = ctx.window_plans.get(spec.window)
+    if plan is None:
+        plan = ctx.window_plans[spec.window] = plan_attention(ctx, m, spec.window, device)
+    return plan
+
+
+def _softcapped(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
+                spec: LayerAttention) -> torch.Tensor:
+    """Gemma 2's soft-capped scores, which SDPA, flash and the prefill kernels do not cap:
+    the decode rows through the CPU decode kernel, which does, where the step has it (float32
+    on a CPU); every other row, and every row elsewhere, through the reference."""
+    plan = _plan(ctx, spec, q.shape[0], q.device) if ctx.cpu is not None and q.dtype == torch.float32 else None
+    if plan is None or plan.paged is None:
+        return attend_reference(layer, q, k, v, ctx)
+    out = attend_reference(layer, q, k, v, ctx, skip_decodes=True)  # stores every row's K and V
+    m, heads, d = q.shape
+    p = plan.paged
+    res = q.new_empty(p.count, heads * d)
+    _paged(ctx.cpu, q[p.rows] if isinstance(p.rows, slice) else q.index_select(0, p.rows), ctx.pool, layer, p,
+           spec.scale, res, spec.softcap)
+    rows = out.view(m, heads, d)
+    if isinstance(p.rows, slice):
+        rows[p.rows] = res.view(p.count, heads, d)
+    else:
+        rows.index_copy_(0, p.rows, res.view(p.count, heads, d))
+    return out
+
+
 def _paged(cpu: CpuKernels, q: torch.Tensor, pool: PagedKvPool, layer: int, p: PagedRows, scale: float | None,
-           out: torch.Tensor) -> None:
+           out: torch.Tensor, softcap: float | None = None) -> None:
     """Decode rows through the CPU kernel, reading the pool in place: out [count, H * D]."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     cpu.decode_attention(q, pool.key[layer], pool.value[layer], p.tables, p.lo, p.hi,
-                         _scale(scale, q.shape[2]), out)
+                         _scale(scale, q.shape[2]), out, softcap)
 
 
 def _kernel_fresh(ctx: StepContext, q: torch.Tensor, f: FreshRun) -> bool:

@@ -34,7 +34,7 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [
 GEMMA = {**COMMON, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
          "layer_types": ["sliding_attention", "full_attention"]}
 # Small caps, so that capping changes the tiny model's scores and logits.
-GEMMA2 = {**GEMMA, "attn_logit_softcapping": 0.5, "final_logit_softcapping": 2.0}
+GEMMA2 = {**GEMMA, "attn_logit_softcapping": 0.05, "final_logit_softcapping": 2.0}
 # transformers 4's Gemma 3 layout, as google/gemma-3-* ship it.
 GEMMA_LEGACY = {"rope_parameters": DEL, "layer_types": DEL, "sliding_window_pattern": 2,
                 "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}

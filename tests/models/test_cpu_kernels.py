@@ -231,6 +231,36 @@ def test_decode_attention_matches_sdpa(kernels, heads, kv_heads, d, bs):
         torch.testing.assert_close(out[r], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("bs", [4, 16])
+def test_decode_attention_caps_the_scores_as_gemma2_does(kernels, bs):
+    """softcap: scaled scores s -> softcap * tanh(s / softcap) before the softmax, against an
+    explicit computation; a cap that bites (scores of +-10 under a cap of 3) on windowed,
+    fragmented and one-key rows."""
+    g = torch.Generator().manual_seed(bs)
+    heads, kv_heads, d, blocks, cap, scale = 8, 2, 32, 40, 3.0, 0.5
+    kpool, vpool = torch.randn(blocks, bs, kv_heads, d, generator=g), torch.randn(blocks, bs, kv_heads, d, generator=g)
+    bounds = [(0, 29), (0, 1), (9, 23)]
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:8] for _ in bounds]).to(torch.int32)
+    lo = torch.tensor([b[0] for b in bounds], dtype=torch.int32)
+    hi = torch.tensor([b[1] for b in bounds], dtype=torch.int32)
+    q = torch.randn(3, heads, d, generator=g)
+    out = torch.full((3, heads * d), float("nan"))
+    kernels.decode_attention(q, kpool, vpool, tables, lo, hi, scale, out, softcap=cap)
+    uncapped = torch.empty_like(out)
+    kernels.decode_attention(q, kpool, vpool, tables, lo, hi, scale, uncapped)
+    for r, (a, b) in enumerate(bounds):
+        slots = [int(tables[r, p // bs]) * bs + p % bs for p in range(a, b)]
+        k = kpool.reshape(-1, kv_heads, d)[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        v = vpool.reshape(-1, kv_heads, d)[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        scores = (q[r].unsqueeze(1) @ k.transpose(1, 2)) * scale  # [H, 1, L]
+        weights = torch.softmax(torch.tanh(scores / cap) * cap, dim=-1)
+        torch.testing.assert_close(out[r], (weights @ v).flatten(), atol=1e-5, rtol=1e-5)
+        if b - a > 1:
+            assert (out[r] - uncapped[r]).abs().max() > 1e-2  # the cap changed the answer
+    with pytest.raises(ValueError, match="softcap must be positive"):
+        kernels.decode_attention(q, kpool, vpool, tables, lo, hi, scale, out, softcap=0.0)
+
+
 @pytest.mark.parametrize("count,n,heads,kv_heads,d", [
     (1, 128, 9, 3, 64),  # SmolLM2's prefill: 22 tiles of 6 tokens, 8 key panels
     (3, 37, 4, 2, 24),  # several prompts; a tail tile and tail key panel; d not a multiple of 16
