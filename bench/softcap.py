@@ -1,13 +1,14 @@
 """`python -m bench.softcap`: what Gemma 2's soft-capped attention scores cost a decode step.
 
-No fused attention here caps scores (SDPA, flash, the CPU kernels, Triton), so a Gemma 2
-layer attends through the plain path: each sequence's context gathered slot by slot, the
-scores written out, capped, masked and soft-maxed (attention_reference.py), and the
-one-call CPU decode step is off. This times that against the same random weights with the
-cap off (`attn_logit_softcapping: null`, which serves through the fast paths of a Gemma
-model with sandwich norms): decode steps (ARGMAX) at each batch size and context, the two
-executors in alternating rounds, median in-process step. Gemma-2-2B's layout, scaled down
-by --hidden and --layers (head_dim 256 as Gemma 2's, every other layer sliding over 4096).
+SDPA and flash do not cap scores. A float32 CPU step's decode rows of a soft-capped layer go
+through the CPU decode-attention kernel, which does (its `softcap`); everything else takes
+the plain path of attention_reference.py (each sequence's context gathered, the scores
+written out, capped, masked and soft-maxed). This times decode steps (ARGMAX) against the
+same random weights with the cap off (`attn_logit_softcapping: null`, the fast paths of a
+Gemma model with sandwich norms, whose one-call CPU decode step is off on both sides) at
+each batch size and context, the two executors in alternating rounds, median in-process
+step. Gemma-2-2B's layout, scaled down by --hidden and --layers (head_dim 256 as Gemma 2's,
+every other layer sliding over 4096).
 """
 
 from __future__ import annotations
