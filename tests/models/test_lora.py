@@ -37,7 +37,8 @@ TOL = 1e-4
 # bfloat16 rounding through three layers moves these logits by up to ~0.04, while each
 # adapter moves them by 0.6-1.1: a lost or misplaced delta still fails.
 TOL_BF16 = 0.08
-FAMILIES = ["qwen3", "llama", "qwen2", "granite"]  # Granite: B of o_proj and down_proj scaled
+# Granite: B of o_proj and down_proj scaled; Gemma 2: sandwich norms, soft-capped scores.
+FAMILIES = ["qwen3", "llama", "qwen2", "granite", "gemma2"]
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Two adapters that differ in everything PEFT lets them differ in: rank, alpha, scaling
 # rule, targets, and a layer restriction (tiny_models has 3 layers; "narrow" skips layer 1).
@@ -101,6 +102,9 @@ class Family:
         with self.peft.disable_adapter() if adapter is None else contextlib.nullcontext():
             hidden = causal_lm.model(ids).last_hidden_state
             logits = causal_lm.lm_head(hidden) / getattr(causal_lm.config, "logits_scaling", 1.0)  # Granite's
+            cap = getattr(causal_lm.config, "final_logit_softcapping", None)  # Gemma's
+            if cap is not None:
+                logits = torch.tanh(logits / cap) * cap
         return [(hidden[i, :len(p)], logits[i, :len(p)]) for i, p in enumerate(prompts)]
 
 
