@@ -1,14 +1,14 @@
-"""`python -m bench.softcap`: what Gemma 2's soft-capped attention scores cost a decode step.
+"""`python -m bench.softcap`: what Gemma 2's soft-capped attention scores cost a step.
 
-SDPA and flash do not cap scores. A float32 CPU step's decode rows of a soft-capped layer go
-through the CPU decode-attention kernel, which does (its `softcap`); everything else takes
-the plain path of attention_reference.py (each sequence's context gathered, the scores
-written out, capped, masked and soft-maxed). This times decode steps (ARGMAX) against the
-same random weights with the cap off (`attn_logit_softcapping: null`, the fast paths of a
-Gemma model with sandwich norms, whose one-call CPU decode step is off on both sides) at
-each batch size and context, the two executors in alternating rounds, median in-process
-step. Gemma-2-2B's layout, scaled down by --hidden and --layers (head_dim 256 as Gemma 2's,
-every other layer sliding over 4096).
+SDPA and flash do not cap scores. A float32 CPU step's decode rows and whole fresh prompts
+of a soft-capped layer go through the CPU attention kernels, which do (their `softcap`);
+everything else takes the plain path of attention_reference.py (each sequence's context
+gathered, the scores written out, capped, masked and soft-maxed). This times the prefill of
+one prompt of each context and decode steps (ARGMAX) at each batch size, against the same
+random weights with the cap off (`attn_logit_softcapping: null`, the fast paths of a Gemma
+model with sandwich norms, whose one-call CPU decode step is off on both sides), the two
+executors in alternating rounds, median in-process. Gemma-2-2B's layout, scaled down by
+--hidden and --layers (head_dim 256 as Gemma 2's, every other layer sliding over 4096).
 """
 
 from __future__ import annotations
@@ -60,6 +60,18 @@ def main(argv: list[str] | None = None) -> int:
     loop = asyncio.new_event_loop()
     gen = torch.Generator().manual_seed(1)
     for context in (int(x) for x in args.contexts.split(",")):
+        prompt = torch.randint(0, args.vocab, (context,), generator=gen).tolist()
+        prefills: dict[str, list[float]] = {name: [] for name in executors}
+        for r in range(args.rounds + 1):  # a prompt's prefill: its attention takes the prefill kernel
+            for name, ex in executors.items():
+                t0 = time.perf_counter()
+                out = loop.run_until_complete(ex.prefill(PrefillInput(input_ids=prompt, logits_policy=ARGMAX)))
+                if r:
+                    prefills[name].append(time.perf_counter() - t0)
+                loop.run_until_complete(ex.release_cache(out.kv_cache.cache_id))
+        capped, uncapped = (statistics.median(prefills[n]) * 1e3 for n in ("capped", "uncapped"))
+        print(f"context {context:5d}, prefill: capped {capped:7.1f} ms, uncapped {uncapped:7.1f} ms "
+              f"({capped / uncapped:.2f}x)", flush=True)
         for b in (int(x) for x in args.batches.split(",")):
             prompts = [torch.randint(0, args.vocab, (context,), generator=gen).tolist() for _ in range(b)]
             handles = {}

@@ -219,4 +219,5 @@ def test_the_softcap_bench_times_both_sides(capsys):
                          "--layers", "2", "--vocab", "300"]) == 0
     out = capsys.readouterr().out
     assert "one-call CPU decode step: capped False" in out
-    assert out.count("context    12, batch") == 2 and "capped" in out and "uncapped" in out
+    assert out.count("context    12, batch") == 2 and out.count("context    12, prefill") == 1
+    assert "capped" in out and "uncapped" in out

@@ -89,7 +89,7 @@ class CpuKernels:
         self._sample = _bind(library, "me_sample_f32", [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _C], ctypes.c_int)
         self._decode_step = _bind(library, "me_decode_step_f32", [_P, _P, _C], ctypes.c_int)
         self._prefill_attention = _bind(library, "me_prefill_attention_f32",
-                                        [_P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F, _P, _I, _C], ctypes.c_int)
+                                        [_P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F, _P, _I, _C], ctypes.c_int)
         self._attention = _bind(library, "me_decode_attention_f32",
                                 [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P, _F, _F, _P, _I, _C], ctypes.c_int)
 
@@ -340,10 +340,13 @@ class CpuKernels:
             raise MemoryError("the decode attention kernel could not allocate its score buffer")
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
-                          out: torch.Tensor) -> None:
+                          out: torch.Tensor, softcap: float | None = None) -> None:
         """out = causal attention of `count` equal prompts (consecutive rows) over themselves:
         q [rows, heads, d], k and v [rows, kv_heads, d] (heads d floats apart, rows of any
-        stride), out [rows, heads, d] likewise; heads a multiple of kv_heads, rows of count."""
+        stride), out [rows, heads, d] likewise; heads a multiple of kv_heads, rows of count;
+        softcap: Gemma 2's cap of the scaled scores."""
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"CpuKernels.prefill_attention: softcap must be positive or None, got {softcap}")
         for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
             if t.dtype is not _F32 or t.ndim != 3 or not t.is_cpu:
                 raise _refused("prefill_attention", name, t, "a float32 CPU tensor [rows, heads, d]", _F32)
@@ -364,8 +367,8 @@ class CpuKernels:
                 raise ValueError(f"CpuKernels.prefill_attention: q, k, v and out need heads of d contiguous floats; "
                                  f"{name} has strides {t.stride()}")
         status = self._prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), count, rows // count, q.stride(0),
-                                         k.stride(0), v.stride(0), heads, kv_heads, d, scale, out.data_ptr(),
-                                         out.stride(0), torch.get_num_threads())
+                                         k.stride(0), v.stride(0), heads, kv_heads, d, scale, softcap or 0.0,
+                                         out.data_ptr(), out.stride(0), torch.get_num_threads())
         if status:
             raise MemoryError("the prefill attention kernel could not allocate its scratch")
 

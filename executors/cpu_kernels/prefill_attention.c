@@ -17,8 +17,13 @@
 
 #include "panel.h"
 
-/* Scale row s[0, valid), softmax it in place, and zero s[valid, width). */
-static void softmax_row(float *s, int64_t valid, int64_t width, float scale) {
+/* Scale row s[0, valid) (softcap > 0: then cap it, softcap * tanh(s / softcap), Gemma 2),
+ * softmax it in place, and zero s[valid, width). */
+static void softmax_row(float *s, int64_t valid, int64_t width, float scale, float softcap) {
+    if (softcap > 0.0f) {  /* scaled and capped here; the loops below scale by 1 */
+        for (int64_t j = 0; j < valid; j++) s[j] = tanhf(s[j] * scale / softcap) * softcap;
+        scale = 1.0f;
+    }
     const __m256 vscale = _mm256_set1_ps(scale);
     const int64_t full = valid & ~(int64_t)7;
     __m256 vmax = _mm256_set1_ps(-INFINITY);
@@ -72,10 +77,11 @@ static void pack_kv(const float *k, const float *v, int64_t n, int64_t ld_k, int
 }
 
 /* out = causal attention of `count` prompts of n tokens each over themselves (see the top).
- * heads a multiple of kv_heads. Returns 0, or -1 when a scratch allocation failed. */
+ * heads a multiple of kv_heads; softcap > 0 caps the scaled scores (softmax_row), 0 leaves
+ * them. Returns 0, or -1 when a scratch allocation failed. */
 int me_prefill_attention_f32(const float *q, const float *k, const float *v, int64_t count, int64_t n, int64_t ldq,
                              int64_t ldk, int64_t ldv, int64_t heads, int64_t kv_heads, int64_t d, float scale,
-                             float *out, int64_t ldo, int threads) {
+                             float softcap, float *out, int64_t ldo, int threads) {
     const int64_t group = heads / kv_heads;
     const int64_t key_panels = (n + PANEL - 1) / PANEL, dim_panels = (d + PANEL - 1) / PANEL;
     const int64_t width = key_panels * PANEL;  /* a score row's floats */
@@ -106,7 +112,7 @@ int me_prefill_attention_f32(const float *q, const float *k, const float *v, int
             const int64_t seen = (t1 + PANEL - 1) / PANEL;  /* key panels up to the tile's last token */
             for (int64_t j = 0; j < seen; j++)
                 panel_tile_rows(x, ldq, mr, kp + j * d * PANEL, d, PANEL, NULL, NULL, 0, scores + j * PANEL, width);
-            for (int64_t r = 0; r < mr; r++) softmax_row(scores + r * width, t0 + r + 1, t1, scale);
+            for (int64_t r = 0; r < mr; r++) softmax_row(scores + r * width, t0 + r + 1, t1, scale, softcap);
             float *y = out + (c * n + t0) * ldo + h * d;
             for (int64_t p = 0; p < dim_panels; p++) {
                 const int cols = (int)(d - p * PANEL < PANEL ? d - p * PANEL : PANEL);

@@ -37,8 +37,8 @@ with no plan of views and gathers.
 Per-layer options (`LayerAttention`, set by the decoder on the context): a sliding window
 (a query at position p sees keys p-W+1..p), the score scale and Gemma 2's soft-cap of the
 scores, which SDPA, flash and the Triton kernels do not apply: soft-capped layers take the
-reference computation, but for a float32 CPU step's decode rows, which the CPU decode
-kernel caps (`_softcapped`). Every path
+reference computation, but for a float32 CPU step's decode rows and whole fresh prompts,
+which the CPU kernels cap (`_softcapped`). Every path
 honours the window: the plan of a sliding layer reads only the blocks that hold keys inside
 it (one plan per distinct window, built on the first layer that needs it) and masks the
 keys of its first block that fell out; the reference gathers only the positions inside it.
@@ -216,23 +216,32 @@ def _plan(ctx: StepContext, spec: LayerAttention, m: int, device) -> AttentionPl
 
 def _softcapped(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
                 spec: LayerAttention) -> torch.Tensor:
-    """Gemma 2's soft-capped scores, which SDPA, flash and the prefill kernels do not cap:
-    the decode rows through the CPU decode kernel, which does, where the step has it (float32
-    on a CPU); every other row, and every row elsewhere, through the reference."""
+    """Gemma 2's soft-capped scores, which SDPA and flash do not cap: on a float32 CPU step,
+    the decode rows through the CPU decode kernel and the whole fresh prompts through the
+    prefill kernel, which do; every other row (chunks, prompts a window masks), and every
+    row elsewhere, through the reference."""
     plan = _plan(ctx, spec, q.shape[0], q.device) if ctx.cpu is not None and q.dtype == torch.float32 else None
-    if plan is None or plan.paged is None:
+    fresh = [f for f in plan.fresh if _kernel_fresh(ctx, q, f)] if plan is not None else []
+    if plan is None or (plan.paged is None and not fresh):
         return attend_reference(layer, q, k, v, ctx)
-    out = attend_reference(layer, q, k, v, ctx, skip_decodes=True)  # stores every row's K and V
-    m, heads, d = q.shape
     p = plan.paged
-    res = q.new_empty(p.count, heads * d)
-    _paged(ctx.cpu, q[p.rows] if isinstance(p.rows, slice) else q.index_select(0, p.rows), ctx.pool, layer, p,
-           spec.scale, res, spec.softcap)
+    skip = {f.r0 + i * f.n for f in fresh for i in range(f.count)}
+    if p is not None:
+        skip.update(range(p.rows.start, p.rows.stop) if isinstance(p.rows, slice) else p.rows.tolist())
+    out = attend_reference(layer, q, k, v, ctx, frozenset(skip))  # stores every row's K and V
+    m, heads, d = q.shape
     rows = out.view(m, heads, d)
-    if isinstance(p.rows, slice):
-        rows[p.rows] = res.view(p.count, heads, d)
-    else:
-        rows.index_copy_(0, p.rows, res.view(p.count, heads, d))
+    if p is not None:
+        res = q.new_empty(p.count, heads * d)
+        _paged(ctx.cpu, q[p.rows] if isinstance(p.rows, slice) else q.index_select(0, p.rows), ctx.pool, layer, p,
+               spec.scale, res, spec.softcap)
+        if isinstance(p.rows, slice):
+            rows[p.rows] = res.view(p.count, heads, d)
+        else:
+            rows.index_copy_(0, p.rows, res.view(p.count, heads, d))
+    for f in fresh:
+        span = slice(f.r0, f.r0 + f.count * f.n)
+        ctx.cpu.prefill_attention(q[span], k[span], v[span], f.count, _scale(spec.scale, d), rows[span], spec.softcap)
     return out
 
 

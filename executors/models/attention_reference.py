@@ -1,8 +1,8 @@
 """The reference attention: each segment gathers its whole context from the pool slot by slot
 (an index_select of every cached position, only those inside a sliding window) and attends
 over the copy. The fast path (attention.py) is checked against it, and it serves what the
-fused paths do not compute: Gemma 2's soft-capped scores, but for the decode rows of a
-float32 CPU step, which the CPU decode kernel caps.
+fused paths do not compute: Gemma 2's soft-capped scores, but for the decode rows and whole
+fresh prompts of a float32 CPU step, which the CPU kernels cap.
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ if TYPE_CHECKING:
 
 
 def attend_reference(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
-                     skip_decodes: bool = False) -> torch.Tensor:
+                     skip: frozenset[int] = frozenset()) -> torch.Tensor:
     """q [M, H, D], k and v [M, KVH, D] -> [M, H * D]; gathers every segment's context by slot.
-    `skip_decodes`: leave the rows of one query on a cached context out (the caller's kernel
-    fills them; their K and V are stored all the same)."""
+    `skip`: the first rows of segments to leave out (the caller's kernels fill them; their K
+    and V are stored all the same)."""
     if ctx.pool is not None:
         ctx.pool.write(layer, ctx.slot_mapping, k, v)
     spec = ctx.layer(layer)
     out = torch.empty_like(q)
     for seg in ctx.segments:
-        if skip_decodes and seg.q_len == 1 and seg.start > 0 and ctx.pool is not None:
+        if seg.q_start in skip:
             continue
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
         if seg.start == 0 or ctx.pool is None:

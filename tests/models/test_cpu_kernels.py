@@ -285,6 +285,30 @@ def test_prefill_attention_matches_causal_sdpa(kernels, count, n, heads, kv_head
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("count,n", [(1, 37), (2, 13)])
+def test_prefill_attention_caps_the_scores_as_gemma2_does(kernels, count, n):
+    """softcap on a prompt's causal attention, against an explicit computation; it bites."""
+    g = torch.Generator().manual_seed(n)
+    heads, kv_heads, d, cap, scale = 8, 2, 32, 3.0, 0.5
+    q = torch.randn(count * n, heads, d, generator=g)
+    k, v = torch.randn(count * n, kv_heads, d, generator=g), torch.randn(count * n, kv_heads, d, generator=g)
+    out, uncapped = torch.full_like(q, float("nan")), torch.empty_like(q)
+    kernels.prefill_attention(q, k, v, count, scale, out, softcap=cap)
+    kernels.prefill_attention(q, k, v, count, scale, uncapped)
+    group = heads // kv_heads
+    for c in range(count):
+        rows = slice(c * n, (c + 1) * n)
+        qh = q[rows].transpose(0, 1)  # [H, n, D]
+        kh, vh = (t[rows].repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))
+        scores = torch.tanh(qh @ kh.transpose(1, 2) * scale / cap) * cap
+        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        expected = (torch.softmax(scores, dim=-1) @ vh).transpose(0, 1)
+        torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+    assert (out - uncapped).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="softcap must be positive"):
+        kernels.prefill_attention(q, k, v, count, scale, out, softcap=-1.0)
+
+
 def test_prefill_attention_refuses_heads_that_are_not_contiguous(kernels):
     q = torch.randn(4, 2, 16)
     with pytest.raises(ValueError, match="heads of d contiguous floats"):
