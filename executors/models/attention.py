@@ -171,14 +171,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: S
         return out
     out = q.new_empty(m, heads, d)
     if plan.paged is not None:
-        p = plan.paged
-        res = q.new_empty(p.count, heads * d)
-        _paged(ctx.cpu, q[p.rows] if isinstance(p.rows, slice) else q.index_select(0, p.rows), pool, layer, p,
-               scale, res)
-        if isinstance(p.rows, slice):
-            out[p.rows] = res.view(p.count, heads, d)
-        else:
-            out.index_copy_(0, p.rows, res.view(p.count, heads, d))
+        _paged_rows(ctx.cpu, q, pool, layer, plan.paged, scale, out)
     for f in plan.fresh:
         rows = slice(f.r0, f.r0 + f.count * f.n)
         if _kernel_fresh(ctx, q, f):
@@ -232,13 +225,7 @@ def _softcapped(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     m, heads, d = q.shape
     rows = out.view(m, heads, d)
     if p is not None:
-        res = q.new_empty(p.count, heads * d)
-        _paged(ctx.cpu, q[p.rows] if isinstance(p.rows, slice) else q.index_select(0, p.rows), ctx.pool, layer, p,
-               spec.scale, res, spec.softcap)
-        if isinstance(p.rows, slice):
-            rows[p.rows] = res.view(p.count, heads, d)
-        else:
-            rows.index_copy_(0, p.rows, res.view(p.count, heads, d))
+        _paged_rows(ctx.cpu, q, ctx.pool, layer, p, spec.scale, rows, spec.softcap)
     for f in fresh:
         span = slice(f.r0, f.r0 + f.count * f.n)
         ctx.cpu.prefill_attention(q[span], k[span], v[span], f.count, _scale(spec.scale, d), rows[span], spec.softcap)
@@ -252,6 +239,19 @@ def _paged(cpu: CpuKernels, q: torch.Tensor, pool: PagedKvPool, layer: int, p: P
         q = q.contiguous()
     cpu.decode_attention(q, pool.key[layer], pool.value[layer], p.tables, p.lo, p.hi,
                          _scale(scale, q.shape[2]), out, softcap)
+
+
+def _paged_rows(cpu: CpuKernels, q: torch.Tensor, pool: PagedKvPool, layer: int, p: PagedRows, scale: float | None,
+                out: torch.Tensor, softcap: float | None = None) -> None:
+    """The decode rows of a mixed step through the CPU kernel, into their rows of out [M, H, D]."""
+    heads, d = q.shape[1:]
+    res = q.new_empty(p.count, heads * d)
+    _paged(cpu, q[p.rows] if isinstance(p.rows, slice) else q.index_select(0, p.rows), pool, layer, p, scale, res,
+           softcap)
+    if isinstance(p.rows, slice):
+        out[p.rows] = res.view(p.count, heads, d)
+    else:
+        out.index_copy_(0, p.rows, res.view(p.count, heads, d))
 
 
 def _kernel_fresh(ctx: StepContext, q: torch.Tensor, f: FreshRun) -> bool:

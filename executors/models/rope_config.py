@@ -47,9 +47,7 @@ def read_rope(cfg: dict[str, Any], family: str, defaults: FamilyDefaults, max_po
     config classes read them (convert_rope_params_to_dict, standardize_rope_params)."""
     if family == "gemma3":
         return _read_gemma3_rope(cfg, defaults, max_positions, rotary_dim)
-    # A rope_scaling, when set, is the whole rope config: rope_parameters beside it is dropped.
-    where = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
-    rope = _rope_dict(cfg.get(where) or {}, where)
+    where, rope = _rope_source(cfg)
     nested = [k for k in LAYER_TYPE_KEYS if k in rope]
     if nested:  # transformers ignores them on these families (or fails to build the model)
         raise UnsupportedModel(f"rope_parameters per layer type ({', '.join(nested)}) is only read for Gemma 3")
@@ -60,6 +58,13 @@ def read_rope(cfg: dict[str, Any], family: str, defaults: FamilyDefaults, max_po
     if "original_max_position_embeddings" in cfg:
         rope = {**rope, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
     return theta, _rope_scaling(rope, where, max_positions, rotary_dim), None
+
+
+def _rope_source(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(its key, the rope config): a rope_scaling, when set, is the whole rope config, and a
+    rope_parameters beside it is dropped."""
+    where = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    return where, _rope_dict(cfg.get(where) or {}, where)
 
 
 def _phi3_rope(rope: dict[str, Any], where: str) -> dict[str, Any]:
@@ -79,8 +84,8 @@ def rotary_dim_of(cfg: dict[str, Any], family: str, head_dim: int) -> int | None
     (Phi-3: from rope_parameters, else the top level); None: all of them."""
     if family != "phi3":
         return None
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) if isinstance(rope, dict) else 1.0
+    _, rope = _rope_source(cfg)
+    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
         raise UnsupportedModel(f"partial_rotary_factor must be a number in (0, 1], got {factor!r}")
     rotary = int(head_dim * factor)
