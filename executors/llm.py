@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 
 FAMILY_TYPES = {"llama": ModelType.LLAMA, "qwen2": ModelType.QWEN, "qwen3": ModelType.QWEN,
                 "qwen2_moe": ModelType.QWEN, "qwen3_moe": ModelType.QWEN, "mistral": ModelType.MISTRAL,
-                "mixtral": ModelType.MISTRAL, "gemma2": ModelType.GEMMA, "gemma3": ModelType.GEMMA, "phi3": ModelType.PHI,
+                "mixtral": ModelType.MISTRAL, "gemma": ModelType.GEMMA, "gemma2": ModelType.GEMMA,
+                "gemma3": ModelType.GEMMA, "phi3": ModelType.PHI, "smollm3": ModelType.LLAMA,
                 "granite": ModelType.CUSTOM}  # model_type_name says which
 # Models whose every layer slides: a cache keeps this many positions before its window, so
 # that a truncation by up to this many tokens (rejected speculative drafts) still has the

@@ -44,6 +44,7 @@ typedef struct {
     const float *final_norm;
     const float *cos, *signed_sin;  /* [max_positions, head_dim] */
     int64_t max_positions;
+    const int32_t *rotary;       /* [layers]: 0 where a layer does not rotate q and k (NoPE); NULL: all do */
 } me_decoder;
 
 typedef struct {
@@ -124,16 +125,17 @@ static void rotate_and_store(const me_decoder *m, const me_step *s, int64_t l, i
     const int64_t hq = heads * d, hk = kvh * d, width = hq + 2 * hk;
     const float *qn = field(m, l, W_Q_NORM), *kn = field(m, l, W_K_NORM);
     const float *cos = m->cos + s->positions[r] * d, *sin = m->signed_sin + s->positions[r] * d;
+    const int rotates = !m->rotary || m->rotary[l];
     float *row = s->qkv + r * width;
     for (int64_t kv = kv0; kv < kv1; kv++) {
         for (int64_t head = kv * group; head < (kv + 1) * group; head++) {
             float *q = row + head * d;
             if (qn) rms_norm_row(q, d, qn, m->eps, q);
-            rope_head(q, d, cos, sin);
+            if (rotates) rope_head(q, d, cos, sin);
         }
         float *k = row + hq + kv * d;
         if (kn) rms_norm_row(k, d, kn, m->eps, k);
-        rope_head(k, d, cos, sin);
+        if (rotates) rope_head(k, d, cos, sin);
         const int64_t at = s->slots[r] * hk + kv * d;
         memcpy(kpool + at, k, sizeof(float) * (size_t)d);
         memcpy(vpool + at, row + hq + hk + kv * d, sizeof(float) * (size_t)d);

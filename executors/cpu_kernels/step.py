@@ -20,7 +20,7 @@ class DecoderSpec(ctypes.Structure):
 
     _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
                 ("eps", ctypes.c_float), ("activation", ctypes.c_int32), ("weights", _P), ("windows", _P),
-                ("scales", _P), ("final_norm", _P), ("cos", _P), ("signed_sin", _P), ("max_positions", _I)]
+                ("scales", _P), ("final_norm", _P), ("cos", _P), ("signed_sin", _P), ("max_positions", _I), ("rotary", _P)]
 
 
 class StepSpec(ctypes.Structure):

@@ -8,7 +8,8 @@ family's transformers default (family_defaults.py), and the rope keys are read i
 order of precedence (rope_config.py).
 
 A family is a set of flags on the one decoder: mixtures of experts (moe_config.py) replace
-the MLP of some layers; sliding windows, Gemma's norms, scaled embeddings, soft-capping,
+the MLP of some layers; each layer's window and whether it rotates at all (SmolLM3's NoPE
+layers) are read in layer_kinds.py; Gemma's norms, scaled embeddings, soft-capping,
 per-layer rope bases, partial rotary embeddings and Phi-3's fused checkpoint projections
 are fields here.
 """
@@ -21,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from executors.models.errors import UnsupportedModel
-from executors.models.family_defaults import FAMILY_DEFAULTS, FamilyDefaults
+from executors.models.family_defaults import FAMILY_DEFAULTS
+from executors.models.layer_kinds import layer_rotation, layer_windows
 from executors.models.moe_config import MoeConfig, moe_from_dict
 from executors.models.rope_config import RopeScaling, positive_number, read_rope, rotary_dim_of
 
@@ -40,19 +42,20 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": ("gemma3", True),
     "Phi3ForCausalLM": ("phi3", False),
     "GraniteForCausalLM": ("granite", False),
+    "GemmaForCausalLM": ("gemma", False),
+    "SmolLM3ForCausalLM": ("smollm3", False),
 }
-# Families whose every layer sees the same `sliding_window` (when the config sets one).
-WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")
 # Families whose checkpoints store q/k/v as one qkv_proj and gate/up as one gate_up_proj.
 FUSED_CHECKPOINT_FAMILIES = ("phi3",)
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
-GEMMA_FAMILIES = ("gemma2", "gemma3")  # (1 + w) norms, scaled embeddings, GELU-tanh, sandwich norms
+GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")  # (1 + w) norms, scaled embeddings, GELU-tanh
+SANDWICH_FAMILIES = ("gemma2", "gemma3")  # and norms around attention's and the MLP's outputs, a query scalar, caps
 
 
 @dataclass(frozen=True, slots=True)
 class DecoderConfig:
     architecture: str
-    family: str  # llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe, gemma2, gemma3, phi3, granite
+    family: str  # a value of ARCHITECTURES: llama, qwen2, qwen3, ..., gemma, gemma2, gemma3, phi3, granite, smollm3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -81,8 +84,10 @@ class DecoderConfig:
     # (or an empty tuple for every layer): all earlier keys.
     layer_windows: tuple[int | None, ...] = ()
     local_rope_theta: float | None = None  # sliding layers' rope base, where it differs (Gemma 3)
-    # Gemma 2 and 3: RMSNorm weights stored as w - 1 (the norm multiplies by 1 + w),
-    # embeddings scaled by sqrt(hidden), GELU-tanh MLPs, norms around attention's and the
+    # SmolLM3: the layers whose q and k are not rotated (NoPE); () where every layer rotates.
+    nope_layers: tuple[int, ...] = ()
+    # Gemma: RMSNorm weights stored as w - 1 (the norm multiplies by 1 + w), embeddings
+    # scaled by sqrt(hidden), GELU-tanh MLPs; Gemma 2 and 3 also norms around attention's and the
     # MLP's outputs, an attention scale from query_pre_attn_scalar, optional tanh
     # soft-capping of the final logits and (Gemma 2) of the attention scores. (Gemma 3's
     # reference implementation does not apply an attn_logit_softcapping; neither does this.)
@@ -104,6 +109,10 @@ class DecoderConfig:
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
+
+    def rotates(self, layer: int) -> bool:
+        """Whether the layer applies rotary embeddings to q and k (not on SmolLM3's NoPE layers)."""
+        return layer not in self.nope_layers
 
     @property
     def all_layers_sliding(self) -> bool:
@@ -136,12 +145,14 @@ class DecoderConfig:
             return cfg[key]
 
         defaults = FAMILY_DEFAULTS[family]
-        if cfg.get("use_sliding_window"):
+        if cfg.get("use_sliding_window") and family != "smollm3":
             raise UnsupportedModel(f"sliding-window attention (use_sliding_window: true) is not supported for {arch}")
         if cfg.get("use_bidirectional_attention"):
             raise UnsupportedModel("bidirectional attention (use_bidirectional_attention: true) is not supported")
         # Only the family's own key: transformers' Llama ignores a hidden_activation, Gemma 3 a hidden_act.
         act = cfg.get(defaults.activation_key, defaults.activation)
+        if family == "gemma" and act == "gelu":  # GemmaConfig: the official files' legacy name for GELU-tanh
+            act = "gelu_pytorch_tanh"
         if act not in (GELU_TANH if family in GEMMA_FAMILIES else ("silu",)):
             raise UnsupportedModel(f"activation {act!r} ({defaults.activation_key}) is not supported for {arch}")
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
@@ -159,20 +170,22 @@ class DecoderConfig:
             attention_bias = defaults.attention_bias
         else:
             attention_bias = bool(cfg.get(defaults.attention_bias_key, defaults.attention_bias))
-        gemma = family in GEMMA_FAMILIES
+        gemma, sandwich = family in GEMMA_FAMILIES, family in SANDWICH_FAMILIES
 
         def granite(key: str) -> float | None:
             """Granite's multipliers (1.0 when absent, as GraniteConfig has them); None elsewhere."""
             return positive_number(cfg, key, 1.0) if family == "granite" else None
 
-        windows = _layer_windows(cfg, family, defaults, int(need("num_hidden_layers")), max_positions)
+        layers = int(need("num_hidden_layers"))
+        windows = layer_windows(cfg, family, defaults, layers, max_positions)
+        rotation = layer_rotation(cfg, family, layers)
         return cls(
             architecture=arch,
             family=family,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -189,16 +202,17 @@ class DecoderConfig:
             dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
-            moe=moe_from_dict(cfg, family, int(need("num_hidden_layers"))),
+            moe=moe_from_dict(cfg, family, layers),
             layer_windows=windows,
             local_rope_theta=local_theta,
+            nope_layers=tuple(i for i, rotates in enumerate(rotation) if not rotates),
             norm_offset=1.0 if gemma else 0.0,
             embed_scale=hidden ** 0.5 if gemma else granite("embedding_multiplier"),
             hidden_act="gelu_tanh" if gemma else "silu",
-            sandwich_norms=gemma,
-            attn_scale=(positive_number(cfg, "query_pre_attn_scalar", defaults.query_pre_attn_scalar) ** -0.5 if gemma
-                        else granite("attention_multiplier")),
-            final_softcap=(_positive(cfg, "final_logit_softcapping", defaults.final_logit_softcapping) if gemma
+            sandwich_norms=sandwich,
+            attn_scale=(positive_number(cfg, "query_pre_attn_scalar", defaults.query_pre_attn_scalar) ** -0.5
+                        if sandwich else granite("attention_multiplier")),
+            final_softcap=(_positive(cfg, "final_logit_softcapping", defaults.final_logit_softcapping) if sandwich
                            else None),
             attn_softcap=(_positive(cfg, "attn_logit_softcapping", defaults.attn_logit_softcapping)
                           if family == "gemma2" else None),
@@ -216,42 +230,3 @@ def _positive(cfg: dict[str, Any], key: str, default: float | None = None) -> fl
     if not isinstance(value, (int, float)) or value <= 0:
         raise UnsupportedModel(f"{key} must be a positive number or null, got {value!r}")
     return float(value)
-
-
-def _layer_windows(cfg: dict[str, Any], family: str, defaults: FamilyDefaults, layers: int,
-                   max_positions: int) -> tuple[int | None, ...]:
-    """Each layer's sliding window (None: global), or () when no layer has one. A window as
-    long as the positions a sequence can have (Phi-4-mini's 262144 over 131072) hides no key:
-    none, so that attention takes the global paths."""
-    window = cfg.get("sliding_window", defaults.sliding_window)  # null in the file: no window
-    if family in WINDOWED_FAMILIES:
-        if window is None or _window_size(window) >= max_positions:
-            return ()
-        return (_window_size(window),) * layers
-    if family not in GEMMA_FAMILIES:
-        return ()  # Qwen: sliding windows only with use_sliding_window, refused above
-    types = cfg.get("layer_types")
-    if types is None:  # older configs: every `sliding_window_pattern`-th layer is global
-        # (Gemma2Config has no such key: every other layer, from the first, slides.)
-        pattern = (cfg.get("sliding_window_pattern", defaults.sliding_window_pattern) if family == "gemma3"
-                   else defaults.sliding_window_pattern)
-        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
-            raise UnsupportedModel(f"sliding_window_pattern must be a positive integer, got {pattern!r}")
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    if len(types) != layers:
-        raise UnsupportedModel(f"layer_types lists {len(types)} layers, num_hidden_layers is {layers}")
-    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
-    if unknown:
-        raise UnsupportedModel(f"layer types {unknown} are not supported (only sliding_attention, full_attention)")
-    if "sliding_attention" not in types:
-        return ()
-    size = _window_size(window)
-    if size >= max_positions:
-        return ()
-    return tuple(size if t == "sliding_attention" else None for t in types)
-
-
-def _window_size(window: Any) -> int:
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        raise UnsupportedModel(f"sliding_window must be a positive integer, got {window!r}")
-    return window

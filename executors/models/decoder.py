@@ -1,5 +1,6 @@
-"""DecoderLM: one decoder-only transformer for Qwen3, Llama/SmolLM2, Qwen2, Mistral, Gemma 3
-and the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral, by config flags.
+"""DecoderLM: one decoder-only transformer for every family of config.py (Qwen, Llama/SmolLM,
+Mistral, Gemma, Phi-3, Granite and the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral),
+by config flags.
 
 Parameter names follow the Hugging Face checkpoints (model.layers.N.self_attn.q_proj...),
 so a safetensors state dict loads as it is. The forward takes a flat batch of tokens
@@ -103,8 +104,11 @@ class DecoderLM(nn.Module):
             self.register_buffer("expert_load", torch.zeros(c.num_layers, c.moe.num_experts, dtype=torch.int64,
                                                             device=device), persistent=False)
 
-    def rope_for(self, layer: int) -> RotaryEmbedding:
-        """The rotary table of a layer: Gemma's sliding layers have their own base."""
+    def rope_for(self, layer: int) -> RotaryEmbedding | None:
+        """The rotary table of a layer: Gemma's sliding layers have their own base; SmolLM3's
+        NoPE layers none."""
+        if not self.config.rotates(layer):
+            return None
         if self.rope_local is not None and self.config.window(layer) is not None:
             return self.rope_local
         return self.rope

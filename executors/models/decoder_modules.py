@@ -44,7 +44,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_offset)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_offset)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: StepContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None,
+                ctx: StepContext) -> torch.Tensor:
+        """`rope` None: a NoPE layer (SmolLM3), q and k not rotated."""
         m, lora = x.shape[0], ctx.lora
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if lora is not None:
@@ -56,7 +58,8 @@ class Attention(nn.Module):
         v = v.view(m, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, k, positions)
+        if rope is not None:
+            q, k = rope(q, k, positions)
         a = attend_reference(self.layer, q, k, v, ctx)
         out = self.o_proj(a)
         if lora is not None:
@@ -83,7 +86,7 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> MLP | SparseMoe:
         return getattr(self, self.ffn_name)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: StepContext,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None, ctx: StepContext,
                 load: torch.Tensor | None = None, reduce: Reduce | None = None) -> torch.Tensor:
         """`reduce`: under tensor parallelism, the all-reduce that sums the ranks' partial
         outputs of o_proj and of the MLP's down projection (row-parallel layers)."""

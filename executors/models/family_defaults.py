@@ -18,7 +18,7 @@ class FamilyDefaults:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool = False
-    sliding_window: int | None = None  # read only where the family applies it (Mistral, Mixtral, Phi-3, Gemma 3)
+    sliding_window: int | None = None  # read only where the family applies it (layer_kinds.py)
     activation_key: str = "hidden_act"  # the one key the family's MLP reads its activation from
     activation: str = "silu"
     # q/k/v bias: switched by this key (None: fixed at attention_bias, whatever the config says).
@@ -51,6 +51,12 @@ FAMILY_DEFAULTS = {
     "phi3": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096),
     "granite": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048,
                               attention_bias_key="attention_bias", o_proj_bias=True, mlp_bias_key="mlp_bias"),
+    "smollm3": FamilyDefaults(rope_theta=2e6, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                              tie_word_embeddings=True, attention_bias_key="attention_bias", o_proj_bias=True,
+                              mlp_bias_key="mlp_bias"),
+    "gemma": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=8192,
+                            tie_word_embeddings=True, activation="gelu_pytorch_tanh",
+                            attention_bias_key="attention_bias", o_proj_bias=True),
     "gemma2": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=8192,
                              tie_word_embeddings=True, sliding_window=4096, activation_key="hidden_activation",
                              activation="gelu_pytorch_tanh", attention_bias_key="attention_bias", o_proj_bias=True,

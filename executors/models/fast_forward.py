@@ -68,22 +68,26 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
         glu_down = step_ops.glu_then(residual_linear, glu)
     blocked_mlp = m > MLP_ROWS and lora is None and model.cpu_kernels is not None and linear == model.cpu_kernels.linear
     for i, w in enumerate(layers):
-        sliding = c.window(i) is not None
+        sliding, rotates = c.window(i) is not None, c.rotates(i)
         h = norm(x, w.input_norm, eps)
         qkv = linear(h, w.qkv, w.qkv_bias)
         if lora is not None:  # deltas into the fused output's column slices, before q/k norm and rope
             lora.apply(i, "q_proj", h, qkv[:, :hq])
             lora.apply(i, "k_proj", h, qkv[:, hq:hq + hk])
             lora.apply(i, "v_proj", h, qkv[:, hq + hk:])
-        if prologue is not None:  # K and V go straight to the pool (triton_prologue.py)
+        if prologue is not None and rotates:  # K and V go straight to the pool (triton_prologue.py)
             a = attend(i, prologue(i, qkv, positions, ctx, sliding), None, None, ctx)
         else:
             if w.q_norm is None:
-                qk = rotate(qkv[:, :hq + hk].view(m, heads + kv_heads, d), sliding)
+                qk = qkv[:, :hq + hk].view(m, heads + kv_heads, d)
+                if rotates:  # not on a NoPE layer (SmolLM3)
+                    qk = rotate(qk, sliding)
                 q, k = qk[:, :heads], qk[:, heads:]
             else:
-                q = rotate(norm(qkv[:, :hq].view(m, heads, d), w.q_norm, eps), sliding)
-                k = rotate(norm(qkv[:, hq:hq + hk].view(m, kv_heads, d), w.k_norm, eps), sliding)
+                q = norm(qkv[:, :hq].view(m, heads, d), w.q_norm, eps)
+                k = norm(qkv[:, hq:hq + hk].view(m, kv_heads, d), w.k_norm, eps)
+                if rotates:
+                    q, k = rotate(q, sliding), rotate(k, sliding)
             v = qkv[:, hq + hk:].view(m, kv_heads, d)
             a = attend(i, q, k, v, ctx)
         if w.pre_ff_norm is not None:

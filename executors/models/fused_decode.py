@@ -6,8 +6,9 @@ without LoRA or tensor parallelism, runs every layer in one kernel call, its thr
 meeting at barriers instead of returning to Python between ~300 op calls (bench/RESULTS.md
 run 10). The matrices may be float32 panels or int8 ones (`--quantization int8`: the layer
 table then holds each int8 matrix's scales too). Dense Llama / Qwen2 / Qwen3 /
-Mistral-shaped models qualify; what does not
-(experts, Gemma's sandwich norms and second rotary table, odd head sizes) keeps the
+Mistral-shaped models qualify (Gemma's, Granite's and Phi-3's too; SmolLM3's NoPE layers
+are a flag per layer); what does not (experts, Gemma 2 and 3's sandwich norms, capped
+scores and second rotary table, odd head sizes) keeps the
 op-by-op path of decoder.py, as does any step the kernel refuses (a position, slot or block
 out of range: nothing is written then, and the op-by-op path raises its usual error). A
 refusal is counted (FusedDecode.refused) and the first one of a model logged with the step's
@@ -53,6 +54,7 @@ class FusedDecode:
         self.windows = torch.tensor([c.window(i) or 0 for i in range(c.num_layers)], dtype=torch.int32)
         self.scales = torch.tensor([c.attn_scale or c.head_dim ** -0.5] * c.num_layers, dtype=torch.float32)
         self.final_norm = model.model.norm.fused_weight().contiguous()
+        self.rotary = torch.tensor([c.rotates(i) for i in range(c.num_layers)], dtype=torch.int32)  # NoPE: 0
         # The tensors whose addresses the spec holds stay referenced here (and by the model).
         self._tensors = (fused, self.final_norm, model.rope.cos, model.rope.signed_sin)
         self.spec = DecoderSpec(
@@ -61,7 +63,7 @@ class FusedDecode:
             activation=GLU_ACTIVATIONS[c.hidden_act], weights=self.weights.data_ptr(),
             windows=self.windows.data_ptr(), scales=self.scales.data_ptr(), final_norm=self.final_norm.data_ptr(),
             cos=model.rope.cos.data_ptr(), signed_sin=model.rope.signed_sin.data_ptr(),
-            max_positions=model.rope.cos.shape[0])
+            max_positions=model.rope.cos.shape[0], rotary=self.rotary.data_ptr())
 
     @classmethod
     def build(cls, model: DecoderLM) -> FusedDecode | None:

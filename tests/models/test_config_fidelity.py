@@ -29,6 +29,7 @@ DEL = object()  # in an edit: remove the key
 COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
 PHI3 = {**COMMON, "pad_token_id": 0}  # Phi3Config's default pad id, 32000, is outside the tiny vocabulary
+SMOLLM3 = {**COMMON, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # the same (128004, ...)
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "rope_theta": 1e4,
             "original_max_position_embeddings": 256}
 GEMMA = {**COMMON, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
@@ -129,6 +130,23 @@ CASES = {
     "granite_no_multipliers": ("granite", {"embedding_multiplier": 2.0, "residual_multiplier": 0.6},
                                {"embedding_multiplier": DEL, "residual_multiplier": DEL, "logits_scaling": DEL}, 40, None),
     "granite_negative_multiplier": ("granite", {}, {"residual_multiplier": -0.5}, 20, "residual_multiplier must be"),
+    # 11. Gemma (1): the official files' legacy hidden_act "gelu" is GELU-tanh to GemmaConfig.
+    "gemma": ("gemma", {"head_dim": 16}, {}, 40, None),
+    "gemma_legacy_gelu": ("gemma", {"head_dim": 16}, {"hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"},
+                          40, None),
+    "gemma_silu": ("gemma", {"head_dim": 16}, {"hidden_act": "silu"}, 20, "activation 'silu'"),
+    # 12. SmolLM3: NoPE layers from no_rope_layers, or every no_rope_layer_interval-th layer
+    # (4 by default) without it; with use_sliding_window the NoPE layers slide unless
+    # layer_types says otherwise; the default rope base 2e6.
+    "smollm3_default_interval_and_theta": (
+        "smollm3", {"num_hidden_layers": 4}, {"no_rope_layers": DEL, "rope_parameters": DEL}, 40, None),
+    "smollm3_interval": ("smollm3", {"num_hidden_layers": 4, "no_rope_layer_interval": 2},
+                         {"no_rope_layers": DEL, "layer_types": DEL}, 40, None),
+    "smollm3_nope_layers_slide": (
+        "smollm3", {"num_hidden_layers": 4, "no_rope_layers": [1, 0, 0, 1], "use_sliding_window": True,
+                    "sliding_window": 8}, {"layer_types": DEL}, 40, None),
+    "smollm3_longer_no_rope_layers": ("smollm3", {"num_hidden_layers": 3}, {"no_rope_layers": [0, 1, 0, 0, 0]},
+                                      40, None),
 }
 
 MODELS = {
@@ -137,7 +155,8 @@ MODELS = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"), "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"), "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
     "phi3": ("Phi3ForCausalLM", "Phi3Config"), "granite": ("GraniteForCausalLM", "GraniteConfig"),
-    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config"),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config"), "gemma": ("GemmaForCausalLM", "GemmaConfig"),
+    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config"),
 }
 
 
@@ -145,7 +164,7 @@ def save_tiny(family: str, kwargs: dict, edits: dict, out):
     """Save a random tiny model, apply `edits` to its config.json, return transformers' reading of it."""
     model_cls, config_cls = (getattr(tf, n) for n in MODELS[family])
     torch.manual_seed(0)
-    model = model_cls(config_cls(**{**{"gemma2": GEMMA2, "gemma3": GEMMA, "phi3": PHI3}.get(family, COMMON), **kwargs}))
+    model = model_cls(config_cls(**{**{"gemma2": GEMMA2, "gemma3": GEMMA, "phi3": PHI3, "smollm3": SMOLLM3}.get(family, COMMON), **kwargs}))
     with torch.no_grad():  # random init leaves biases at zero and norms at one: make them count
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -203,6 +222,25 @@ def test_phi3_rope_settings_transformers_refuses_are_refused(edit, refusal):
     """What Phi3Config's own validation (or its model) fails on: refused at start-up too."""
     with pytest.raises(UnsupportedModel, match=refusal):
         DecoderConfig.from_dict({**PHI3_CONFIG, **edit})
+
+
+SMOLLM3_CONFIG = {"architectures": ["SmolLM3ForCausalLM"], **COMMON}
+
+
+@pytest.mark.parametrize("edit, refusal", [
+    ({"no_rope_layers": [1]}, r"no_rope_layers must list 0 \(NoPE\) or 1 \(rotary\) for each of the 2 layers"),
+    ({"no_rope_layers": [1, 2]}, "no_rope_layers must list 0"),
+    ({"no_rope_layers": "1,0"}, "no_rope_layers must list 0"),
+    ({"no_rope_layers": None, "no_rope_layer_interval": 0}, "no_rope_layer_interval must be a positive integer"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_window must be a positive integer, got None"),
+    ({"layer_types": ["full_attention"]}, "layer_types must list num_hidden_layers"),
+    ({"layer_types": ["chunked_attention", "full_attention"], "sliding_window": 8}, "chunked_attention"),
+])
+def test_smollm3_layer_settings_that_cannot_be_served_are_refused(edit, refusal):
+    """What transformers' SmolLM3 fails on (an index past no_rope_layers, a sliding mask
+    without a window) or this executor does not serve: refused at start-up, by name."""
+    with pytest.raises(UnsupportedModel, match=refusal):
+        DecoderConfig.from_dict({**SMOLLM3_CONFIG, **edit})
 
 
 def test_gemma2_caps_default_to_gemma2configs_and_null_is_none():

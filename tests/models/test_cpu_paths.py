@@ -34,6 +34,8 @@ FAMILIES = {
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": False},
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "tie_word_embeddings": False, "head_dim": 32},
+    # SmolLM3: layer 1 a NoPE one (q and k not rotated), on every path and in the one-call step.
+    "smollm3": {"architectures": ["SmolLM3ForCausalLM"], "no_rope_layers": [1, 0]},
 }
 POLICIES = {
     "default": {},  # decode steps of up to 64 rows in one kernel call, other steps op by op

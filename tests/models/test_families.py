@@ -1,6 +1,7 @@
 """The mixture-of-experts and sliding-window families over gRPC against transformers (fp32, 1e-4).
 
-Qwen3-MoE, Qwen2-MoE, Mixtral, Mistral, Gemma 2, Gemma 3, Phi-3 and Granite: tiny random checkpoints saved by
+Qwen3-MoE, Qwen2-MoE, Mixtral, Mistral, Gemma, Gemma 2, Gemma 3, Phi-3, Granite and SmolLM3 (NoPE layers):
+tiny random checkpoints saved by
 transformers (tiny_models.py), loaded by our loader and served by a real server, as
 test_llm_executor.py does for the dense families. The sliding families have a window of 8
 tokens with blocks of 4, and the sequences here run to 5-10 windows, with chunk boundaries
@@ -16,7 +17,7 @@ import torch
 from client import DecodeInput, PrefillInput, UnifiedBatchItem
 from tests.models.test_llm_executor import Served, close, greedy, prompt
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "mistral", "gemma2", "gemma3", "phi3", "granite"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "mistral", "gemma", "gemma2", "gemma3", "phi3", "granite", "smollm3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

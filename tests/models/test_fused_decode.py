@@ -43,7 +43,7 @@ def calls(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "smollm3"])
 def test_batches_of_every_size_then_gathers_on_the_same_caches(family, calls, monkeypatch):
     pair = Pair(family, model=windows.tiny_model(family)) if family == "mistral" else Pair(family)
     try:

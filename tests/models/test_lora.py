@@ -37,11 +37,12 @@ TOL = 1e-4
 # bfloat16 rounding through three layers moves these logits by up to ~0.04, while each
 # adapter moves them by 0.6-1.1: a lost or misplaced delta still fails.
 TOL_BF16 = 0.08
-# Granite: B of o_proj and down_proj scaled; Gemma 2: sandwich norms, soft-capped scores.
-FAMILIES = ["qwen3", "llama", "qwen2", "granite", "gemma2"]
+# Granite: B of o_proj and down_proj scaled; Gemma 2: sandwich norms, soft-capped scores;
+# SmolLM3: NoPE layers.
+FAMILIES = ["qwen3", "llama", "qwen2", "granite", "gemma2", "smollm3"]
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Two adapters that differ in everything PEFT lets them differ in: rank, alpha, scaling
-# rule, targets, and a layer restriction (tiny_models has 3 layers; "narrow" skips layer 1).
+# rule, targets, and a layer restriction (tiny_models has 3 or 4 layers; "narrow" skips layer 1).
 ADAPTER_CONFIGS = {
     "wide": {"r": 8, "lora_alpha": 16, "target_modules": ALL_MODULES},
     "narrow": {"r": 4, "lora_alpha": 12, "use_rslora": True, "layers_to_transform": [0, 2],
@@ -167,7 +168,8 @@ def test_a_mixed_batch_gives_each_sequence_its_own_adapter(family, reference):
         assert max_diff(logits, want_logits) <= TOL, name
     # One delta per (adapter, layer, module) it targets, however many sequences use it.
     assert lora.applications == sum(len(family.adapters[name].weights) for name in ADAPTER_CONFIGS)
-    assert lora.applications == 3 * 7 + 2 * 5
+    layers = family.model.config.num_layers  # 3 (SmolLM3's: 4); "narrow" adapts layers 0 and 2 only
+    assert lora.applications == layers * 7 + 2 * 5
 
 
 @pytest.mark.parametrize("family", ["qwen3"], indirect=True)  # one family is enough for a smoke test

@@ -1,8 +1,9 @@
 """config.json files shaped as the published checkpoints ship them, read into DecoderConfig.
 
 No hub is reachable from the tests, so these are the keys and values that matter of
-microsoft/Phi-3-mini-4k-instruct, microsoft/Phi-4-mini-instruct, google/gemma-2-2b-it and
-ibm-granite/granite-3.1-2b-instruct (the LongRoPE factor lists stand in for the published
+microsoft/Phi-3-mini-4k-instruct, microsoft/Phi-4-mini-instruct, google/gemma-2-2b-it,
+ibm-granite/granite-3.1-2b-instruct, google/gemma-2b and HuggingFaceTB/SmolLM3-3B (transformers 4's
+layout: top-level rope_theta, no layer_types; the LongRoPE factor lists stand in for the published
 48 numbers: their count and place are what is read here). The tiny random models of the
 other tests check the arithmetic against transformers; these check that the real files'
 layouts (legacy keys, top-level rope fields, absent defaults) are read as transformers reads
@@ -29,6 +30,22 @@ PHI4_MINI = {
     "rope_theta": 10000.0, "sliding_window": 262144, "tie_word_embeddings": True, "vocab_size": 200064,
     "lm_head_bias": False, "full_attn_mod": 1, "interpolate_factor": 1, "torch_dtype": "bfloat16",
     "rope_scaling": {"type": "longrope", "long_factor": [1 + i / 4 for i in range(48)], "short_factor": [1.0] * 48},
+}
+GEMMA_2B = {
+    "architectures": ["GemmaForCausalLM"], "model_type": "gemma", "hidden_size": 2048, "intermediate_size": 16384,
+    "num_hidden_layers": 18, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256,
+    "hidden_act": "gelu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 10000.0, "vocab_size": 256000, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+    "torch_dtype": "bfloat16",
+}
+SMOLLM3_3B = {
+    "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "hidden_size": 2048, "intermediate_size": 11008,
+    "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 65536,
+    "max_window_layers": 28, "no_rope_layer_interval": 4, "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(36)],
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 5000000.0, "sliding_window": None,
+    "use_sliding_window": False, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
+    "vocab_size": 128256, "bos_token_id": None, "eos_token_id": 128012, "pad_token_id": 128004,
+    "pretraining_tp": 2, "torch_dtype": "bfloat16",
 }
 GEMMA2_2B = {
     "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216,
@@ -82,3 +99,18 @@ def test_granite_3_1_reads_its_four_multipliers():
     assert (c.embed_scale, c.attn_scale, c.residual_scale, c.logits_divisor) == (12.0, 0.015625, 0.22, 8.0)
     assert c.rope_theta == 5e6 and c.num_kv_heads == 8 and c.tie_word_embeddings
     assert not c.qkv_bias and not c.o_bias and not c.mlp_bias
+
+
+def test_gemma_2b_is_gemma_without_gemma_2s_extras():
+    c = DecoderConfig.from_dict(GEMMA_2B)
+    assert c.family == "gemma" and c.hidden_act == "gelu_tanh"  # the legacy "gelu", as GemmaConfig reads it
+    assert c.norm_offset == 1.0 and c.embed_scale == 2048 ** 0.5 and c.tie_word_embeddings
+    assert not c.sandwich_norms and c.attn_scale is None and c.final_softcap is None and c.attn_softcap is None
+    assert c.layer_windows == () and (c.num_kv_heads, c.head_dim) == (1, 256)
+
+
+def test_smollm3_3b_has_every_fourth_layer_nope_and_no_window():
+    c = DecoderConfig.from_dict(SMOLLM3_3B)
+    assert c.nope_layers == tuple(range(3, 36, 4)) and len(c.nope_layers) == 9
+    assert c.layer_windows == () and c.rope_theta == 5e6 and c.tie_word_embeddings
+    assert not c.qkv_bias and not c.o_bias and not c.mlp_bias and c.eos_token_ids == (128012,)

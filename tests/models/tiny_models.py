@@ -1,7 +1,7 @@
 """Tiny random checkpoints built with transformers (the test oracle): the dense Qwen3, Llama
 and Qwen2; the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral; the sliding-window
 Mistral, Gemma 2 (soft-capped attention scores), Gemma 3 and Phi-3 (whose checkpoint fuses
-q/k/v and gate/up); Phi-4-mini's rope; Granite's multipliers."""
+q/k/v and gate/up); Phi-4-mini's rope; Granite's multipliers; Gemma (1); SmolLM3's NoPE layers."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def build(family: str, out_dir: Path, **save_kwargs):
 
 
 SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8, "phi3": 9, "phi4_mini": 10,
-         "granite": 11, "gemma2": 12}
+         "granite": 11, "gemma2": 12, "gemma": 13, "smollm3": 14}
 # phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
 LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
@@ -108,4 +108,16 @@ def _new_family(tf, family: str, common: dict):
         return tf.GraniteForCausalLM(tf.GraniteConfig(
             **common, embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.45,
             logits_scaling=2.5, attention_bias=True, tie_word_embeddings=True))
+    if family == "gemma":
+        # Gemma (1): (1 + w) norms, scaled embeddings and GELU-tanh, without Gemma 2's extra
+        # norms, caps or windows; a head_dim that is not hidden / heads.
+        return tf.GemmaForCausalLM(tf.GemmaConfig(**common, head_dim=16, pad_token_id=0))
+    if family == "smollm3":
+        # SmolLM3: Llama with NoPE layers (1 and 3 rotate neither q nor k); layer 1 also slides,
+        # so a NoPE layer is tested with and without a window; biases on attention.
+        return tf.SmolLM3ForCausalLM(tf.SmolLM3Config(
+            **dict(common, num_hidden_layers=4), no_rope_layers=[1, 0, 1, 0], use_sliding_window=True,
+            sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention", "full_attention",
+                                                "full_attention"],
+            attention_bias=True, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     raise ValueError(family)

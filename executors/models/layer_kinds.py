@@ -1,0 +1,85 @@
+"""What kind of attention each layer has, read from a config.json as transformers reads it:
+its sliding window (Mistral, Mixtral and Phi-3 every layer; Gemma 2 and 3, SmolLM3 by
+`layer_types`) and whether it rotates q and k at all (SmolLM3's NoPE layers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from executors.models.errors import UnsupportedModel
+from executors.models.family_defaults import FamilyDefaults
+
+# Families whose every layer sees the same `sliding_window` (when the config sets one).
+WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")
+# Families whose layers slide or not by `layer_types` (or the older keys that stand for it).
+LAYER_TYPE_FAMILIES = ("gemma2", "gemma3", "smollm3")
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def layer_windows(cfg: dict[str, Any], family: str, defaults: FamilyDefaults, layers: int,
+                  max_positions: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: global), or () when no layer has one. A window as
+    long as the positions a sequence can have (Phi-4-mini's 262144 over 131072) hides no key:
+    none, so that attention takes the global paths."""
+    window = cfg.get("sliding_window", defaults.sliding_window)  # null in the file: no window
+    if family in WINDOWED_FAMILIES:
+        if window is None or window_size(window) >= max_positions:
+            return ()
+        return (window_size(window),) * layers
+    if family not in LAYER_TYPE_FAMILIES:
+        return ()  # Qwen: sliding windows only with use_sliding_window, refused by config.py
+    types = cfg.get("layer_types")
+    if types is None:
+        types = _implied_layer_types(cfg, family, defaults, layers, window)
+    if not isinstance(types, list) or len(types) != layers:
+        raise UnsupportedModel(f"layer_types must list num_hidden_layers ({layers}) layers, got {types!r}")
+    unknown = sorted({str(t) for t in types} - set(LAYER_TYPES))
+    if unknown:
+        raise UnsupportedModel(f"layer types {unknown} are not supported (only sliding_attention, full_attention)")
+    if "sliding_attention" not in types:
+        return ()
+    size = window_size(window)
+    if size >= max_positions:
+        return ()
+    return tuple(size if t == "sliding_attention" else None for t in types)
+
+
+def _implied_layer_types(cfg: dict[str, Any], family: str, defaults: FamilyDefaults, layers: int,
+                         window: Any) -> list[str]:
+    """layer_types where an older config.json leaves them out, as the config classes derive them."""
+    if family == "smollm3":  # SmolLM3Config: the NoPE layers slide, with use_sliding_window and a window
+        slides = bool(cfg.get("use_sliding_window")) and window is not None
+        rotary = layer_rotation(cfg, family, layers)
+        return ["sliding_attention" if slides and not rotary[i] else "full_attention" for i in range(layers)]
+    # Gemma: every `sliding_window_pattern`-th layer is global (Gemma2Config has no such key:
+    # every other layer, from the first, slides).
+    pattern = (cfg.get("sliding_window_pattern", defaults.sliding_window_pattern) if family == "gemma3"
+               else defaults.sliding_window_pattern)
+    if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
+        raise UnsupportedModel(f"sliding_window_pattern must be a positive integer, got {pattern!r}")
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+
+
+def window_size(window: Any) -> int:
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise UnsupportedModel(f"sliding_window must be a positive integer, got {window!r}")
+    return window
+
+
+def layer_rotation(cfg: dict[str, Any], family: str, layers: int) -> tuple[bool, ...]:
+    """Whether each layer rotates q and k. SmolLM3: `no_rope_layers` holds 1 for a layer with
+    rotary embeddings and 0 for a NoPE one (at least one entry per layer; transformers reads
+    the first ones), or without it every `no_rope_layer_interval`-th layer is NoPE."""
+    if family != "smollm3":
+        return (True,) * layers
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = cfg.get("no_rope_layer_interval", 4)
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise UnsupportedModel(f"no_rope_layer_interval must be a positive integer, got {interval!r}")
+        return tuple((i + 1) % interval != 0 for i in range(layers))
+    if (not isinstance(flags, list) or len(flags) < layers
+            or any(f not in (0, 1) or isinstance(f, float) for f in flags[:layers])):
+        raise UnsupportedModel(f"no_rope_layers must list 0 (NoPE) or 1 (rotary) for each of the {layers} layers, "
+                               f"got {flags!r}")
+    return tuple(bool(f) for f in flags[:layers])
