@@ -68,8 +68,11 @@ def fused_ops(config: LlmExecutorConfig, model: DecoderLM) -> tuple[QkvPrologue 
 
     c = model.config
     prologue = glu = None
-    problem = triton_prologue.self_check(config.device, config.torch_dtype, c.num_heads, c.num_kv_heads, c.head_dim,
-                                         qk_norm=any(w.q_norm is not None for w in model.fused))
+    if c.qk_norm_across_heads:
+        problem = "its q/k norms span every head (OLMo 2), where the kernel norms each head alone"
+    else:
+        problem = triton_prologue.self_check(config.device, config.torch_dtype, c.num_heads, c.num_kv_heads,
+                                             c.head_dim, qk_norm=any(w.q_norm is not None for w in model.fused))
     if problem is None:
         prologue = triton_prologue.QkvPrologue(model)
     else:

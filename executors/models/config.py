@@ -44,6 +44,7 @@ ARCHITECTURES = {
     "GraniteForCausalLM": ("granite", False),
     "GemmaForCausalLM": ("gemma", False),
     "SmolLM3ForCausalLM": ("smollm3", False),
+    "Olmo2ForCausalLM": ("olmo2", True),
 }
 # Families whose checkpoints store q/k/v as one qkv_proj and gate/up as one gate_up_proj.
 FUSED_CHECKPOINT_FAMILIES = ("phi3",)
@@ -95,6 +96,11 @@ class DecoderConfig:
     embed_scale: float | None = None
     hidden_act: str = "silu"  # silu or gelu_tanh
     sandwich_norms: bool = False
+    # OLMo 2: no norm before attention or the MLP, only the output norms of sandwich_norms,
+    # and q_norm / k_norm over every head's dimensions at once (weights [H * D] and [KVH * D]),
+    # where Qwen3's and Gemma 3's norm each head alone (weights [D]).
+    pre_norms: bool = True
+    qk_norm_across_heads: bool = False
     attn_scale: float | None = None  # None: 1/sqrt(head_dim)
     final_softcap: float | None = None
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax
@@ -209,7 +215,9 @@ class DecoderConfig:
             norm_offset=1.0 if gemma else 0.0,
             embed_scale=hidden ** 0.5 if gemma else granite("embedding_multiplier"),
             hidden_act="gelu_tanh" if gemma else "silu",
-            sandwich_norms=sandwich,
+            sandwich_norms=sandwich or family == "olmo2",
+            pre_norms=family != "olmo2",
+            qk_norm_across_heads=family == "olmo2",
             attn_scale=(positive_number(cfg, "query_pre_attn_scalar", defaults.query_pre_attn_scalar) ** -0.5
                         if sandwich else granite("attention_multiplier")),
             final_softcap=(_positive(cfg, "final_logit_softcapping", defaults.final_logit_softcapping) if sandwich

@@ -63,8 +63,10 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.config = config
         self.head_rows = head_rows
-        # Set under tensor parallelism: the all-reduce after each row-parallel matmul.
+        # Set under tensor parallelism: the all-reduce after each row-parallel matmul, and
+        # the mean over the ranks of OLMo 2's q/k norm statistics.
         self.all_reduce: Reduce | None = None
+        self.mean_over_ranks: Reduce | None = None
         self.model = DecoderModel(config)
         self.reset_buffers()
         # Each layer's attention options; () when every layer is plain (no window, default scale).
@@ -211,7 +213,7 @@ class DecoderLM(nn.Module):
             return fast_forward.hidden_states(self, x, positions, ctx)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, positions, self.rope_for(i), ctx, self.expert_load[i] if layer.sparse else None,
-                      self.all_reduce)
+                      self.all_reduce, self.mean_over_ranks)
         return self.model.norm(x)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,10 @@ added to each adapted projection's output. DecoderLM (decoder.py) holds a Decode
 runs this forward when a step asks for the reference; its fast forward (fast_forward.py)
 reads the same parameters through the fused tensors of fused_weights.py.
 
-Family flags reach the layers here: a sparse layer's MLP is a SparseMoe (moe.py), and Gemma 3's
-sandwich norms are two more RMSNorms around the MLP, its attention output normed before the add.
+Family flags reach the layers here: a sparse layer's MLP is a SparseMoe (moe.py), Gemma 2 and 3's
+sandwich norms are two more RMSNorms around the MLP, its attention output normed before the add,
+and OLMo 2 keeps only the norms of attention's and the MLP's outputs (no input_layernorm) and
+norms q and k over all heads at once.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from executors.lora_batch import LoraBatch
 from executors.models.attention import StepContext
 from executors.models.attention_reference import attend_reference
 from executors.models.config import DecoderConfig
-from executors.models.layers import MLP, RMSNorm, RotaryEmbedding
+from executors.models.layers import MLP, RMSNorm, RotaryEmbedding, rms_norm_across_heads
 from executors.models.moe import SparseMoe
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the tensor-parallel ranks, in place
@@ -40,23 +42,31 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        self.across_heads = c.qk_norm_across_heads  # OLMo 2
         if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_offset)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, c.norm_offset)
+            q_width, k_width = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim) if self.across_heads else (
+                c.head_dim, c.head_dim)
+            self.q_norm = RMSNorm(q_width, c.rms_norm_eps, c.norm_offset)
+            self.k_norm = RMSNorm(k_width, c.rms_norm_eps, c.norm_offset)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None,
-                ctx: StepContext) -> torch.Tensor:
-        """`rope` None: a NoPE layer (SmolLM3), q and k not rotated."""
+                ctx: StepContext, mean_over_ranks: Reduce | None = None) -> torch.Tensor:
+        """`rope` None: a NoPE layer (SmolLM3), q and k not rotated. `mean_over_ranks`: under
+        tensor parallelism, what makes a rank's mean square of its heads the whole row's (OLMo 2)."""
         m, lora = x.shape[0], ctx.lora
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if lora is not None:
             lora.apply(self.layer, "q_proj", x, q)
             lora.apply(self.layer, "k_proj", x, k)
             lora.apply(self.layer, "v_proj", x, v)
+        if self.across_heads:
+            eps = self.q_norm.eps
+            q = rms_norm_across_heads(q, self.q_norm.weight, eps, mean_over_ranks)
+            k = rms_norm_across_heads(k, self.k_norm.weight, eps, mean_over_ranks)
         q = q.view(m, self.num_heads, self.head_dim)
         k = k.view(m, self.num_kv_heads, self.head_dim)
         v = v.view(m, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if hasattr(self, "q_norm") and not self.across_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = rope(q, k, positions)
@@ -71,12 +81,14 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: DecoderConfig, layer: int) -> None:
         super().__init__()
         h, eps, off = config.hidden_size, config.rms_norm_eps, config.norm_offset
-        self.input_layernorm = RMSNorm(h, eps, off)
+        if config.pre_norms:  # not OLMo 2's layers
+            self.input_layernorm = RMSNorm(h, eps, off)
         self.self_attn = Attention(config, layer)
-        # Gemma: the norm of attention's output; elsewhere the norm before the MLP.
+        # Gemma 2 and 3, OLMo 2: the norm of attention's output; elsewhere the norm before the MLP.
         self.post_attention_layernorm = RMSNorm(h, eps, off)
         if config.sandwich_norms:
-            self.pre_feedforward_layernorm = RMSNorm(h, eps, off)
+            if config.pre_norms:
+                self.pre_feedforward_layernorm = RMSNorm(h, eps, off)
             self.post_feedforward_layernorm = RMSNorm(h, eps, off)
         self.sparse = config.moe is not None and config.moe.sparse_layers[layer]
         self.ffn_name = config.moe.module_name if self.sparse else "mlp"
@@ -87,15 +99,18 @@ class DecoderLayer(nn.Module):
         return getattr(self, self.ffn_name)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None, ctx: StepContext,
-                load: torch.Tensor | None = None, reduce: Reduce | None = None) -> torch.Tensor:
+                load: torch.Tensor | None = None, reduce: Reduce | None = None,
+                mean_over_ranks: Reduce | None = None) -> torch.Tensor:
         """`reduce`: under tensor parallelism, the all-reduce that sums the ranks' partial
-        outputs of o_proj and of the MLP's down projection (row-parallel layers)."""
-        a = self.self_attn(self.input_layernorm(x), positions, rope, ctx)
+        outputs of o_proj and of the MLP's down projection (row-parallel layers);
+        `mean_over_ranks` averages OLMo 2's q/k norm statistics over them."""
+        h = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
+        a = self.self_attn(h, positions, rope, ctx, mean_over_ranks)
         if reduce is not None:
             a = reduce(a)
-        if hasattr(self, "pre_feedforward_layernorm"):
+        if hasattr(self, "post_feedforward_layernorm"):  # attention's output normed before the add
             x = x + self.post_attention_layernorm(a)
-            h = self.pre_feedforward_layernorm(x)
+            h = self.pre_feedforward_layernorm(x) if hasattr(self, "pre_feedforward_layernorm") else x
         else:
             x = x + a
             h = self.post_attention_layernorm(x)

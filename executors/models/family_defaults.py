@@ -51,6 +51,8 @@ FAMILY_DEFAULTS = {
     "phi3": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096),
     "granite": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048,
                               attention_bias_key="attention_bias", o_proj_bias=True, mlp_bias_key="mlp_bias"),
+    "olmo2": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=2048,
+                            attention_bias_key="attention_bias", o_proj_bias=True),
     "smollm3": FamilyDefaults(rope_theta=2e6, rms_norm_eps=1e-6, max_position_embeddings=32768,
                               tie_word_embeddings=True, attention_bias_key="attention_bias", o_proj_bias=True,
                               mlp_bias_key="mlp_bias"),

@@ -25,6 +25,7 @@ import torch
 from executors.models import step_ops
 from executors.models.attention import StepContext, attend
 from executors.models.fused_weights import FusedLayer
+from executors.models.layers import rms_norm_across_heads
 from executors.models.moe import moe_forward
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
     blocked_mlp = m > MLP_ROWS and lora is None and model.cpu_kernels is not None and linear == model.cpu_kernels.linear
     for i, w in enumerate(layers):
         sliding, rotates = c.window(i) is not None, c.rotates(i)
-        h = norm(x, w.input_norm, eps)
+        h = x if w.input_norm is None else norm(x, w.input_norm, eps)  # OLMo 2 norms no input
         qkv = linear(h, w.qkv, w.qkv_bias)
         if lora is not None:  # deltas into the fused output's column slices, before q/k norm and rope
             lora.apply(i, "q_proj", h, qkv[:, :hq])
@@ -78,7 +79,13 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
         if prologue is not None and rotates:  # K and V go straight to the pool (triton_prologue.py)
             a = attend(i, prologue(i, qkv, positions, ctx, sliding), None, None, ctx)
         else:
-            if w.q_norm is None:
+            if c.qk_norm_across_heads:  # OLMo 2: each of q and k normed as one vector
+                q = rms_norm_across_heads(qkv[:, :hq], w.q_norm, eps, model.mean_over_ranks).view(m, heads, d)
+                k = rms_norm_across_heads(qkv[:, hq:hq + hk], w.k_norm, eps, model.mean_over_ranks).view(
+                    m, kv_heads, d)
+                if rotates:
+                    q, k = rotate(q, sliding), rotate(k, sliding)
+            elif w.q_norm is None:
                 qk = qkv[:, :hq + hk].view(m, heads + kv_heads, d)
                 if rotates:  # not on a NoPE layer (SmolLM3)
                     qk = rotate(qk, sliding)
@@ -90,7 +97,7 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
                     q, k = rotate(q, sliding), rotate(k, sliding)
             v = qkv[:, hq + hk:].view(m, kv_heads, d)
             a = attend(i, q, k, v, ctx)
-        if w.pre_ff_norm is not None:
+        if w.post_ff_norm is not None:  # Gemma 2 and 3, OLMo 2: attention's output normed before the add
             x, h = _sandwich_attention_out(model, i, x, a, w, ctx, linear, norm)
         elif reduce is not None:  # the ranks' partial sums of o_proj, then the residual add
             o = linear(a, w.o, w.o_bias)
@@ -138,7 +145,8 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
 def _sandwich_attention_out(model: DecoderLM, i: int, x: torch.Tensor, a: torch.Tensor, w: FusedLayer,
                             ctx: StepContext, linear: step_ops.Linear,
                             norm: step_ops.Norm) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gemma: x + norm(o_proj(a)), and the pre-MLP norm of that (no add to fuse into the matmul)."""
+    """Gemma 2 and 3: x + norm(o_proj(a)), and the pre-MLP norm of that (no add to fuse into the
+    matmul); OLMo 2 has no pre-MLP norm."""
     eps = model.config.rms_norm_eps
     o = linear(a, w.o, w.o_bias)
     if ctx.lora is not None:
@@ -146,4 +154,4 @@ def _sandwich_attention_out(model: DecoderLM, i: int, x: torch.Tensor, a: torch.
     if model.all_reduce is not None:
         o = model.all_reduce(o)
     x = x + norm(o, w.post_norm, eps)
-    return x, norm(x, w.pre_ff_norm, eps)
+    return x, (x if w.pre_ff_norm is None else norm(x, w.pre_ff_norm, eps))

@@ -123,6 +123,8 @@ def unsupported(model: DecoderLM) -> str | None:
     c = model.config
     if c.attn_softcap is not None:
         return "soft-capped attention scores (Gemma 2)"
+    if not c.pre_norms or c.qk_norm_across_heads:
+        return "norms after attention and the MLP only, q/k norms across heads (OLMo 2)"
     if c.hidden_act not in GLU_ACTIVATIONS:
         return f"activation {c.hidden_act}"
     if c.head_dim % 8 or c.head_dim > MAX_ROPE_DIM or c.num_heads > MAX_HEADS or c.num_heads % c.num_kv_heads:
@@ -132,7 +134,7 @@ def unsupported(model: DecoderLM) -> str | None:
     if model.rope.cos.dtype != torch.float32 or not model.rope.cos.is_contiguous():
         return "rotary tables not float32"
     for w in model.fused:
-        if w.gate_up is None or w.pre_ff_norm is not None or w.moe is not None:
+        if w.gate_up is None or w.post_ff_norm is not None or w.moe is not None:
             return "experts or sandwich norms"
         for name in w._fields:
             t = getattr(w, name)

@@ -24,19 +24,19 @@ from executors.models.moe import MoeWeights, stack
 class FusedLayer(NamedTuple):
     """One decoder layer's tensors for the fast forward (views of, or the same as, its parameters)."""
 
-    input_norm: torch.Tensor
+    input_norm: torch.Tensor | None  # None: OLMo 2 norms no layer's input
     qkv: torch.Tensor  # [(H + 2 KVH) * D, hidden]
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     o_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [D], or [H * D] where the norm spans every head (OLMo 2)
     k_norm: torch.Tensor | None
-    post_norm: torch.Tensor  # Gemma: of attention's output; else before the MLP
+    post_norm: torch.Tensor  # Gemma 2 and 3, OLMo 2 (post_ff_norm set): of attention's output; else before the MLP
     gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a sparse layer
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor | None
     down_bias: torch.Tensor | None
-    pre_ff_norm: torch.Tensor | None = None  # Gemma's norms before and after the MLP
+    pre_ff_norm: torch.Tensor | None = None  # Gemma's norms before and after the MLP (OLMo 2: after only)
     post_ff_norm: torch.Tensor | None = None
     moe: MoeWeights | None = None  # a sparse layer's router and stacked experts
 
@@ -67,17 +67,17 @@ def fuse_layers(model: DecoderModel, config: DecoderConfig) -> list[FusedLayer]:
             gate_up, gate_up_bias = _fuse([ffn.gate_proj, ffn.up_proj], c.mlp_bias)
             dense = {"gate_up": gate_up, "gate_up_bias": gate_up_bias, "down": ffn.down_proj.weight.detach(),
                      "down_bias": ffn.down_proj.bias.detach() if c.mlp_bias else None}
-        sandwich = hasattr(layer, "pre_feedforward_layernorm")
+        pre, post = hasattr(layer, "pre_feedforward_layernorm"), hasattr(layer, "post_feedforward_layernorm")
         fused.append(FusedLayer(
-            input_norm=layer.input_layernorm.fused_weight(),
+            input_norm=layer.input_layernorm.fused_weight() if c.pre_norms else None,
             qkv=qkv, qkv_bias=qkv_bias,
             o=a.o_proj.weight.detach(), o_bias=a.o_proj.bias.detach() if c.o_bias else None,
             q_norm=a.q_norm.fused_weight() if c.qk_norm else None,
             k_norm=a.k_norm.fused_weight() if c.qk_norm else None,
             post_norm=layer.post_attention_layernorm.fused_weight(),
             **dense,
-            pre_ff_norm=layer.pre_feedforward_layernorm.fused_weight() if sandwich else None,
-            post_ff_norm=layer.post_feedforward_layernorm.fused_weight() if sandwich else None,
+            pre_ff_norm=layer.pre_feedforward_layernorm.fused_weight() if pre else None,
+            post_ff_norm=layer.post_feedforward_layernorm.fused_weight() if post else None,
             moe=stack(ffn) if layer.sparse else None,
         ))
     return fused

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,18 @@ class RMSNorm(nn.Module):
         """The weight F.rms_norm multiplies by (offset added once, at fuse time)."""
         w = self.weight.detach()
         return (w.float() + self.offset).to(w.dtype) if self.offset else w
+
+
+def rms_norm_across_heads(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                          mean_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """OLMo 2's q/k norm of rows x [m, heads * D] over all their heads at once, in float32, the
+    weight applied before the cast back (as Olmo2RMSNorm). Under tensor parallelism a rank
+    holds some of the heads: `mean_over_ranks` makes its mean square the whole row's."""
+    xf = x.float()
+    ms = xf.pow(2).mean(-1, keepdim=True)
+    if mean_over_ranks is not None:
+        ms = mean_over_ranks(ms)
+    return (xf * torch.rsqrt(ms + eps) * weight.float()).to(x.dtype)
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,

@@ -51,6 +51,11 @@ class TpGroup:
         self._guard("an all-reduce of a layer's output", dist.all_reduce, t, group=self.data)
         return t
 
+    def mean(self, t: torch.Tensor) -> torch.Tensor:
+        """The mean of t over the ranks, in place (OLMo 2's q/k norm statistics: each rank
+        holds as many of a row's dimensions, so the mean of their mean squares is the row's)."""
+        return self.all_reduce(t).div_(self.world)
+
     def gather_first(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's t (equal shapes) on rank 0, in rank order; None elsewhere."""
         parts = [torch.empty_like(t) for _ in range(self.world)] if self.is_first else None

@@ -145,6 +145,8 @@ def load_shard(config, group: TpGroup):
     model = load_model(config.model_dir, config.torch_dtype, config.device, shard=shard,
                        cpu_kernels=config.cpu_kernels, quantize_weights=config.quantization == "int8")
     model.all_reduce = group.all_reduce
+    if model.config.qk_norm_across_heads:
+        model.mean_over_ranks = group.mean
     return config, model, plans[0]
 
 

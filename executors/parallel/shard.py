@@ -9,8 +9,9 @@ Megatron-style tensor parallelism over N ranks, named by the checkpoint's tensor
   row-parallel bias stays whole on rank 0 and is zero elsewhere, so it is added once;
 - the lm_head split by vocabulary rows (ceil(V / N) per rank, the last one shorter), the
   logits gathered on rank 0;
-- replicated: the embedding, every norm, q/k norms, the experts' router, the shared
-  expert's gate. The embedding is replicated rather than split: a vocabulary-parallel
+- replicated: the embedding, every norm, per-head q/k norms, the experts' router, the shared
+  expert's gate. OLMo 2's q/k norms span every head: each rank holds its heads' part of
+  their weights, and averages its mean squares with the other ranks' (TpGroup.mean). The embedding is replicated rather than split: a vocabulary-parallel
   embedding costs one more all-reduce of [tokens, hidden] per step (on the 2-core CPU of
   bench/RESULTS.md run 8, an estimated ~1.2 ms of a 51 ms step) to save (N - 1) / N of V * hidden per
   rank (65 MB at 32k x 1024 fp32), and a tied lm_head reads its slice of the replicated
@@ -117,6 +118,9 @@ class ShardPlan:
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
         if name == "lm_head.weight":
             lo, hi = self.head_rows
+            return tensor_slice[lo:hi]
+        if module in ("q_norm", "k_norm") and self.full.qk_norm_across_heads:  # OLMo 2: by heads, as q/k
+            lo, hi = self.rows_of("q_proj" if module == "q_norm" else "k_proj", full_shape[0])
             return tensor_slice[lo:hi]
         if module in COLUMN_PARALLEL and kind in ("weight", "bias") and not name.endswith(ROUTER_SUFFIXES):
             lo, hi = self.rows_of(module, full_shape[0])

@@ -145,6 +145,9 @@ CASES = {
     "smollm3_nope_layers_slide": (
         "smollm3", {"num_hidden_layers": 4, "no_rope_layers": [1, 0, 0, 1], "use_sliding_window": True,
                     "sliding_window": 8}, {"layer_types": DEL}, 40, None),
+    # 13. OLMo 2: its defaults (eps 1e-5, rope base 1e4), biases on attention and o_proj.
+    "olmo2_defaults": ("olmo2", {"rms_norm_eps": 1e-5}, {"rms_norm_eps": DEL, "rope_parameters": DEL}, 40, None),
+    "olmo2_attention_bias_gqa": ("olmo2", {"attention_bias": True, "num_key_value_heads": 1}, {}, 40, None),
     "smollm3_longer_no_rope_layers": ("smollm3", {"num_hidden_layers": 3}, {"no_rope_layers": [0, 1, 0, 0, 0]},
                                       40, None),
 }
@@ -156,7 +159,7 @@ MODELS = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"), "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
     "phi3": ("Phi3ForCausalLM", "Phi3Config"), "granite": ("GraniteForCausalLM", "GraniteConfig"),
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config"), "gemma": ("GemmaForCausalLM", "GemmaConfig"),
-    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config"),
+    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config"), "olmo2": ("Olmo2ForCausalLM", "Olmo2Config"),
 }
 
 

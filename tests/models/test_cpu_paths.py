@@ -36,6 +36,8 @@ FAMILIES = {
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "tie_word_embeddings": False, "head_dim": 32},
     # SmolLM3: layer 1 a NoPE one (q and k not rotated), on every path and in the one-call step.
     "smollm3": {"architectures": ["SmolLM3ForCausalLM"], "no_rope_layers": [1, 0]},
+    # OLMo 2: no input norms, q/k norms across heads (op by op: not the one-call step's shape).
+    "olmo2": {"architectures": ["Olmo2ForCausalLM"]},
 }
 POLICIES = {
     "default": {},  # decode steps of up to 64 rows in one kernel call, other steps op by op

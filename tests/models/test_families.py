@@ -1,6 +1,7 @@
 """The mixture-of-experts and sliding-window families over gRPC against transformers (fp32, 1e-4).
 
-Qwen3-MoE, Qwen2-MoE, Mixtral, Mistral, Gemma, Gemma 2, Gemma 3, Phi-3, Granite and SmolLM3 (NoPE layers):
+Qwen3-MoE, Qwen2-MoE, Mixtral, Mistral, Gemma, Gemma 2, Gemma 3, Phi-3, Granite, SmolLM3 (NoPE layers) and OLMo 2 (norms after attention
+and the MLP only, q/k norms across heads):
 tiny random checkpoints saved by
 transformers (tiny_models.py), loaded by our loader and served by a real server, as
 test_llm_executor.py does for the dense families. The sliding families have a window of 8
@@ -17,7 +18,7 @@ import torch
 from client import DecodeInput, PrefillInput, UnifiedBatchItem
 from tests.models.test_llm_executor import Served, close, greedy, prompt
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "mistral", "gemma", "gemma2", "gemma3", "phi3", "granite", "smollm3"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "mistral", "gemma", "gemma2", "gemma3", "phi3", "granite", "smollm3", "olmo2"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -146,3 +147,20 @@ def test_gemma2_soft_capped_scores_take_the_plain_attention(tmp_path):
         executor.close()
     with pytest.raises(ValueError, match="the Triton kernels do not soft-cap attention scores"):
         LlmExecutor(LlmExecutorConfig(model_dir=str(tmp_path), num_blocks=32, attention_backend="triton"))
+
+
+def test_olmo2_decodes_op_by_op_and_says_why(tmp_path):
+    """OLMo 2's layer (no input norm, q/k norms across heads) is not the one-call CPU step's
+    shape: the step stays off with the reason (the decodes above ran op by op, and matched)."""
+    from executors.llm import LlmExecutor, LlmExecutorConfig
+    from executors.models.fused_decode import unsupported
+    from tests.models.tiny_models import build
+
+    build("olmo2", tmp_path)
+    executor = LlmExecutor(LlmExecutorConfig(model_dir=str(tmp_path), num_blocks=32))
+    try:
+        assert executor.model.fused_decode is None
+        assert "q/k norms across heads (OLMo 2)" in unsupported(executor.model)
+        assert executor.model.fused[0].input_norm is None and executor.model.fused[0].pre_ff_norm is None
+    finally:
+        executor.close()

@@ -38,8 +38,8 @@ TOL = 1e-4
 # adapter moves them by 0.6-1.1: a lost or misplaced delta still fails.
 TOL_BF16 = 0.08
 # Granite: B of o_proj and down_proj scaled; Gemma 2: sandwich norms, soft-capped scores;
-# SmolLM3: NoPE layers.
-FAMILIES = ["qwen3", "llama", "qwen2", "granite", "gemma2", "smollm3"]
+# SmolLM3: NoPE layers; OLMo 2: deltas on q/k before its norms across heads.
+FAMILIES = ["qwen3", "llama", "qwen2", "granite", "gemma2", "smollm3", "olmo2"]
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Two adapters that differ in everything PEFT lets them differ in: rank, alpha, scaling
 # rule, targets, and a layer restriction (tiny_models has 3 or 4 layers; "narrow" skips layer 1).

@@ -2,7 +2,8 @@
 
 No hub is reachable from the tests, so these are the keys and values that matter of
 microsoft/Phi-3-mini-4k-instruct, microsoft/Phi-4-mini-instruct, google/gemma-2-2b-it,
-ibm-granite/granite-3.1-2b-instruct, google/gemma-2b and HuggingFaceTB/SmolLM3-3B (transformers 4's
+ibm-granite/granite-3.1-2b-instruct, google/gemma-2b, HuggingFaceTB/SmolLM3-3B and
+allenai/OLMo-2-1124-7B (transformers 4's
 layout: top-level rope_theta, no layer_types; the LongRoPE factor lists stand in for the published
 48 numbers: their count and place are what is read here). The tiny random models of the
 other tests check the arithmetic against transformers; these check that the real files'
@@ -46,6 +47,13 @@ SMOLLM3_3B = {
     "use_sliding_window": False, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
     "vocab_size": 128256, "bos_token_id": None, "eos_token_id": 128012, "pad_token_id": 128004,
     "pretraining_tp": 2, "torch_dtype": "bfloat16",
+}
+OLMO2_7B = {
+    "architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "hidden_size": 4096, "intermediate_size": 11008,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
+    "attention_bias": False, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 500000,
+    "tie_word_embeddings": False, "vocab_size": 100352, "eos_token_id": 100257, "pad_token_id": 100277,
+    "hidden_act": "silu", "torch_dtype": "float32",
 }
 GEMMA2_2B = {
     "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216,
@@ -114,3 +122,10 @@ def test_smollm3_3b_has_every_fourth_layer_nope_and_no_window():
     assert c.nope_layers == tuple(range(3, 36, 4)) and len(c.nope_layers) == 9
     assert c.layer_windows == () and c.rope_theta == 5e6 and c.tie_word_embeddings
     assert not c.qkv_bias and not c.o_bias and not c.mlp_bias and c.eos_token_ids == (128012,)
+
+
+def test_olmo2_7b_norms_outputs_only_and_q_k_across_heads():
+    c = DecoderConfig.from_dict(OLMO2_7B)
+    assert c.family == "olmo2" and not c.pre_norms and c.sandwich_norms and c.qk_norm and c.qk_norm_across_heads
+    assert c.rope_theta == 500000.0 and c.rms_norm_eps == 1e-6 and not c.tie_word_embeddings
+    assert c.attn_scale is None and c.norm_offset == 0.0 and c.final_softcap is None and c.layer_windows == ()

@@ -66,7 +66,8 @@ class Trio:
         self.loop.close()
 
 
-@pytest.fixture(params=["llama", "qwen3", "smollm3"])  # smollm3: a NoPE layer skips the fused prologue
+# smollm3: a NoPE layer skips the fused prologue; olmo2: its q/k norms keep the prologue off
+@pytest.fixture(params=["llama", "qwen3", "smollm3", "olmo2"])
 def trio(request):
     t = Trio(request.param)
     yield t

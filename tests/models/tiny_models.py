@@ -1,7 +1,8 @@
 """Tiny random checkpoints built with transformers (the test oracle): the dense Qwen3, Llama
 and Qwen2; the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral; the sliding-window
 Mistral, Gemma 2 (soft-capped attention scores), Gemma 3 and Phi-3 (whose checkpoint fuses
-q/k/v and gate/up); Phi-4-mini's rope; Granite's multipliers; Gemma (1); SmolLM3's NoPE layers."""
+q/k/v and gate/up); Phi-4-mini's rope; Granite's multipliers; Gemma (1); SmolLM3's NoPE layers;
+OLMo 2's norms."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def build(family: str, out_dir: Path, **save_kwargs):
 
 
 SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8, "phi3": 9, "phi4_mini": 10,
-         "granite": 11, "gemma2": 12, "gemma": 13, "smollm3": 14}
+         "granite": 11, "gemma2": 12, "gemma": 13, "smollm3": 14, "olmo2": 15}
 # phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
 LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
@@ -120,4 +121,10 @@ def _new_family(tf, family: str, common: dict):
             sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention", "full_attention",
                                                 "full_attention"],
             attention_bias=True, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    if family == "olmo2":
+        # OLMo 2: norms after attention and the MLP only, q/k norms over all heads at once;
+        # biases on attention (o_proj's too); one KV head, which two tensor-parallel ranks
+        # each hold (their k norm statistics then the same head's twice).
+        return tf.Olmo2ForCausalLM(tf.Olmo2Config(**dict(common, num_key_value_heads=1), attention_bias=True,
+                                                  pad_token_id=0, bos_token_id=1, eos_token_id=2))
     raise ValueError(family)
