@@ -61,6 +61,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
         return inv
     if scaling.kind == "linear":
         return inv / scaling.factor
+    if scaling.kind == "yarn":
+        return _yarn_frequencies(inv, powers, head_dim, theta, scaling)
     # Llama 3: keep high frequencies, divide low ones by `factor`, blend in between.
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -103,6 +105,28 @@ class RotaryEmbedding(nn.Module):
         return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
 
 
+def _yarn_frequencies(inv: torch.Tensor, powers: torch.Tensor, dim: int, theta: float,
+                      scaling: RopeScaling) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are
+    divided by the factor (interpolated), those turning more than beta_fast times kept
+    (extrapolated), a linear ramp over the dimensions between; in float32 as transformers'
+    _compute_yarn_parameters, so that the tables agree with it bit for bit."""
+    original = scaling.original_max_position_embeddings
+
+    def dimension(turns: float) -> float:  # the dimension whose frequency turns this many times
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(scaling.beta_fast), dimension(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp
+    return 1.0 / (scaling.factor * powers) * (1 - kept) + inv * kept
+
+
 def rope_tables(config: DecoderConfig, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every position's phases, [max_positions, head_dim] float32.
 
@@ -126,7 +150,7 @@ def rope_tables(config: DecoderConfig, local: bool = False) -> tuple[torch.Tenso
         gain = scaling.attention_factor
     else:
         freqs = torch.outer(positions, inverse_frequencies(rotary, theta, scaling).float())
-        gain = 1.0
+        gain = scaling.attention_factor if scaling is not None and scaling.kind == "yarn" else 1.0
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos() * gain, emb.sin() * gain
     if rotary == head:

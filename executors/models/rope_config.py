@@ -1,5 +1,5 @@
 """Reading a config.json's rotary embedding as transformers 5 reads it: the base, the scaling
-(Llama 3, linear, LongRoPE), the sliding layers' own base (Gemma 3) and how much of a head
+(Llama 3, linear, LongRoPE, YaRN), the sliding layers' own base (Gemma 3) and how much of a head
 rotates (Phi-3's partial_rotary_factor). A setting transformers would ignore or refuse is
 refused with UnsupportedModel naming it."""
 
@@ -18,10 +18,13 @@ LAYER_TYPE_KEYS = ("full_attention", "sliding_attention")
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
     """Frequency scaling: Llama 3 style (kind "llama3"), linear position interpolation (kind
-    "linear": every frequency divided by `factor`, as Gemma 3's global layers), or LongRoPE
+    "linear": every frequency divided by `factor`, as Gemma 3's global layers), LongRoPE
     (kind "longrope", Phi-3.5 and Phi-4-mini: each frequency divided by its short_factor at
     positions below original_max_position_embeddings and by its long_factor from there on,
-    cos and sin times attention_factor)."""
+    cos and sin times attention_factor), or YaRN (kind "yarn", Qwen's and OLMo 3's long
+    contexts: the frequencies slower than beta_slow turns over the original context divided
+    by `factor`, those faster than beta_fast kept, a linear ramp between; cos and sin times
+    attention_factor)."""
 
     factor: float
     low_freq_factor: float = 1.0
@@ -31,6 +34,9 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    beta_fast: float = 32.0  # YaRN's ramp: turns over the original context
+    beta_slow: float = 1.0
+    truncate: bool = True  # YaRN: the ramp's ends rounded outwards to whole dimensions
 
 
 def positive_number(cfg: dict[str, Any], key: str, default: float | None) -> float:
@@ -57,7 +63,7 @@ def read_rope(cfg: dict[str, Any], family: str, defaults: FamilyDefaults, max_po
     # A top-level original_max_position_embeddings (Phi-3's place for it) overrides the nested one.
     if "original_max_position_embeddings" in cfg:
         rope = {**rope, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
-    return theta, _rope_scaling(rope, where, max_positions, rotary_dim), None
+    return theta, _rope_scaling(rope, where, max_positions, rotary_dim, rope.get("truncate", True)), None
 
 
 def _rope_source(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -133,19 +139,25 @@ def _rope_kind(s: dict[str, Any], where: str) -> str:
     return kind
 
 
-def _rope_scaling(s: dict[str, Any], where: str, max_positions: int, rotary_dim: int) -> RopeScaling | None:
+def _rope_scaling(s: dict[str, Any], where: str, max_positions: int, rotary_dim: int,
+                  truncate: bool = True) -> RopeScaling | None:
+    """`truncate`: YaRN's, which transformers reads from the top-level rope dict (True under a
+    per-layer-type one, whatever its entries say)."""
     kind = _rope_kind(s, where)
     if kind == "default":
         return None
     if kind == "longrope":
         return _longrope(s, max_positions, rotary_dim)
+    if kind == "yarn":
+        return _yarn(s, max_positions, truncate)
     if kind == "linear":
         factor = s.get("factor")
         if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
             raise UnsupportedModel(f"linear rope scaling needs a positive factor, got {factor!r}")
         return RopeScaling(factor=float(factor), kind="linear")
     if kind != "llama3":
-        raise UnsupportedModel(f"rope scaling type {kind!r} is not supported (only llama3, linear and longrope)")
+        raise UnsupportedModel(f"rope scaling type {kind!r} is not supported (only llama3, linear, longrope "
+                               f"and yarn)")
     try:
         return RopeScaling(
             factor=float(s["factor"]),
@@ -183,3 +195,35 @@ def _longrope(s: dict[str, Any], max_positions: int, rotary_dim: int) -> RopeSca
     return RopeScaling(factor=float(factor), original_max_position_embeddings=original, kind="longrope",
                        short_factor=factors["short_factor"], long_factor=factors["long_factor"],
                        attention_factor=float(attention))
+
+
+def _number(s: dict[str, Any], key: str, what: str) -> float | None:
+    value = s.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise UnsupportedModel(f"{what} {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _yarn(s: dict[str, Any], max_positions: int, truncate: bool) -> RopeScaling:
+    """transformers' _compute_yarn_parameters: factor (null: the context over the original
+    one), attention_factor from it where absent (0.1 ln(factor) + 1, or DeepSeek's ratio of
+    two such with mscale and mscale_all_dim), beta_fast / beta_slow 32 / 1 where null."""
+    if "factor" not in s:  # transformers fails on it (a required key)
+        raise UnsupportedModel("yarn rope scaling lacks 'factor'")
+    original = s.get("original_max_position_embeddings", max_positions)
+    if not isinstance(original, int) or isinstance(original, bool) or original < 1:
+        raise UnsupportedModel(f"yarn original_max_position_embeddings must be a positive integer, got {original!r}")
+    factor = _number(s, "factor", "yarn") or max_positions / original
+    attention = _number(s, "attention_factor", "yarn")
+    if attention is None:
+        mscale, mscale_all_dim = _number(s, "mscale", "yarn"), _number(s, "mscale_all_dim", "yarn")
+
+        def gain(scale: float) -> float:
+            return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+        attention = gain(mscale) / gain(mscale_all_dim) if mscale and mscale_all_dim else gain(1.0)
+    return RopeScaling(factor=float(factor), original_max_position_embeddings=original, kind="yarn",
+                       attention_factor=float(attention), beta_fast=_number(s, "beta_fast", "yarn") or 32.0,
+                       beta_slow=_number(s, "beta_slow", "yarn") or 1.0, truncate=bool(truncate))

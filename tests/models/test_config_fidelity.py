@@ -54,8 +54,9 @@ CASES = {
         "llama", {}, {"rope_parameters": {"type": "linear", "factor": 4.0, "rope_theta": 1e4}}, 40, None),
     "type_key_llama3": ("llama", {}, {"rope_parameters": L3_TYPE_KEY}, 40, None),
     "type_key_yarn": (
-        "llama", {}, {"rope_parameters": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
-        40, "'yarn'"),
+        "llama", {}, {"rope_parameters": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                          "rope_theta": 1e4}}, 40, None),
+    "type_key_dynamic": ("llama", {}, {"rope_parameters": {"type": "dynamic", "factor": 4.0}}, 40, "'dynamic'"),
     # 2. A top-level original_max_position_embeddings wins over the nested one; neither means
     # max_position_embeddings.
     "llama3_toplevel_original_max": (
@@ -129,6 +130,18 @@ CASES = {
                             "logits_scaling": 4.0, "mlp_bias": True}, {}, 40, None),
     "granite_no_multipliers": ("granite", {"embedding_multiplier": 2.0, "residual_multiplier": 0.6},
                                {"embedding_multiplier": DEL, "residual_multiplier": DEL, "logits_scaling": DEL}, 40, None),
+    # 14. YaRN (Qwen's and OLMo 3's long contexts): the ramp between beta_fast and beta_slow
+    # turns over the original context (4096 here, so that the ramp lies inside the 8
+    # frequencies), the attention factor from the factor (or DeepSeek's mscale ratio), the
+    # factor from the contexts where null (512 / 64), truncate off.
+    "qwen3_yarn": ("qwen3", {"head_dim": 16}, {"rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 1e4}}, 40, None),
+    "llama_yarn_mscale_betas_untruncated": ("llama", {}, {"rope_parameters": {
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "rope_theta": 1e4,
+        "mscale": 0.8, "mscale_all_dim": 0.6, "beta_fast": 16, "beta_slow": 2, "truncate": False}}, 40, None),
+    "mistral_yarn_null_factor_attention_factor": ("mistral", {"sliding_window": None}, {
+        "rope_scaling": {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 64,
+                         "attention_factor": 1.3}, "rope_theta": 5e4}, 40, None),
     "granite_negative_multiplier": ("granite", {}, {"residual_multiplier": -0.5}, 20, "residual_multiplier must be"),
     # 11. Gemma (1): the official files' legacy hidden_act "gelu" is GELU-tanh to GemmaConfig.
     "gemma": ("gemma", {"head_dim": 16}, {}, 40, None),
