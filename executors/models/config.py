@@ -45,12 +45,14 @@ ARCHITECTURES = {
     "GemmaForCausalLM": ("gemma", False),
     "SmolLM3ForCausalLM": ("smollm3", False),
     "Olmo2ForCausalLM": ("olmo2", True),
+    "Olmo3ForCausalLM": ("olmo3", True),
 }
 # Families whose checkpoints store q/k/v as one qkv_proj and gate/up as one gate_up_proj.
 FUSED_CHECKPOINT_FAMILIES = ("phi3",)
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")  # (1 + w) norms, scaled embeddings, GELU-tanh
 SANDWICH_FAMILIES = ("gemma2", "gemma3")  # and norms around attention's and the MLP's outputs, a query scalar, caps
+OLMO_FAMILIES = ("olmo2", "olmo3")  # norms of attention's and the MLP's outputs only, q/k norms across heads
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +98,7 @@ class DecoderConfig:
     embed_scale: float | None = None
     hidden_act: str = "silu"  # silu or gelu_tanh
     sandwich_norms: bool = False
-    # OLMo 2: no norm before attention or the MLP, only the output norms of sandwich_norms,
+    # OLMo 2 and 3: no norm before attention or the MLP, only the output norms of sandwich_norms,
     # and q_norm / k_norm over every head's dimensions at once (weights [H * D] and [KVH * D]),
     # where Qwen3's and Gemma 3's norm each head alone (weights [D]).
     pre_norms: bool = True
@@ -215,9 +217,9 @@ class DecoderConfig:
             norm_offset=1.0 if gemma else 0.0,
             embed_scale=hidden ** 0.5 if gemma else granite("embedding_multiplier"),
             hidden_act="gelu_tanh" if gemma else "silu",
-            sandwich_norms=sandwich or family == "olmo2",
-            pre_norms=family != "olmo2",
-            qk_norm_across_heads=family == "olmo2",
+            sandwich_norms=sandwich or family in OLMO_FAMILIES,
+            pre_norms=family not in OLMO_FAMILIES,
+            qk_norm_across_heads=family in OLMO_FAMILIES,
             attn_scale=(positive_number(cfg, "query_pre_attn_scalar", defaults.query_pre_attn_scalar) ** -0.5
                         if sandwich else granite("attention_multiplier")),
             final_softcap=(_positive(cfg, "final_logit_softcapping", defaults.final_logit_softcapping) if sandwich

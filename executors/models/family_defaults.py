@@ -26,7 +26,7 @@ class FamilyDefaults:
     attention_bias: bool = False
     o_proj_bias: bool = False  # o_proj carries the bias whenever q/k/v do
     mlp_bias_key: str | None = None  # None: the MLP never has a bias
-    # Gemma only.
+    # Gemma only (and OLMo 3's sliding_window_pattern).
     local_rope_theta: float | None = None  # Gemma 3's sliding layers
     query_pre_attn_scalar: float | None = None
     sliding_window_pattern: int | None = None  # without layer_types: every n-th layer is global
@@ -53,6 +53,9 @@ FAMILY_DEFAULTS = {
                               attention_bias_key="attention_bias", o_proj_bias=True, mlp_bias_key="mlp_bias"),
     "olmo2": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=2048,
                             attention_bias_key="attention_bias", o_proj_bias=True),
+    "olmo3": FamilyDefaults(rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=2048,
+                            sliding_window=4096, attention_bias_key="attention_bias", o_proj_bias=True,
+                            sliding_window_pattern=4),
     "smollm3": FamilyDefaults(rope_theta=2e6, rms_norm_eps=1e-6, max_position_embeddings=32768,
                               tie_word_embeddings=True, attention_bias_key="attention_bias", o_proj_bias=True,
                               mlp_bias_key="mlp_bias"),

@@ -12,7 +12,7 @@ from executors.models.family_defaults import FamilyDefaults
 # Families whose every layer sees the same `sliding_window` (when the config sets one).
 WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")
 # Families whose layers slide or not by `layer_types` (or the older keys that stand for it).
-LAYER_TYPE_FAMILIES = ("gemma2", "gemma3", "smollm3")
+LAYER_TYPE_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo3")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -51,8 +51,8 @@ def _implied_layer_types(cfg: dict[str, Any], family: str, defaults: FamilyDefau
         slides = bool(cfg.get("use_sliding_window")) and window is not None
         rotary = layer_rotation(cfg, family, layers)
         return ["sliding_attention" if slides and not rotary[i] else "full_attention" for i in range(layers)]
-    # Gemma: every `sliding_window_pattern`-th layer is global (Gemma2Config has no such key:
-    # every other layer, from the first, slides).
+    # Gemma and OLMo 3: every `sliding_window_pattern`-th layer is global (only Gemma 3 reads
+    # the key: Gemma 2's every other layer slides, from the first; OLMo 3's three of four).
     pattern = (cfg.get("sliding_window_pattern", defaults.sliding_window_pattern) if family == "gemma3"
                else defaults.sliding_window_pattern)
     if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:

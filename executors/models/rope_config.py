@@ -13,6 +13,7 @@ from executors.models.errors import UnsupportedModel
 from executors.models.family_defaults import FamilyDefaults
 
 LAYER_TYPE_KEYS = ("full_attention", "sliding_attention")
+PER_LAYER_TYPE_FAMILIES = ("gemma3", "olmo3")  # rope_parameters per layer type
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +52,8 @@ def read_rope(cfg: dict[str, Any], family: str, defaults: FamilyDefaults, max_po
               rotary_dim: int) -> tuple[float, RopeScaling | None, float | None]:
     """(rope theta, its scaling, the sliding layers' theta where it differs), as transformers 5's
     config classes read them (convert_rope_params_to_dict, standardize_rope_params)."""
-    if family == "gemma3":
-        return _read_gemma3_rope(cfg, defaults, max_positions, rotary_dim)
+    if family in PER_LAYER_TYPE_FAMILIES:
+        return _read_per_layer_type_rope(cfg, family, defaults, max_positions, rotary_dim)
     where, rope = _rope_source(cfg)
     nested = [k for k in LAYER_TYPE_KEYS if k in rope]
     if nested:  # transformers ignores them on these families (or fails to build the model)
@@ -103,14 +104,17 @@ def rotary_dim_of(cfg: dict[str, Any], family: str, head_dim: int) -> int | None
     return rotary
 
 
-def _read_gemma3_rope(cfg: dict[str, Any], defaults: FamilyDefaults, max_positions: int,
-                      rotary_dim: int) -> tuple[float, RopeScaling | None, float]:
-    """Gemma3TextConfig's own reading: rope_parameters per layer type, a legacy rope_scaling
-    merged over the full-attention one, rope_theta / rope_local_base_freq as the bases."""
+def _read_per_layer_type_rope(cfg: dict[str, Any], family: str, defaults: FamilyDefaults, max_positions: int,
+                              rotary_dim: int) -> tuple[float, RopeScaling | None, float]:
+    """Gemma3TextConfig's and Olmo3Config's own reading: rope_parameters per layer type, a
+    legacy rope_scaling merged over the full-attention one, rope_theta as the global base.
+    The sliding layers' base: Gemma 3's rope_local_base_freq; OLMo 3's class default, not the
+    file's rope_theta, which Olmo3Config hands to the full-attention layers only."""
+    name = {"gemma3": "Gemma 3", "olmo3": "OLMo 3"}[family]
     per_type = _rope_dict(cfg.get("rope_parameters") or {}, "rope_parameters")
     flat = sorted(set(per_type) - set(LAYER_TYPE_KEYS))
-    if flat:  # transformers silently ignores these on Gemma 3
-        raise UnsupportedModel(f"Gemma 3 rope_parameters must be per layer type (full_attention, sliding_attention); "
+    if flat:  # transformers silently ignores these (or fails on them)
+        raise UnsupportedModel(f"{name} rope_parameters must be per layer type (full_attention, sliding_attention); "
                                f"flat keys {flat} are not supported")
     full = dict(_rope_dict(per_type.get("full_attention") or {"rope_type": "default"}, "full_attention"))
     if cfg.get("rope_scaling") is not None:
@@ -120,7 +124,9 @@ def _read_gemma3_rope(cfg: dict[str, Any], defaults: FamilyDefaults, max_positio
     if local_kind != "default":
         raise UnsupportedModel(f"rope type {local_kind!r} on sliding layers is not supported")
     theta = positive_number(full, "rope_theta", cfg.get("rope_theta", defaults.rope_theta))
-    local_theta = positive_number(local, "rope_theta", cfg.get("rope_local_base_freq", defaults.local_rope_theta))
+    local_default = (cfg.get("rope_local_base_freq", defaults.local_rope_theta) if family == "gemma3"
+                     else defaults.rope_theta)
+    local_theta = positive_number(local, "rope_theta", local_default)
     scaling = _rope_scaling(full, "full_attention rope (with rope_scaling over it)", max_positions, rotary_dim)
     return theta, scaling, local_theta
 

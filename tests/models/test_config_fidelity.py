@@ -161,6 +161,18 @@ CASES = {
     # 13. OLMo 2: its defaults (eps 1e-5, rope base 1e4), biases on attention and o_proj.
     "olmo2_defaults": ("olmo2", {"rms_norm_eps": 1e-5}, {"rms_norm_eps": DEL, "rope_parameters": DEL}, 40, None),
     "olmo2_attention_bias_gqa": ("olmo2", {"attention_bias": True, "num_key_value_heads": 1}, {}, 40, None),
+    # 15. OLMo 3: transformers 4's layout (top-level rope_theta, a yarn rope_scaling, no
+    # layer_types: three of four layers slide), where Olmo3Config gives the file's rope_theta
+    # to the global layers only and the sliding ones its default 5e5; per layer type.
+    "olmo3_legacy_layout": ("olmo3", {"num_hidden_layers": 4, "sliding_window": 8}, {
+        "rope_parameters": DEL, "layer_types": DEL, "rope_theta": 1e4,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048,
+                         "beta_fast": 16}}, 40, None),
+    "olmo3_per_layer_type": ("olmo3", {"num_hidden_layers": 4, "sliding_window": 8, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 2e3}}}, {}, 40, None),
+    "olmo3_flat_rope_parameters": ("olmo3", {"num_hidden_layers": 4}, {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, 20, "OLMo 3 rope_parameters must be per"),
     "smollm3_longer_no_rope_layers": ("smollm3", {"num_hidden_layers": 3}, {"no_rope_layers": [0, 1, 0, 0, 0]},
                                       40, None),
 }
@@ -173,6 +185,7 @@ MODELS = {
     "phi3": ("Phi3ForCausalLM", "Phi3Config"), "granite": ("GraniteForCausalLM", "GraniteConfig"),
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config"), "gemma": ("GemmaForCausalLM", "GemmaConfig"),
     "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config"), "olmo2": ("Olmo2ForCausalLM", "Olmo2Config"),
+    "olmo3": ("Olmo3ForCausalLM", "Olmo3Config"),
 }
 
 

@@ -1,7 +1,7 @@
 """The mixture-of-experts and sliding-window families over gRPC against transformers (fp32, 1e-4).
 
-Qwen3-MoE, Qwen2-MoE, Mixtral, Mistral, Gemma, Gemma 2, Gemma 3, Phi-3, Granite, SmolLM3 (NoPE layers) and OLMo 2 (norms after attention
-and the MLP only, q/k norms across heads):
+Qwen3-MoE, Qwen2-MoE, Mixtral, Mistral, Gemma, Gemma 2, Gemma 3, Phi-3, Granite, SmolLM3 (NoPE layers), OLMo 2 (norms after attention
+and the MLP only, q/k norms across heads) and OLMo 3 (its windows, YaRN on its global layers):
 tiny random checkpoints saved by
 transformers (tiny_models.py), loaded by our loader and served by a real server, as
 test_llm_executor.py does for the dense families. The sliding families have a window of 8
@@ -18,7 +18,8 @@ import torch
 from client import DecodeInput, PrefillInput, UnifiedBatchItem
 from tests.models.test_llm_executor import Served, close, greedy, prompt
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "mistral", "gemma", "gemma2", "gemma3", "phi3", "granite", "smollm3", "olmo2"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "mistral", "gemma", "gemma2", "gemma3", "phi3", "granite", "smollm3", "olmo2",
+            "olmo3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -2,8 +2,8 @@
 
 No hub is reachable from the tests, so these are the keys and values that matter of
 microsoft/Phi-3-mini-4k-instruct, microsoft/Phi-4-mini-instruct, google/gemma-2-2b-it,
-ibm-granite/granite-3.1-2b-instruct, google/gemma-2b, HuggingFaceTB/SmolLM3-3B and
-allenai/OLMo-2-1124-7B (transformers 4's
+ibm-granite/granite-3.1-2b-instruct, google/gemma-2b, HuggingFaceTB/SmolLM3-3B,
+allenai/OLMo-2-1124-7B and allenai/Olmo-3-1025-7B (transformers 4's
 layout: top-level rope_theta, no layer_types; the LongRoPE factor lists stand in for the published
 48 numbers: their count and place are what is read here). The tiny random models of the
 other tests check the arithmetic against transformers; these check that the real files'
@@ -54,6 +54,16 @@ OLMO2_7B = {
     "attention_bias": False, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 500000,
     "tie_word_embeddings": False, "vocab_size": 100352, "eos_token_id": 100257, "pad_token_id": 100277,
     "hidden_act": "silu", "torch_dtype": "float32",
+}
+OLMO3_7B = {
+    "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_size": 4096, "intermediate_size": 11008,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 65536,
+    "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(32)],
+    "sliding_window": 4096, "attention_bias": False, "rms_norm_eps": 1e-06, "rope_theta": 500000,
+    "rope_scaling": {"attention_factor": 1.2079441541679836, "beta_fast": 32, "beta_slow": 1, "factor": 8.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "yarn"},
+    "tie_word_embeddings": False, "vocab_size": 100278, "eos_token_id": 100257, "pad_token_id": 100277,
+    "hidden_act": "silu", "torch_dtype": "bfloat16",
 }
 GEMMA2_2B = {
     "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216,
@@ -129,3 +139,13 @@ def test_olmo2_7b_norms_outputs_only_and_q_k_across_heads():
     assert c.family == "olmo2" and not c.pre_norms and c.sandwich_norms and c.qk_norm and c.qk_norm_across_heads
     assert c.rope_theta == 500000.0 and c.rms_norm_eps == 1e-6 and not c.tie_word_embeddings
     assert c.attn_scale is None and c.norm_offset == 0.0 and c.final_softcap is None and c.layer_windows == ()
+
+
+def test_olmo3_7b_slides_three_layers_of_four_with_yarn_on_the_fourth():
+    c = DecoderConfig.from_dict(OLMO3_7B)
+    assert c.layer_windows == tuple(None if (i + 1) % 4 == 0 else 4096 for i in range(32))
+    s = c.rope_scaling
+    assert (s.kind, s.factor, s.original_max_position_embeddings, s.beta_fast, s.beta_slow) == ("yarn", 8.0, 8192,
+                                                                                                 32.0, 1.0)
+    assert s.attention_factor == 1.2079441541679836 and c.rope_theta == 500000.0 and c.local_rope_theta == 500000.0
+    assert not c.pre_norms and c.qk_norm_across_heads and c.max_position_embeddings == 65536

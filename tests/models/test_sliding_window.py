@@ -24,14 +24,21 @@ from tests.models import test_cpu_paths as cpu_paths
 from tests.models.test_cpu_paths import BLOCK, TOL, VOCAB, policy, same  # noqa: F401 - policy: a fixture
 
 WINDOW = 6
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, sliding_window=WINDOW)
+COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+          "sliding_window": WINDOW}
 FAMILIES = {
     "mistral": {"architectures": ["MistralForCausalLM"]},
     # A global layer between sliding ones, a query scale other than 1/sqrt(head_dim).
     "gemma3": {"architectures": ["Gemma3ForCausalLM"], "head_dim": 16, "query_pre_attn_scalar": 20,
                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
                "final_logit_softcapping": 30.0},
+    # OLMo 3: sliding layers around a global one, YaRN on it, q/k norms across heads, no input norms.
+    "olmo3": {"architectures": ["Olmo3ForCausalLM"],
+              "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+              "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                     "original_max_position_embeddings": 2048},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 3e3}}},
 }
 
 

@@ -2,7 +2,7 @@
 and Qwen2; the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral; the sliding-window
 Mistral, Gemma 2 (soft-capped attention scores), Gemma 3 and Phi-3 (whose checkpoint fuses
 q/k/v and gate/up); Phi-4-mini's rope; Granite's multipliers; Gemma (1); SmolLM3's NoPE layers;
-OLMo 2's norms."""
+OLMo 2's norms; OLMo 3's windows and YaRN."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def build(family: str, out_dir: Path, **save_kwargs):
 
 
 SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8, "phi3": 9, "phi4_mini": 10,
-         "granite": 11, "gemma2": 12, "gemma": 13, "smollm3": 14, "olmo2": 15}
+         "granite": 11, "gemma2": 12, "gemma": 13, "smollm3": 14, "olmo2": 15, "olmo3": 16}
 # phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
 LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
@@ -127,4 +127,14 @@ def _new_family(tf, family: str, common: dict):
         # each hold (their k norm statistics then the same head's twice).
         return tf.Olmo2ForCausalLM(tf.Olmo2Config(**dict(common, num_key_value_heads=1), attention_bias=True,
                                                   pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    if family == "olmo3":
+        # OLMo 3: OLMo 2's layer, three of every four layers sliding, YaRN on the global one
+        # (its ramp inside the 8 frequencies of a 16-dimension head) and its own base on the
+        # sliding ones.
+        rope = {"full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048,
+                                   "rope_theta": 1e4, "beta_fast": 16},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 3e3}}
+        return tf.Olmo3ForCausalLM(tf.Olmo3Config(**dict(common, num_hidden_layers=4), sliding_window=WINDOW,
+                                                  rope_parameters=rope, pad_token_id=0, bos_token_id=1,
+                                                  eos_token_id=2))
     raise ValueError(family)
