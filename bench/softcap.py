@@ -5,9 +5,9 @@ of a soft-capped layer go through the CPU attention kernels, which do (their `so
 everything else takes the plain path of attention_reference.py (each sequence's context
 gathered, the scores written out, capped, masked and soft-maxed). This times the prefill of
 one prompt of each context and decode steps (ARGMAX) at each batch size, against the same
-random weights with the cap off (`attn_logit_softcapping: null`, the fast paths of a Gemma
-model with sandwich norms, whose one-call CPU decode step is off on both sides), the two
-executors in alternating rounds, median in-process. Gemma-2-2B's layout, scaled down by
+random weights with the cap off (`attn_logit_softcapping: null`), the two executors in
+alternating rounds, median in-process. Decode steps take the one-call CPU step on both
+sides (it caps too); before it took Gemma's layers (RESULTS.md run 27) they ran op by op. Gemma-2-2B's layout, scaled down by
 --hidden and --layers (head_dim 256 as Gemma 2's, every other layer sliding over 4096).
 """
 

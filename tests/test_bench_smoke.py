@@ -6,6 +6,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from bench import common, gpu, gpu_report, lora, report, suite
@@ -212,12 +213,29 @@ def test_the_quantization_bench_measures_int8_against_float32(monkeypatch):
 
 
 def test_the_softcap_bench_times_both_sides(capsys):
-    """bench.softcap on a tiny model: one line a case, the capped side on the plain path."""
+    """bench.softcap on a tiny model: one line a case, both sides in the one-call step where
+    the CPU kernels build."""
     from bench import softcap
+    from executors.cpu_kernels import cpu_kernels
 
     assert softcap.main(["--batches", "1,2", "--contexts", "12", "--rounds", "1", "--hidden", "128",
                          "--layers", "2", "--vocab", "300"]) == 0
     out = capsys.readouterr().out
-    assert "one-call CPU decode step: capped False" in out
+    built = cpu_kernels() is not None
+    assert f"one-call CPU decode step: capped {built}, uncapped {built}" in out
     assert out.count("context    12, batch") == 2 and out.count("context    12, prefill") == 1
     assert "capped" in out and "uncapped" in out
+
+
+def test_the_one_call_bench_times_both_paths(capsys):
+    """bench.one_call on tiny models: a line per family and batch, each with both times."""
+    from bench import one_call
+    from executors.cpu_kernels import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("the CPU kernels do not build here: there is no one-call step to time")
+    assert one_call.main(["--families", "gemma2,olmo2", "--batches", "1,3", "--context", "9", "--rounds", "1",
+                          "--hidden", "256", "--layers", "2", "--vocab", "300"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "one call" in line]
+    assert len(lines) == 4 and all("op by op" in line and "GB/s" in line for line in lines)
+    assert [line.split()[0] for line in lines] == ["gemma2", "gemma2", "olmo2", "olmo2"]

@@ -9,13 +9,21 @@
  *   RMSNorm | q/k/v matmul | q/k norm, rotation, K/V store | attention from the pool |
  *   o matmul + residual | RMSNorm | gate/up matmul, activation | down matmul + residual
  *
+ * or, in a layer that norms attention's and the MLP's outputs (Gemma 2 and 3, OLMo 2 and 3):
+ *
+ *   [RMSNorm] | q/k/v matmul | [q/k norm statistics of whole rows] | q/k norm, rotation, K/V
+ *   store | attention | o matmul | residual + RMSNorm of it | [RMSNorm] | gate/up, activation |
+ *   down matmul | residual + RMSNorm of it
+ *
  * (past DOT_ROWS rows of float32 weights the down matmul computes the activation as it packs
  * its rows: no phase of its own.)
  *
  * The matmuls read the weights as float32 6-column panels (weight_panel.h) or int8 16-column
  * ones with float32 scales (weight_q8.h), x packed once per matmul into a scratch the team
- * shares. The layers are Llama / Qwen2 / Qwen3 /
- * Mistral shaped: optional q/k/v, o and MLP biases, optional q/k norms, a sliding window and score scale per layer.
+ * shares. The layers are Llama / Qwen2 / Qwen3 / Mistral shaped: optional q/k/v, o and MLP
+ * biases, optional q/k norms (per head, or over every head at once), a sliding window, score
+ * scale, score cap and rotary table (or none) per layer, and optional norms of attention's
+ * and the MLP's outputs.
  * Steps of up to ME_STEP_MAX_ROWS decode rows (one new token each, at its position, with a
  * cache).
  */
@@ -32,7 +40,10 @@
 /* Addresses of one layer's tensors, in a [layers, LAYER_FIELDS] int64 table; 0 where absent.
  * A matrix whose *_SCALES entry is set is int8 panels with those scales, else float32 panels. */
 enum { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_Q_NORM, W_K_NORM, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS,
-       W_DOWN, W_DOWN_BIAS, W_QKV_SCALES, W_O_SCALES, W_GATE_UP_SCALES, W_DOWN_SCALES, LAYER_FIELDS };
+       W_DOWN, W_DOWN_BIAS, W_QKV_SCALES, W_O_SCALES, W_GATE_UP_SCALES, W_DOWN_SCALES,
+       /* set where the layer norms the MLP's output (its attention's then by W_POST_NORM), and
+        * maybe its input (W_PRE_FF_NORM) too */
+       W_PRE_FF_NORM, W_POST_FF_NORM, LAYER_FIELDS };
 
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter;
@@ -44,7 +55,11 @@ typedef struct {
     const float *final_norm;
     const float *cos, *signed_sin;  /* [max_positions, head_dim] */
     int64_t max_positions;
-    const int32_t *rotary;       /* [layers]: 0 where a layer does not rotate q and k (NoPE); NULL: all do */
+    const int32_t *rotary;       /* [layers]: 0 where a layer does not rotate q and k (NoPE), 1 by cos and
+                                  * signed_sin, 2 by local_cos and local_sin; NULL: 1 for all */
+    const float *local_cos, *local_sin;  /* [max_positions, head_dim] (Gemma 3's sliding layers), or NULL */
+    const float *softcaps;       /* [layers]: scores s -> c tanh(s / c) where c > 0 (Gemma 2); NULL: none */
+    int32_t qk_norm_across;      /* 1: q_norm and k_norm span every head of a row (OLMo 2 and 3) */
 } me_decoder;
 
 typedef struct {
@@ -117,25 +132,41 @@ static void own_norm(const float *x, int64_t rows, int64_t hidden, const float *
     for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * hidden, hidden, w, eps, h + r * hidden);
 }
 
+/* 1 / rms of each row's q and of its k, [rows, 2], where the norms span every head (a phase
+ * of its own: the tasks after it norm their heads in place). */
+static void whole_row_norms(const me_decoder *m, const me_step *s, float *inv_rms) {
+    const int64_t hq = m->heads * m->head_dim, hk = m->kv_heads * m->head_dim, width = hq + 2 * hk;
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < s->rows; r++) {
+        const float *row = s->qkv + r * width;
+        inv_rms[2 * r] = 1.0f / sqrtf(sum_squares(row, hq) / (float)hq + m->eps);
+        inv_rms[2 * r + 1] = 1.0f / sqrtf(sum_squares(row + hq, hk) / (float)hk + m->eps);
+    }
+}
+
 /* q/k norms and rotation of KV heads [kv0, kv1) of row r and their query heads, and the new
- * K and V of those heads into the pool. */
+ * K and V of those heads into the pool. `inv_rms`: whole_row_norms' where the norms span
+ * every head. */
 static void rotate_and_store(const me_decoder *m, const me_step *s, int64_t l, int64_t r, int64_t kv0, int64_t kv1,
-                             float *kpool, float *vpool) {
+                             float *kpool, float *vpool, const float *inv_rms) {
     const int64_t d = m->head_dim, heads = m->heads, kvh = m->kv_heads, group = heads / kvh;
     const int64_t hq = heads * d, hk = kvh * d, width = hq + 2 * hk;
     const float *qn = field(m, l, W_Q_NORM), *kn = field(m, l, W_K_NORM);
-    const float *cos = m->cos + s->positions[r] * d, *sin = m->signed_sin + s->positions[r] * d;
-    const int rotates = !m->rotary || m->rotary[l];
+    const int32_t table = m->rotary ? m->rotary[l] : 1;
+    const float *cos = (table == 2 ? m->local_cos : m->cos) + s->positions[r] * d;
+    const float *sin = (table == 2 ? m->local_sin : m->signed_sin) + s->positions[r] * d;
     float *row = s->qkv + r * width;
     for (int64_t kv = kv0; kv < kv1; kv++) {
         for (int64_t head = kv * group; head < (kv + 1) * group; head++) {
             float *q = row + head * d;
-            if (qn) rms_norm_row(q, d, qn, m->eps, q);
-            if (rotates) rope_head(q, d, cos, sin);
+            if (qn && m->qk_norm_across) scale_row(q, d, inv_rms[2 * r], qn + head * d, q);
+            else if (qn) rms_norm_row(q, d, qn, m->eps, q);
+            if (table) rope_head(q, d, cos, sin);
         }
         float *k = row + hq + kv * d;
-        if (kn) rms_norm_row(k, d, kn, m->eps, k);
-        if (rotates) rope_head(k, d, cos, sin);
+        if (kn && m->qk_norm_across) scale_row(k, d, inv_rms[2 * r + 1], kn + kv * d, k);
+        else if (kn) rms_norm_row(k, d, kn, m->eps, k);
+        if (table) rope_head(k, d, cos, sin);
         const int64_t at = s->slots[r] * hk + kv * d;
         memcpy(kpool + at, k, sizeof(float) * (size_t)d);
         memcpy(vpool + at, row + hq + hk + kv * d, sizeof(float) * (size_t)d);
@@ -179,21 +210,32 @@ static void fetch_o_while_attending(const me_decoder *m, int64_t l, int64_t rows
         for (int64_t line = 0; line < 512; line += 64) _mm_prefetch(from + at + line, _MM_HINT_T0);
 }
 
-/* x += down(act(gate) * up) of the normed rows h (the MLP). Past DOT_ROWS rows of float32
- * weights, the down matmul computes the activation as it packs its rows (pack_x.h): no
- * activation buffer and no phase of its own. */
+/* y = down(act(gate) * up) (+ residual) of the normed rows h (the MLP). Past DOT_ROWS rows of
+ * float32 weights, the down matmul computes the activation as it packs its rows (pack_x.h):
+ * no activation buffer and no phase of its own. */
 static void step_mlp(const me_decoder *m, const me_step *s, int64_t l, const float *h, const step_scratch *sc,
-                     float *own) {
+                     float *own, const float *residual, float *y) {
     const int64_t rows = s->rows, inter = m->inter, hidden = m->hidden;
     if (!own && !field(m, l, W_DOWN_SCALES)) {
         step_linear(m, l, W_GATE_UP, W_GATE_UP_SCALES, h, rows, hidden, 2 * inter, field(m, l, W_GATE_UP_BIAS),
                     NULL, s->gu, sc);
         weight_rows_team(s->gu, s->gu + inter, m->activation, rows, 2 * inter, field(m, l, W_DOWN), hidden, inter,
-                         field(m, l, W_DOWN_BIAS), s->x, hidden, s->x, hidden, sc->avx512, sc->xp);
+                         field(m, l, W_DOWN_BIAS), residual, hidden, y, hidden, sc->avx512, sc->xp);
         return;
     }
     const float *a = step_glu(m, s, l, h, sc, own);
-    step_linear(m, l, W_DOWN, W_DOWN_SCALES, a, rows, inter, hidden, field(m, l, W_DOWN_BIAS), s->x, s->x, sc);
+    step_linear(m, l, W_DOWN, W_DOWN_SCALES, a, rows, inter, hidden, field(m, l, W_DOWN_BIAS), residual, y, sc);
+}
+
+/* x += RMSNorm(y) with weight w, row by row, shared out over the team (the residual add of
+ * a layer that norms attention's or the MLP's output). */
+static void add_normed(float *x, float *y, int64_t rows, int64_t hidden, const float *w, float eps) {
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *yr = y + r * hidden, *xr = x + r * hidden;
+        rms_norm_row(yr, hidden, w, eps, yr);
+        for (int64_t j = 0; j < hidden; j++) xr[j] += yr[j];
+    }
 }
 
 /* Keys a query sees in every layer: the widest window, 0 where some layer sees them all. */
@@ -256,9 +298,15 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
     if (quantized && !q8_needs_scratch(rows, sc.avx512)) packed = 0;  /* nor packed x */
     sc.xp = packed ? malloc(sizeof(float) * (size_t)packed) : NULL;
     sc.wq = dequantized ? malloc(sizeof(float) * (size_t)dequantized) : NULL;
-    if ((packed && !sc.xp) || (dequantized && !sc.wq)) {
+    /* the outputs of attention and the MLP before their norms, and whole rows' q/k norms */
+    const int post_norms = m->layers > 0 && field(m, 0, W_POST_FF_NORM) != NULL;
+    float *y = post_norms ? malloc(sizeof(float) * (size_t)(rows * hidden)) : NULL;
+    float *inv_rms = m->qk_norm_across ? malloc(sizeof(float) * (size_t)(2 * rows)) : NULL;
+    if ((packed && !sc.xp) || (dequantized && !sc.wq) || (post_norms && !y) || (m->qk_norm_across && !inv_rms)) {
         free(sc.xp);
         free(sc.wq);
+        free(y);
+        free(inv_rms);
         return -1;
     }
     int failed = 0;
@@ -272,10 +320,12 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
         if (!failed) {
             for (int64_t l = 0; l < m->layers; l++) {
                 float *kpool = s->kpool + l * s->layer_stride, *vpool = s->vpool + l * s->layer_stride;
-                /* q, k, v */
-                own_norm(s->x, rows, hidden, field(m, l, W_INPUT_NORM), m->eps, h);
-                step_linear(m, l, W_QKV, W_QKV_SCALES, h, rows, hidden, width, field(m, l, W_QKV_BIAS), NULL, s->qkv,
-                            &sc);
+                /* q, k, v (of the rows themselves where the layer norms no input: OLMo 2 and 3) */
+                const float *input = field(m, l, W_INPUT_NORM) ? h : s->x;
+                if (input == h) own_norm(s->x, rows, hidden, field(m, l, W_INPUT_NORM), m->eps, h);
+                step_linear(m, l, W_QKV, W_QKV_SCALES, input, rows, hidden, width, field(m, l, W_QKV_BIAS), NULL,
+                            s->qkv, &sc);
+                if (m->qk_norm_across && field(m, l, W_Q_NORM)) whole_row_norms(m, s, inv_rms);
                 /* q/k norms and rotation, the new K and V into the pool, attention. A task's rows
                  * and KV heads read only K and V they stored themselves or older steps did: one
                  * phase, unless stale slots are to be cleared first (in every layer, before any
@@ -284,7 +334,7 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
                 if (s->zero_count) {
                     #pragma omp for schedule(static)
                     for (int64_t task = 0; task < rows * kvh; task++)
-                        rotate_and_store(m, s, l, task / kvh, task % kvh, task % kvh + 1, kpool, vpool);
+                        rotate_and_store(m, s, l, task / kvh, task % kvh, task % kvh + 1, kpool, vpool, inv_rms);
                     #pragma omp for schedule(static)
                     for (int64_t z = 0; z < s->zero_count; z++) {
                         memset(kpool + s->zero_slots[z] * hk, 0, sizeof(float) * (size_t)hk);
@@ -295,17 +345,28 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
                 for (int64_t task = 0; task < rows * split; task++) {
                     const int64_t r = task / split, kv0 = split == 1 ? 0 : task % split, kv1 = split == 1 ? kvh : kv0 + 1;
                     const int64_t hi = s->positions[r] + 1, lo = window > 0 && hi > window ? hi - window : 0;
-                    if (!s->zero_count) rotate_and_store(m, s, l, r, kv0, kv1, kpool, vpool);
+                    if (!s->zero_count) rotate_and_store(m, s, l, r, kv0, kv1, kpool, vpool, inv_rms);
                     attend_row(s->qkv + r * width, group, d, kpool, vpool, s->block_size, kvh, kv0, kv1,
-                               s->tables + r * s->ldt, lo, hi, m->scales[l], 0.0f, scores, s->attn + r * hq);
+                               s->tables + r * s->ldt, lo, hi, m->scales[l], m->softcaps ? m->softcaps[l] : 0.0f,
+                               scores, s->attn + r * hq);
                     __atomic_add_fetch(&attended, 1, __ATOMIC_RELEASE);
                 }
                 if (!quantized) fetch_o_while_attending(m, l, rows, &attended, (l + 1) * rows * split);
                 #pragma omp barrier
-                /* x += attn @ o^T; the MLP */
-                step_linear(m, l, W_O, W_O_SCALES, s->attn, rows, hq, hidden, field(m, l, W_O_BIAS), s->x, s->x, &sc);
-                own_norm(s->x, rows, hidden, field(m, l, W_POST_NORM), m->eps, h);
-                step_mlp(m, s, l, h, &sc, act);
+                if (!field(m, l, W_POST_FF_NORM)) {  /* x += attn @ o^T; the MLP */
+                    step_linear(m, l, W_O, W_O_SCALES, s->attn, rows, hq, hidden, field(m, l, W_O_BIAS), s->x, s->x,
+                                &sc);
+                    own_norm(s->x, rows, hidden, field(m, l, W_POST_NORM), m->eps, h);
+                    step_mlp(m, s, l, h, &sc, act, s->x, s->x);
+                    continue;
+                }
+                /* x += norm(attn @ o^T); x += norm(MLP(norm(x) or x)) */
+                step_linear(m, l, W_O, W_O_SCALES, s->attn, rows, hq, hidden, field(m, l, W_O_BIAS), NULL, y, &sc);
+                add_normed(s->x, y, rows, hidden, field(m, l, W_POST_NORM), m->eps);
+                const float *mlp_input = field(m, l, W_PRE_FF_NORM) ? h : s->x;
+                if (mlp_input == h) own_norm(s->x, rows, hidden, field(m, l, W_PRE_FF_NORM), m->eps, h);
+                step_mlp(m, s, l, mlp_input, &sc, act, NULL, y);
+                add_normed(s->x, y, rows, hidden, field(m, l, W_POST_FF_NORM), m->eps);
             }
             step_norm(s->x, rows, hidden, m->final_norm, m->eps, s->x);
         }
@@ -315,5 +376,7 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
     }
     free(sc.xp);
     free(sc.wq);
+    free(y);
+    free(inv_rms);
     return failed ? -1 : 0;
 }

@@ -10,8 +10,8 @@
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
-/* y = x * rsqrt(mean(x^2) + eps) * w over one row of n floats; y may be x. */
-static inline void rms_norm_row(const float *x, int64_t n, const float *w, float eps, float *y) {
+/* The sum of x[j]^2 over one row of n floats. */
+static inline float sum_squares(const float *x, int64_t n) {
     const int64_t full = n & ~(int64_t)7;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t j = 0; j < full; j += 8) {
@@ -20,11 +20,21 @@ static inline void rms_norm_row(const float *x, int64_t n, const float *w, float
     }
     float ss = hsum(acc);
     for (int64_t j = full; j < n; j++) ss += x[j] * x[j];
-    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    return ss;
+}
+
+/* y = x * inv * w over one row of n floats; y may be x. */
+static inline void scale_row(const float *x, int64_t n, float inv, const float *w, float *y) {
+    const int64_t full = n & ~(int64_t)7;
     const __m256 s = _mm256_set1_ps(inv);
     for (int64_t j = 0; j < full; j += 8)
         _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j), s), _mm256_loadu_ps(w + j)));
     for (int64_t j = full; j < n; j++) y[j] = x[j] * inv * w[j];
+}
+
+/* y = x * rsqrt(mean(x^2) + eps) * w over one row of n floats; y may be x. */
+static inline void rms_norm_row(const float *x, int64_t n, const float *w, float eps, float *y) {
+    scale_row(x, n, 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps), w, y);
 }
 
 /* NeoX rotation of one head of d floats in place, by the tables' rows c and s (cos, and

@@ -5,10 +5,11 @@ token each, with a cache), at most FUSED_MAX_ROWS of them (batched decode includ
 without LoRA or tensor parallelism, runs every layer in one kernel call, its threads
 meeting at barriers instead of returning to Python between ~300 op calls (bench/RESULTS.md
 run 10). The matrices may be float32 panels or int8 ones (`--quantization int8`: the layer
-table then holds each int8 matrix's scales too). Dense Llama / Qwen2 / Qwen3 /
-Mistral-shaped models qualify (Gemma's, Granite's and Phi-3's too; SmolLM3's NoPE layers
-are a flag per layer); what does not (experts, Gemma 2 and 3's sandwich norms, capped
-scores and second rotary table, odd head sizes) keeps the
+table then holds each int8 matrix's scales too). Every dense family qualifies: per layer
+the kernel takes a window, a score scale and cap (Gemma 2), a rotary table or none (Gemma
+3's sliding layers' own, SmolLM3's NoPE layers), q/k norms per head or over every head
+(OLMo 2 and 3), and norms of attention's and the MLP's outputs with or without input norms
+(Gemma 2 and 3, OLMo 2 and 3); what does not (experts, odd head sizes) keeps the
 op-by-op path of decoder.py, as does any step the kernel refuses (a position, slot or block
 out of range: nothing is written then, and the op-by-op path raises its usual error). A
 refusal is counted (FusedDecode.refused) and the first one of a model logged with the step's
@@ -27,7 +28,17 @@ import torch
 from executors.cpu_kernels import GLU_ACTIVATIONS, MAX_HEADS, MAX_ROPE_DIM, CpuKernels
 from executors.cpu_kernels.panels import Panels
 from executors.cpu_kernels.qpanels import QPanels
-from executors.cpu_kernels.step import LAYER_FIELDS, MAX_STEP_ROWS, OUT_OF_RANGE, SCALES_SUFFIX, DecoderSpec, StepSpec
+from executors.cpu_kernels.step import (
+    LAYER_FIELDS,
+    MAX_STEP_ROWS,
+    OUT_OF_RANGE,
+    ROTARY_GLOBAL,
+    ROTARY_LOCAL,
+    ROTARY_NONE,
+    SCALES_SUFFIX,
+    DecoderSpec,
+    StepSpec,
+)
 from executors.models.attention import StepContext
 
 if TYPE_CHECKING:
@@ -54,16 +65,23 @@ class FusedDecode:
         self.windows = torch.tensor([c.window(i) or 0 for i in range(c.num_layers)], dtype=torch.int32)
         self.scales = torch.tensor([c.attn_scale or c.head_dim ** -0.5] * c.num_layers, dtype=torch.float32)
         self.final_norm = model.model.norm.fused_weight().contiguous()
-        self.rotary = torch.tensor([c.rotates(i) for i in range(c.num_layers)], dtype=torch.int32)  # NoPE: 0
+        local = model.rope_local
+        self.rotary = torch.tensor([ROTARY_NONE if not c.rotates(i) else ROTARY_LOCAL if model.rope_for(i) is local
+                                    else ROTARY_GLOBAL for i in range(c.num_layers)], dtype=torch.int32)
+        self.softcaps = torch.tensor([c.attn_softcap or 0.0] * c.num_layers, dtype=torch.float32)
         # The tensors whose addresses the spec holds stay referenced here (and by the model).
-        self._tensors = (fused, self.final_norm, model.rope.cos, model.rope.signed_sin)
+        self._tensors = (fused, self.final_norm, model.rope.cos, model.rope.signed_sin, local)
         self.spec = DecoderSpec(
             layers=c.num_layers, hidden=c.hidden_size, heads=c.num_heads, kv_heads=c.num_kv_heads,
             head_dim=c.head_dim, inter=c.intermediate_size, eps=c.rms_norm_eps,
             activation=GLU_ACTIVATIONS[c.hidden_act], weights=self.weights.data_ptr(),
             windows=self.windows.data_ptr(), scales=self.scales.data_ptr(), final_norm=self.final_norm.data_ptr(),
             cos=model.rope.cos.data_ptr(), signed_sin=model.rope.signed_sin.data_ptr(),
-            max_positions=model.rope.cos.shape[0], rotary=self.rotary.data_ptr())
+            max_positions=model.rope.cos.shape[0], rotary=self.rotary.data_ptr(),
+            local_cos=local.cos.data_ptr() if local is not None else None,
+            local_sin=local.signed_sin.data_ptr() if local is not None else None,
+            softcaps=self.softcaps.data_ptr() if c.attn_softcap is not None else None,
+            qk_norm_across=int(c.qk_norm_across_heads))
 
     @classmethod
     def build(cls, model: DecoderLM) -> FusedDecode | None:
@@ -121,21 +139,19 @@ class FusedDecode:
 def unsupported(model: DecoderLM) -> str | None:
     """Why the model's decode steps cannot run as one kernel call; None when they can."""
     c = model.config
-    if c.attn_softcap is not None:
-        return "soft-capped attention scores (Gemma 2)"
-    if not c.pre_norms or c.qk_norm_across_heads:
-        return "norms after attention and the MLP only, q/k norms across heads (OLMo 2)"
     if c.hidden_act not in GLU_ACTIVATIONS:
         return f"activation {c.hidden_act}"
     if c.head_dim % 8 or c.head_dim > MAX_ROPE_DIM or c.num_heads > MAX_HEADS or c.num_heads % c.num_kv_heads:
         return f"attention shape {c.num_heads} heads / {c.num_kv_heads} KV heads of {c.head_dim}"
-    if model.rope_local is not None or model.head_rows is not None:
-        return "a second rotary table, or a tensor-parallel shard"
-    if model.rope.cos.dtype != torch.float32 or not model.rope.cos.is_contiguous():
-        return "rotary tables not float32"
+    if model.head_rows is not None:
+        return "a tensor-parallel shard"
+    for table in (model.rope, model.rope_local):
+        if table is not None and (table.cos.dtype != torch.float32 or not table.cos.is_contiguous()
+                                  or not table.signed_sin.is_contiguous() or table.cos.shape != model.rope.cos.shape):
+            return "rotary tables not float32"
     for w in model.fused:
-        if w.gate_up is None or w.post_ff_norm is not None or w.moe is not None:
-            return "experts or sandwich norms"
+        if w.gate_up is None or w.moe is not None:
+            return "experts"
         for name in w._fields:
             t = getattr(w, name)
             if name in MATMUL_FIELDS and not isinstance(t, (Panels, QPanels)):

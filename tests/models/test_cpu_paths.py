@@ -36,8 +36,13 @@ FAMILIES = {
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "tie_word_embeddings": False, "head_dim": 32},
     # SmolLM3: layer 1 a NoPE one (q and k not rotated), on every path and in the one-call step.
     "smollm3": {"architectures": ["SmolLM3ForCausalLM"], "no_rope_layers": [1, 0]},
-    # OLMo 2: no input norms, q/k norms across heads (op by op: not the one-call step's shape).
+    # OLMo 2: no input norms, q/k norms across heads.
     "olmo2": {"architectures": ["Olmo2ForCausalLM"]},
+    # Gemma 2: soft-capped scores (caps that bite on this model's scores and logits), norms
+    # around attention's and the MLP's outputs, (1 + w) norms; its default window (4096) is
+    # past these positions.
+    "gemma2": {"architectures": ["Gemma2ForCausalLM"], "head_dim": 16, "attn_logit_softcapping": 1.0,
+               "final_logit_softcapping": 5.0, "query_pre_attn_scalar": 20},
 }
 POLICIES = {
     "default": {},  # decode steps of up to 64 rows in one kernel call, other steps op by op

@@ -131,37 +131,33 @@ def test_status_reports_expert_load_or_window_freeing(served):
         assert st.kv_pool.window_freed_blocks == 0
 
 
-def test_gemma2_soft_capped_scores_take_the_plain_attention(tmp_path):
-    """No fused kernel caps scores: the one-call CPU decode step says so and stays off, and
-    the Triton kernels are refused when asked for by name (auto falls back to SDPA's path)."""
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "phi3", "granite"])
+def test_every_dense_family_decodes_in_one_kernel_call(family, tmp_path):
+    """A float32 CPU decode step of every dense family runs whole in the one-call kernel
+    (test_fused_decode.py holds its logits to the reference's): none is left op by op."""
     from executors.llm import LlmExecutor, LlmExecutorConfig
     from executors.models.fused_decode import unsupported
+    from tests.models.tiny_models import build
+
+    build(family, tmp_path)
+    executor = LlmExecutor(LlmExecutorConfig(model_dir=str(tmp_path), num_blocks=32))
+    try:
+        assert unsupported(executor.model) is None and executor.model.fused_decode is not None
+    finally:
+        executor.close()
+
+
+def test_gemma2_soft_capped_scores_refuse_the_triton_kernels(tmp_path):
+    """No Triton kernel caps scores: asked for by name they are refused, auto falls back to
+    SDPA's path (and, on a CPU in float32, the CPU kernels, which cap)."""
+    from executors.llm import LlmExecutor, LlmExecutorConfig
     from tests.models.tiny_models import build
 
     build("gemma2", tmp_path)
     executor = LlmExecutor(LlmExecutorConfig(model_dir=str(tmp_path), num_blocks=32))
     try:
-        assert executor.model.fused_decode is None
-        assert unsupported(executor.model) == "soft-capped attention scores (Gemma 2)"
         assert executor.attention_backend == "sdpa"
     finally:
         executor.close()
     with pytest.raises(ValueError, match="the Triton kernels do not soft-cap attention scores"):
         LlmExecutor(LlmExecutorConfig(model_dir=str(tmp_path), num_blocks=32, attention_backend="triton"))
-
-
-def test_olmo2_decodes_op_by_op_and_says_why(tmp_path):
-    """OLMo 2's layer (no input norm, q/k norms across heads) is not the one-call CPU step's
-    shape: the step stays off with the reason (the decodes above ran op by op, and matched)."""
-    from executors.llm import LlmExecutor, LlmExecutorConfig
-    from executors.models.fused_decode import unsupported
-    from tests.models.tiny_models import build
-
-    build("olmo2", tmp_path)
-    executor = LlmExecutor(LlmExecutorConfig(model_dir=str(tmp_path), num_blocks=32))
-    try:
-        assert executor.model.fused_decode is None
-        assert "q/k norms across heads (OLMo 2)" in unsupported(executor.model)
-        assert executor.model.fused[0].input_norm is None and executor.model.fused[0].pre_ff_norm is None
-    finally:
-        executor.close()

@@ -43,9 +43,14 @@ def calls(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "smollm3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "smollm3", "gemma2", "gemma3", "olmo2",
+                                    "olmo3"])
 def test_batches_of_every_size_then_gathers_on_the_same_caches(family, calls, monkeypatch):
-    pair = Pair(family, model=windows.tiny_model(family)) if family == "mistral" else Pair(family)
+    """Every dense family's layer: NoPE (SmolLM3), capped scores and output norms (Gemma 2),
+    a second rotary table on sliding layers (Gemma 3), q/k norms across heads and no input
+    norms (OLMo 2 and 3, OLMo 3 with windows and YaRN)."""
+    windowed = family in windows.FAMILIES
+    pair = Pair(family, model=windows.tiny_model(family)) if windowed else Pair(family)
     try:
         pair.fast.pool._storage.fill_(float("nan"))  # stale slots must be cleared, not read
         pair.ref.pool._storage.fill_(float("nan"))
@@ -140,10 +145,16 @@ def test_decodes_past_a_window_every_layer_slides_stay_one_call(calls, caplog):
 
 
 def test_models_it_does_not_take():
+    from executors.models.config import DecoderConfig
+    from executors.models.decoder import DecoderLM
+
     assert fused_decode.unsupported(tiny_model("qwen3").fuse()) is None
-    gemma = windows.tiny_model("gemma3").fuse()
-    assert gemma.fused_decode is None
-    assert "rotary" in fused_decode.unsupported(gemma) or "sandwich" in fused_decode.unsupported(gemma)
+    assert fused_decode.unsupported(windows.tiny_model("gemma3").fuse()) is None
+    moe = DecoderLM(DecoderConfig.from_dict({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32})).fuse()
+    assert moe.fused_decode is None and fused_decode.unsupported(moe) == "experts"
 
 
 def test_an_index_out_of_range_is_refused_before_anything_is_written(calls):

@@ -305,7 +305,8 @@ def broken_copy(src, dst, *, config=None, drop=None, reshape=None):
         (dict(drop="model.layers.1.mlp.up_proj.weight"), "model.layers.1.mlp.up_proj.weight"),
         (dict(reshape="model.layers.0.self_attn.k_proj.weight"), "model.layers.0.self_attn.k_proj.weight"),
         (dict(config=lambda c: {k: v for k, v in c.items() if k != "vocab_size"}), "vocab_size"),
-        (dict(config=lambda c: dict(c, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2})), "yarn"),
+        (dict(config=lambda c: dict(c, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2})),
+         "rope scaling type 'dynamic' is not supported"),
     ],
     ids=["architecture", "missing_tensor", "shape", "missing_key", "rope_type"],
 )
