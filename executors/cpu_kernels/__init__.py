@@ -15,8 +15,8 @@ it; built by build.py).
   over the causal triangle;
 - argmax.c: the ARGMAX policy's token and log-probability in one call;
 - sampling.c: the SAMPLE policy's draw (top-k, top-p, min-p, inversion) in one call;
-- decode_step.c: a whole decode step of a dense model, every layer, in one call
-  (executors/models/fused_decode.py; its structures in step.py).
+- decode_step.c: a whole decode step of a dense model, every layer, in one call, its
+  layer's phases in decode_layer.h (executors/models/fused_decode.py; the structures in step.py).
 
 `cpu_kernels()` returns the process's CpuKernels, or None where they cannot be built here
 (the reason is logged once, and the model keeps torch's ops).

@@ -32,7 +32,7 @@ SOURCES = tuple(HERE / name for name in ("weight_panel.c", "pointwise.c", "paged
                                            "argmax.c", "sampling.c", "decode_step.c", "fma_rate.c"))
 HEADERS = tuple(HERE / name for name in ("simd.h", "isa.h", "panel.h", "weight_panel.h", "pack_x.h",
                                           "weight_panel512.h", "weight_linear.h", "weight_q8_dot.h", "weight_q8.h",
-                                          "pointwise.h", "attention_row.h"))
+                                          "pointwise.h", "attention_row.h", "decode_layer.h"))
 FLAGS = ("-O3", "-std=c11", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror")
 LIBS = ("-lm",)
 LIBRARY = "libmodelexec_cpu.so"

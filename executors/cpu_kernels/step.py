@@ -1,4 +1,4 @@
-"""ctypes views of decode_step.c's two structures: a model (built once) and a step."""
+"""ctypes views of decode_layer.h's two structures (decode_step.c runs them): a model (built once) and a step."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import ctypes
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
-# The columns of the per-layer address table, in decode_step.c's order: a FusedLayer's
+# The columns of the per-layer address table, in decode_layer.h's order: a FusedLayer's
 # fields, the scales of its int8 matrices (0 for float32 panels), then the norms around the
 # MLP of a layer that norms its outputs (Gemma 2 and 3, OLMo 2 and 3).
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "q_norm", "k_norm", "post_norm", "gate_up",
