@@ -173,6 +173,11 @@ class DecoderConfig:
         max_positions = int(cfg.get("max_position_embeddings", defaults.max_position_embeddings))
         rotary_dim = rotary_dim_of(cfg, family, head_dim)
         theta, scaling, local_theta = read_rope(cfg, family, defaults, max_positions, rotary_dim or head_dim)
+        if scaling is not None and scaling.kind == "yarn":
+            # YaRN stretches the original context by its factor: the positions it is made for
+            # (Qwen3's model cards set 4 x 32768 over a max_position_embeddings of 40960), as
+            # vLLM derives such a model's length; transformers rotates any position alike.
+            max_positions = max(max_positions, int(scaling.original_max_position_embeddings * scaling.factor))
         eos = cfg.get("eos_token_id")
         if defaults.attention_bias_key is None:
             attention_bias = defaults.attention_bias

@@ -3,7 +3,8 @@
 No hub is reachable from the tests, so these are the keys and values that matter of
 microsoft/Phi-3-mini-4k-instruct, microsoft/Phi-4-mini-instruct, google/gemma-2-2b-it,
 ibm-granite/granite-3.1-2b-instruct, google/gemma-2b, HuggingFaceTB/SmolLM3-3B,
-allenai/OLMo-2-1124-7B and allenai/Olmo-3-1025-7B (transformers 4's
+allenai/OLMo-2-1124-7B, allenai/Olmo-3-1025-7B and Qwen/Qwen3-8B with the YaRN setting its
+model card gives for 131072 tokens (transformers 4's
 layout: top-level rope_theta, no layer_types; the LongRoPE factor lists stand in for the published
 48 numbers: their count and place are what is read here). The tiny random models of the
 other tests check the arithmetic against transformers; these check that the real files'
@@ -64,6 +65,14 @@ OLMO3_7B = {
                      "original_max_position_embeddings": 8192, "rope_type": "yarn"},
     "tie_word_embeddings": False, "vocab_size": 100278, "eos_token_id": 100257, "pad_token_id": 100277,
     "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+QWEN3_8B_YARN = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000, "attention_bias": False,
+    "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None, "vocab_size": 151936,
+    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    "torch_dtype": "bfloat16",
 }
 GEMMA2_2B = {
     "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216,
@@ -149,3 +158,12 @@ def test_olmo3_7b_slides_three_layers_of_four_with_yarn_on_the_fourth():
                                                                                                  32.0, 1.0)
     assert s.attention_factor == 1.2079441541679836 and c.rope_theta == 500000.0 and c.local_rope_theta == 500000.0
     assert not c.pre_norms and c.qk_norm_across_heads and c.max_position_embeddings == 65536
+
+
+def test_qwen3_8b_with_its_model_cards_yarn():
+    c = DecoderConfig.from_dict(QWEN3_8B_YARN)
+    s = c.rope_scaling
+    assert (s.kind, s.factor, s.original_max_position_embeddings) == ("yarn", 4.0, 32768)
+    assert s.attention_factor == 0.1 * math.log(4.0) + 1 and (s.beta_fast, s.beta_slow, s.truncate) == (32.0, 1.0, True)
+    assert c.rope_theta == 1e6 and c.qk_norm and not c.qk_norm_across_heads and c.layer_windows == ()
+    assert c.max_position_embeddings == 131072  # 4 x 32768: the context YaRN is set for, past the file's 40960

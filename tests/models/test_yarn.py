@@ -55,7 +55,9 @@ def test_yarn_matches_transformers_bit_for_bit(name):
     assert torch.equal(inv, inv_theirs.float()), (inv - inv_theirs).abs().max()
     assert scaling.attention_factor == pytest.approx(gain_theirs, rel=1e-12)
     cos, sin = rope_tables(ours)
-    phases = torch.outer(torch.arange(32768, dtype=torch.float32), inv_theirs.float())
+    # The positions YaRN is set for: its factor times the original context, at least.
+    assert cos.shape[0] == max(32768, int(scaling.original_max_position_embeddings * scaling.factor))
+    phases = torch.outer(torch.arange(cos.shape[0], dtype=torch.float32), inv_theirs.float())
     assert torch.equal(cos[:, :ours.head_dim // 2], phases.cos() * gain_theirs)
     assert torch.equal(sin[:, ours.head_dim // 2:], phases.sin() * gain_theirs)
 
