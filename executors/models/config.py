@@ -46,13 +46,17 @@ ARCHITECTURES = {
     "SmolLM3ForCausalLM": ("smollm3", False),
     "Olmo2ForCausalLM": ("olmo2", True),
     "Olmo3ForCausalLM": ("olmo3", True),
+    "Exaone4ForCausalLM": ("exaone4", True),
 }
 # Families whose checkpoints store q/k/v as one qkv_proj and gate/up as one gate_up_proj.
 FUSED_CHECKPOINT_FAMILIES = ("phi3",)
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")  # (1 + w) norms, scaled embeddings, GELU-tanh
 SANDWICH_FAMILIES = ("gemma2", "gemma3")  # and norms around attention's and the MLP's outputs, a query scalar, caps
-OLMO_FAMILIES = ("olmo2", "olmo3")  # norms of attention's and the MLP's outputs only, q/k norms across heads
+# Families that norm attention's and the MLP's outputs only, no inputs (EXAONE 4's q/k norms
+# are per head, OLMo's span every head).
+POST_NORM_FAMILIES = ("olmo2", "olmo3", "exaone4")
+OLMO_FAMILIES = ("olmo2", "olmo3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +102,9 @@ class DecoderConfig:
     embed_scale: float | None = None
     hidden_act: str = "silu"  # silu or gelu_tanh
     sandwich_norms: bool = False
-    # OLMo 2 and 3: no norm before attention or the MLP, only the output norms of sandwich_norms,
-    # and q_norm / k_norm over every head's dimensions at once (weights [H * D] and [KVH * D]),
-    # where Qwen3's and Gemma 3's norm each head alone (weights [D]).
+    # OLMo 2 and 3, EXAONE 4: no norm before attention or the MLP, only the output norms of
+    # sandwich_norms; OLMo's q_norm / k_norm over every head's dimensions at once (weights
+    # [H * D] and [KVH * D]), where Qwen3's, Gemma 3's and EXAONE's norm each head alone ([D]).
     pre_norms: bool = True
     qk_norm_across_heads: bool = False
     attn_scale: float | None = None  # None: 1/sqrt(head_dim)
@@ -191,7 +195,7 @@ class DecoderConfig:
 
         layers = int(need("num_hidden_layers"))
         windows = layer_windows(cfg, family, defaults, layers, max_positions)
-        rotation = layer_rotation(cfg, family, layers)
+        rotation = layer_rotation(cfg, family, layers, defaults)
         return cls(
             architecture=arch,
             family=family,
@@ -222,8 +226,8 @@ class DecoderConfig:
             norm_offset=1.0 if gemma else 0.0,
             embed_scale=hidden ** 0.5 if gemma else granite("embedding_multiplier"),
             hidden_act="gelu_tanh" if gemma else "silu",
-            sandwich_norms=sandwich or family in OLMO_FAMILIES,
-            pre_norms=family not in OLMO_FAMILIES,
+            sandwich_norms=sandwich or family in POST_NORM_FAMILIES,
+            pre_norms=family not in POST_NORM_FAMILIES,
             qk_norm_across_heads=family in OLMO_FAMILIES,
             attn_scale=(positive_number(cfg, "query_pre_attn_scalar", defaults.query_pre_attn_scalar) ** -0.5
                         if sandwich else granite("attention_multiplier")),

@@ -1,6 +1,7 @@
 """What kind of attention each layer has, read from a config.json as transformers reads it:
-its sliding window (Mistral, Mixtral and Phi-3 every layer; Gemma 2 and 3, SmolLM3 by
-`layer_types`) and whether it rotates q and k at all (SmolLM3's NoPE layers)."""
+its sliding window (Mistral, Mixtral and Phi-3 every layer; Gemma 2 and 3, SmolLM3, OLMo 3
+and EXAONE 4 by `layer_types`) and whether it rotates q and k at all (SmolLM3's NoPE layers,
+EXAONE 4's global ones)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from executors.models.family_defaults import FamilyDefaults
 # Families whose every layer sees the same `sliding_window` (when the config sets one).
 WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")
 # Families whose layers slide or not by `layer_types` (or the older keys that stand for it).
-LAYER_TYPE_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo3")
+LAYER_TYPE_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo3", "exaone4")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -51,9 +52,11 @@ def _implied_layer_types(cfg: dict[str, Any], family: str, defaults: FamilyDefau
         slides = bool(cfg.get("use_sliding_window")) and window is not None
         rotary = layer_rotation(cfg, family, layers)
         return ["sliding_attention" if slides and not rotary[i] else "full_attention" for i in range(layers)]
+    if family == "exaone4" and window is None:  # Exaone4Config fails here (a pattern of 0): none slides
+        return ["full_attention"] * layers
     # Gemma and OLMo 3: every `sliding_window_pattern`-th layer is global (only Gemma 3 reads
     # the key: Gemma 2's every other layer slides, from the first; OLMo 3's three of four).
-    pattern = (cfg.get("sliding_window_pattern", defaults.sliding_window_pattern) if family == "gemma3"
+    pattern = (cfg.get("sliding_window_pattern", defaults.sliding_window_pattern) if family in ("gemma3", "exaone4")
                else defaults.sliding_window_pattern)
     if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
         raise UnsupportedModel(f"sliding_window_pattern must be a positive integer, got {pattern!r}")
@@ -66,10 +69,17 @@ def window_size(window: Any) -> int:
     return window
 
 
-def layer_rotation(cfg: dict[str, Any], family: str, layers: int) -> tuple[bool, ...]:
+def layer_rotation(cfg: dict[str, Any], family: str, layers: int,
+                   defaults: FamilyDefaults | None = None) -> tuple[bool, ...]:
     """Whether each layer rotates q and k. SmolLM3: `no_rope_layers` holds 1 for a layer with
     rotary embeddings and 0 for a NoPE one (at least one entry per layer; transformers reads
-    the first ones), or without it every `no_rope_layer_interval`-th layer is NoPE."""
+    the first ones), or without it every `no_rope_layer_interval`-th layer is NoPE. EXAONE 4:
+    with a sliding window, only the sliding layers rotate (its global ones are NoPE)."""
+    if family == "exaone4":
+        if cfg.get("sliding_window", defaults.sliding_window) is None:
+            return (True,) * layers
+        types = cfg.get("layer_types") or _implied_layer_types(cfg, family, defaults, layers, True)
+        return tuple(t == "sliding_attention" for t in types[:layers])
     if family != "smollm3":
         return (True,) * layers
     flags = cfg.get("no_rope_layers")

@@ -173,6 +173,12 @@ CASES = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 2e3}}}, {}, 40, None),
     "olmo3_flat_rope_parameters": ("olmo3", {"num_hidden_layers": 4}, {
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, 20, "OLMo 3 rope_parameters must be per"),
+    # 16. EXAONE 4: every sliding_window_pattern-th layer global and NoPE (4 by default, 3 here);
+    # without a window every layer global and rotating (layer_types as the file lists them).
+    "exaone4_pattern": ("exaone4", {"num_hidden_layers": 6, "sliding_window": 8, "sliding_window_pattern": 3},
+                        {"layer_types": DEL}, 40, None),
+    "exaone4_no_window": ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 2}, {}, 40,
+                          None),
     "smollm3_longer_no_rope_layers": ("smollm3", {"num_hidden_layers": 3}, {"no_rope_layers": [0, 1, 0, 0, 0]},
                                       40, None),
 }
@@ -185,7 +191,7 @@ MODELS = {
     "phi3": ("Phi3ForCausalLM", "Phi3Config"), "granite": ("GraniteForCausalLM", "GraniteConfig"),
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config"), "gemma": ("GemmaForCausalLM", "GemmaConfig"),
     "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config"), "olmo2": ("Olmo2ForCausalLM", "Olmo2Config"),
-    "olmo3": ("Olmo3ForCausalLM", "Olmo3Config"),
+    "olmo3": ("Olmo3ForCausalLM", "Olmo3Config"), "exaone4": ("Exaone4ForCausalLM", "Exaone4Config"),
 }
 
 
@@ -270,6 +276,16 @@ def test_smollm3_layer_settings_that_cannot_be_served_are_refused(edit, refusal)
     without a window) or this executor does not serve: refused at start-up, by name."""
     with pytest.raises(UnsupportedModel, match=refusal):
         DecoderConfig.from_dict({**SMOLLM3_CONFIG, **edit})
+
+
+def test_exaone4_layer_types_transformers_cannot_derive_are_refused():
+    """Exaone4Config derives layer_types from an integer pattern only (a string one fails in
+    it): without layer_types, "LLLG" is refused by name; with them it is not read."""
+    config = {"architectures": ["Exaone4ForCausalLM"], **COMMON, "sliding_window": 8, "sliding_window_pattern": "LLLG"}
+    with pytest.raises(UnsupportedModel, match="sliding_window_pattern must be a positive integer, got 'LLLG'"):
+        DecoderConfig.from_dict(config)
+    listed = DecoderConfig.from_dict({**config, "layer_types": ["sliding_attention", "full_attention"]})
+    assert listed.layer_windows == (8, None) and listed.nope_layers == (1,)
 
 
 def test_gemma2_caps_default_to_gemma2configs_and_null_is_none():

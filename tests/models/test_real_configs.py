@@ -3,7 +3,7 @@
 No hub is reachable from the tests, so these are the keys and values that matter of
 microsoft/Phi-3-mini-4k-instruct, microsoft/Phi-4-mini-instruct, google/gemma-2-2b-it,
 ibm-granite/granite-3.1-2b-instruct, google/gemma-2b, HuggingFaceTB/SmolLM3-3B,
-allenai/OLMo-2-1124-7B, allenai/Olmo-3-1025-7B and Qwen/Qwen3-8B with the YaRN setting its
+allenai/OLMo-2-1124-7B, allenai/Olmo-3-1025-7B LGAI-EXAONE/EXAONE-4.0-32B and Qwen/Qwen3-8B with the YaRN setting its
 model card gives for 131072 tokens (transformers 4's
 layout: top-level rope_theta, no layer_types; the LongRoPE factor lists stand in for the published
 48 numbers: their count and place are what is read here). The tiny random models of the
@@ -73,6 +73,17 @@ QWEN3_8B_YARN = {
     "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None, "vocab_size": 151936,
     "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
     "torch_dtype": "bfloat16",
+}
+EXAONE4_32B = {
+    "architectures": ["Exaone4ForCausalLM"], "model_type": "exaone4", "hidden_size": 5120, "intermediate_size": 27392,
+    "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+    "rope_scaling": {"factor": 16.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "sliding_window": 4096, "sliding_window_pattern": "LLLG",
+    "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(64)],
+    "tie_word_embeddings": False, "vocab_size": 102400, "bos_token_id": 1, "eos_token_id": 361, "pad_token_id": 0,
+    "hidden_act": "silu", "torch_dtype": "bfloat16",
 }
 GEMMA2_2B = {
     "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216,
@@ -167,3 +178,11 @@ def test_qwen3_8b_with_its_model_cards_yarn():
     assert s.attention_factor == 0.1 * math.log(4.0) + 1 and (s.beta_fast, s.beta_slow, s.truncate) == (32.0, 1.0, True)
     assert c.rope_theta == 1e6 and c.qk_norm and not c.qk_norm_across_heads and c.layer_windows == ()
     assert c.max_position_embeddings == 131072  # 4 x 32768: the context YaRN is set for, past the file's 40960
+
+
+def test_exaone4_32b_global_layers_are_nope_and_its_string_pattern_unread():
+    c = DecoderConfig.from_dict(EXAONE4_32B)
+    assert c.nope_layers == tuple(range(3, 64, 4))
+    assert c.layer_windows == tuple(None if (i + 1) % 4 == 0 else 4096 for i in range(64))
+    assert (c.rope_scaling.kind, c.rope_scaling.factor) == ("llama3", 16.0) and c.rope_theta == 1e6
+    assert not c.pre_norms and c.sandwich_norms and c.qk_norm and not c.qk_norm_across_heads

@@ -39,6 +39,9 @@ FAMILIES = {
               "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                                      "original_max_position_embeddings": 2048},
                                   "sliding_attention": {"rope_type": "default", "rope_theta": 3e3}}},
+    # EXAONE 4: output norms only, per-head q/k norms, the global layer NoPE.
+    "exaone4": {"architectures": ["Exaone4ForCausalLM"], "head_dim": 16,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
 }
 
 

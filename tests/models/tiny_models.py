@@ -2,7 +2,7 @@
 and Qwen2; the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral; the sliding-window
 Mistral, Gemma 2 (soft-capped attention scores), Gemma 3 and Phi-3 (whose checkpoint fuses
 q/k/v and gate/up); Phi-4-mini's rope; Granite's multipliers; Gemma (1); SmolLM3's NoPE layers;
-OLMo 2's norms; OLMo 3's windows and YaRN."""
+OLMo 2's norms; OLMo 3's windows and YaRN; EXAONE 4's NoPE global layers."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def build(family: str, out_dir: Path, **save_kwargs):
 
 
 SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8, "phi3": 9, "phi4_mini": 10,
-         "granite": 11, "gemma2": 12, "gemma": 13, "smollm3": 14, "olmo2": 15, "olmo3": 16}
+         "granite": 11, "gemma2": 12, "gemma": 13, "smollm3": 14, "olmo2": 15, "olmo3": 16, "exaone4": 17}
 # phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
 LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
@@ -137,4 +137,11 @@ def _new_family(tf, family: str, common: dict):
         return tf.Olmo3ForCausalLM(tf.Olmo3Config(**dict(common, num_hidden_layers=4), sliding_window=WINDOW,
                                                   rope_parameters=rope, pad_token_id=0, bos_token_id=1,
                                                   eos_token_id=2))
+    if family == "exaone4":
+        # EXAONE 4: output norms only, per-head q/k norms, three of four layers sliding and
+        # rotating, the fourth global and NoPE; Llama 3 rope scaling as EXAONE-4.0-32B's.
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64, "rope_theta": 1e6}
+        return tf.Exaone4ForCausalLM(tf.Exaone4Config(**dict(common, num_hidden_layers=4), sliding_window=WINDOW,
+                                                      rope_parameters=rope, pad_token_id=0))
     raise ValueError(family)
