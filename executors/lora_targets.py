@@ -18,8 +18,9 @@ from executors.models.partial_rotary import reorders, row_order
 MODULE_PARENTS = {
     "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
     "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
-    "qkv_proj": "self_attn", "gate_up_proj": "mlp",  # Phi-3's fused projections
+    "qkv_proj": "self_attn", "gate_up_proj": "mlp",  # Phi-3's fused projections (GLM-4's gate_up_proj)
 }
+QKV = ("q_proj", "k_proj", "v_proj")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,13 +46,14 @@ class LoraTargets:
         orders = {"q_proj": row_order(q, config), "k_proj": row_order(kv, config)} if reorders(config) else {}
         scale = config.residual_scale
         scales = {"o_proj": scale, "down_proj": scale} if scale not in (None, 1.0) else {}
-        if config.fused_checkpoint:  # the projections PEFT sees on this family's transformers model
-            return cls(config.num_layers, {
-                "qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden),
-                "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden),
-            }, {"qkv_proj": (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
-                "gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))}, orders, scales)
         attention = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
+        if config.fused_checkpoint:  # the projections PEFT sees on this family's transformers model
+            shapes = {**attention, "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}
+            splits = {"gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))}
+            if "qkv_proj" in config.fused_checkpoint:  # Phi-3's; GLM-4 fuses gate/up only
+                shapes = {"qkv_proj": (hidden, q + 2 * kv), **{k: v for k, v in shapes.items() if k not in QKV}}
+                splits["qkv_proj"] = (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv))
+            return cls(config.num_layers, shapes, splits, orders, scales)
         if config.moe is not None:  # a mixture of experts: adapters on attention only
             return cls(config.num_layers, attention, row_orders=orders, output_scales=scales)
         return cls(config.num_layers, {

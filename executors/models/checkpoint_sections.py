@@ -1,10 +1,12 @@
 """Checkpoint tensors that hold several of the decoder's parameters, and where each one sits.
 
 Phi-3 stores each layer's q, k and v projections as one `qkv_proj` ([q; k; v] rows, in that
-order) and the MLP's gate and up projections as one `gate_up_proj` ([gate; up]). The decoder
-keeps one set of parameter names for every family (tensor parallelism, LoRA and the weights
-digest all go by them), so the loader cuts such a tensor into its row ranges as it reads it;
-the fast forward fuses q/k/v and gate/up again anyway (fused_weights.py).
+order) and the MLP's gate and up projections as one `gate_up_proj` ([gate; up]); GLM-4 the
+latter. The decoder keeps one set of parameter names for every family (tensor parallelism,
+LoRA and the weights digest all go by them), so the loader cuts such a tensor into its row
+ranges as it reads it; the fast forward fuses q/k/v and gate/up again anyway
+(fused_weights.py). A tensor whose one part is all of it is a rename: GLM-4's norms around
+attention and the MLP, whose names mean other norms in the decoder's (Gemma's) layout.
 """
 
 from __future__ import annotations
@@ -13,23 +15,31 @@ from executors.models.config import DecoderConfig
 
 # checkpoint tensor -> ((parameter, first row, end row), ...)
 Sections = dict[str, tuple[tuple[str, int, int], ...]]
+# GLM-4's norm names -> the decoder's: of attention's output, before the MLP, of its output.
+RENAMED_NORMS = {"glm4": {"post_self_attn_layernorm": "post_attention_layernorm",
+                          "post_attention_layernorm": "pre_feedforward_layernorm",
+                          "post_mlp_layernorm": "post_feedforward_layernorm"}}
 
 
 def fused_sections(config: DecoderConfig) -> Sections:
-    """Each fused checkpoint tensor of `config`'s family and the rows of each parameter in it
-    (empty for families that store every projection on its own)."""
-    if not config.fused_checkpoint:
-        return {}
+    """Each fused (or renamed) checkpoint tensor of `config`'s family and the rows of each
+    parameter in it (empty for families that store every parameter under its own name)."""
     q = config.num_heads * config.head_dim
     kv = config.num_kv_heads * config.head_dim
-    inter = config.intermediate_size
+    inter, hidden = config.intermediate_size, config.hidden_size
     sections: Sections = {}
     for layer in range(config.num_layers):
-        attn, mlp = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
-        sections[f"{attn}qkv_proj.weight"] = ((f"{attn}q_proj.weight", 0, q), (f"{attn}k_proj.weight", q, q + kv),
-                                              (f"{attn}v_proj.weight", q + kv, q + 2 * kv))
-        sections[f"{mlp}gate_up_proj.weight"] = ((f"{mlp}gate_proj.weight", 0, inter),
-                                                 (f"{mlp}up_proj.weight", inter, 2 * inter))
+        prefix = f"model.layers.{layer}."
+        attn, mlp = f"{prefix}self_attn.", f"{prefix}mlp."
+        if "qkv_proj" in config.fused_checkpoint:
+            sections[f"{attn}qkv_proj.weight"] = ((f"{attn}q_proj.weight", 0, q),
+                                                  (f"{attn}k_proj.weight", q, q + kv),
+                                                  (f"{attn}v_proj.weight", q + kv, q + 2 * kv))
+        if "gate_up_proj" in config.fused_checkpoint:
+            sections[f"{mlp}gate_up_proj.weight"] = ((f"{mlp}gate_proj.weight", 0, inter),
+                                                     (f"{mlp}up_proj.weight", inter, 2 * inter))
+        for theirs, ours in RENAMED_NORMS.get(config.family, {}).items():
+            sections[f"{prefix}{theirs}.weight"] = ((f"{prefix}{ours}.weight", 0, hidden),)
     return sections
 
 

@@ -47,9 +47,11 @@ ARCHITECTURES = {
     "Olmo2ForCausalLM": ("olmo2", True),
     "Olmo3ForCausalLM": ("olmo3", True),
     "Exaone4ForCausalLM": ("exaone4", True),
+    "Glm4ForCausalLM": ("glm4", False),
 }
-# Families whose checkpoints store q/k/v as one qkv_proj and gate/up as one gate_up_proj.
-FUSED_CHECKPOINT_FAMILIES = ("phi3",)
+# The projections each family's checkpoints store fused: Phi-3's q/k/v as one qkv_proj and
+# gate/up as one gate_up_proj, GLM-4's gate/up.
+FUSED_CHECKPOINT = {"phi3": ("qkv_proj", "gate_up_proj"), "glm4": ("gate_up_proj",)}
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")  # (1 + w) norms, scaled embeddings, GELU-tanh
 SANDWICH_FAMILIES = ("gemma2", "gemma3")  # and norms around attention's and the MLP's outputs, a query scalar, caps
@@ -110,9 +112,13 @@ class DecoderConfig:
     attn_scale: float | None = None  # None: 1/sqrt(head_dim)
     final_softcap: float | None = None
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax
-    # Phi-3: the checkpoint holds q/k/v as one qkv_proj and gate/up as one gate_up_proj, which
-    # the loader splits into the decoder's parameters (checkpoint_sections.py).
-    fused_checkpoint: bool = False
+    # Phi-3: the checkpoint holds q/k/v as one qkv_proj and gate/up as one gate_up_proj (GLM-4:
+    # gate_up_proj), which the loader splits into the decoder's parameters (checkpoint_sections.py).
+    fused_checkpoint: tuple[str, ...] = ()
+    # GLM-4: rotary pairs are neighbouring dimensions (2i, 2i + 1), not i and i + D/2; the
+    # loader reorders q's and k's dimensions into the NeoX pairs every path rotates
+    # (partial_rotary.py).
+    rope_interleaved: bool = False
     # Granite: each attention and MLP output is scaled before its residual add (folded into
     # o_proj and down_proj as they load, served_tensors.py), the logits divided by this.
     residual_scale: float | None = None
@@ -226,7 +232,7 @@ class DecoderConfig:
             norm_offset=1.0 if gemma else 0.0,
             embed_scale=hidden ** 0.5 if gemma else granite("embedding_multiplier"),
             hidden_act="gelu_tanh" if gemma else "silu",
-            sandwich_norms=sandwich or family in POST_NORM_FAMILIES,
+            sandwich_norms=sandwich or family in POST_NORM_FAMILIES or family == "glm4",
             pre_norms=family not in POST_NORM_FAMILIES,
             qk_norm_across_heads=family in OLMO_FAMILIES,
             attn_scale=(positive_number(cfg, "query_pre_attn_scalar", defaults.query_pre_attn_scalar) ** -0.5
@@ -235,7 +241,8 @@ class DecoderConfig:
                            else None),
             attn_softcap=(_positive(cfg, "attn_logit_softcapping", defaults.attn_logit_softcapping)
                           if family == "gemma2" else None),
-            fused_checkpoint=family in FUSED_CHECKPOINT_FAMILIES,
+            fused_checkpoint=FUSED_CHECKPOINT.get(family, ()),
+            rope_interleaved=family == "glm4",
             residual_scale=granite("residual_multiplier"),
             logits_divisor=granite("logits_scaling"),
             raw=cfg,

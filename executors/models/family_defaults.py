@@ -53,6 +53,8 @@ FAMILY_DEFAULTS = {
                               attention_bias_key="attention_bias", o_proj_bias=True, mlp_bias_key="mlp_bias"),
     "olmo2": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=2048,
                             attention_bias_key="attention_bias", o_proj_bias=True),
+    "glm4": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1.5625e-07, max_position_embeddings=131072,
+                           attention_bias_key="attention_bias", attention_bias=True),
     "exaone4": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=2048,
                               sliding_window=4096, sliding_window_pattern=4),
     "olmo3": FamilyDefaults(rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=2048,

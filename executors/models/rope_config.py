@@ -14,6 +14,7 @@ from executors.models.family_defaults import FamilyDefaults
 
 LAYER_TYPE_KEYS = ("full_attention", "sliding_attention")
 PER_LAYER_TYPE_FAMILIES = ("gemma3", "olmo3")  # rope_parameters per layer type
+PARTIAL_ROTARY_DEFAULTS = {"phi3": 1.0, "glm4": 0.5}  # families reading partial_rotary_factor, its default
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +89,12 @@ def _phi3_rope(rope: dict[str, Any], where: str) -> dict[str, Any]:
 
 def rotary_dim_of(cfg: dict[str, Any], family: str, head_dim: int) -> int | None:
     """How many dimensions of a head rotate, where the family reads partial_rotary_factor
-    (Phi-3: from rope_parameters, else the top level); None: all of them."""
-    if family != "phi3":
+    (Phi-3, GLM-4: from rope_parameters, else the top level, else 1 or GLM-4's 0.5); None: all
+    of them."""
+    if family not in PARTIAL_ROTARY_DEFAULTS:
         return None
     _, rope = _rope_source(cfg)
-    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", PARTIAL_ROTARY_DEFAULTS[family]))
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
         raise UnsupportedModel(f"partial_rotary_factor must be a number in (0, 1], got {factor!r}")
     rotary = int(head_dim * factor)

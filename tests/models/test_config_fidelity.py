@@ -28,7 +28,7 @@ VOCAB, TOL = 320, 1e-4
 DEL = object()  # in an edit: remove the key
 COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
-PHI3 = {**COMMON, "pad_token_id": 0}  # Phi3Config's default pad id, 32000, is outside the tiny vocabulary
+PHI3 = {**COMMON, "pad_token_id": 0}  # Phi3Config's (and Glm4Config's) default pad id is outside the tiny vocabulary
 SMOLLM3 = {**COMMON, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # the same (128004, ...)
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "rope_theta": 1e4,
             "original_max_position_embeddings": 256}
@@ -179,6 +179,13 @@ CASES = {
                         {"layer_types": DEL}, 40, None),
     "exaone4_no_window": ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 2}, {}, 40,
                           None),
+    # 17. GLM-4: half of each head rotating in neighbouring pairs by default (Glm4Config's
+    # 0.5 where neither rope_parameters nor the top level says), all of it, or three quarters.
+    "glm4_default_half": ("glm4", {"head_dim": 16}, {"rope_parameters": DEL, "partial_rotary_factor": DEL,
+                                                     "rope_theta": 1e4}, 40, None),
+    "glm4_whole_head": ("glm4", {"head_dim": 16, "partial_rotary_factor": 1.0}, {}, 40, None),
+    "glm4_three_quarters_no_bias": ("glm4", {"head_dim": 16, "partial_rotary_factor": 0.75, "attention_bias": False},
+                                    {}, 40, None),
     "smollm3_longer_no_rope_layers": ("smollm3", {"num_hidden_layers": 3}, {"no_rope_layers": [0, 1, 0, 0, 0]},
                                       40, None),
 }
@@ -192,6 +199,7 @@ MODELS = {
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config"), "gemma": ("GemmaForCausalLM", "GemmaConfig"),
     "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config"), "olmo2": ("Olmo2ForCausalLM", "Olmo2Config"),
     "olmo3": ("Olmo3ForCausalLM", "Olmo3Config"), "exaone4": ("Exaone4ForCausalLM", "Exaone4Config"),
+    "glm4": ("Glm4ForCausalLM", "Glm4Config"),
 }
 
 
@@ -199,7 +207,7 @@ def save_tiny(family: str, kwargs: dict, edits: dict, out):
     """Save a random tiny model, apply `edits` to its config.json, return transformers' reading of it."""
     model_cls, config_cls = (getattr(tf, n) for n in MODELS[family])
     torch.manual_seed(0)
-    model = model_cls(config_cls(**{**{"gemma2": GEMMA2, "gemma3": GEMMA, "phi3": PHI3, "smollm3": SMOLLM3}.get(family, COMMON), **kwargs}))
+    model = model_cls(config_cls(**{**{"gemma2": GEMMA2, "gemma3": GEMMA, "phi3": PHI3, "smollm3": SMOLLM3, "glm4": PHI3}.get(family, COMMON), **kwargs}))
     with torch.no_grad():  # random init leaves biases at zero and norms at one: make them count
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:

@@ -1,7 +1,8 @@
-"""LoRA on Phi-3's fused projections (qkv_proj, gate_up_proj) against transformers + PEFT.
+"""LoRA on Phi-3's fused projections (qkv_proj, gate_up_proj) and GLM-4's (gate_up_proj) against
+transformers + PEFT.
 
-Phi-4-mini's partial rotary embeddings reorder q's and k's rows as they load (partial_rotary.py);
-an adapter's B rows for them are reordered the same way.
+Phi-4-mini's partial rotary embeddings and GLM-4's interleaved ones reorder q's and k's rows as
+they load (partial_rotary.py); an adapter's B rows for them are reordered the same way.
 
 PEFT adapts the modules the transformers model has, so a Phi-3 adapter carries one A and B
 for qkv_proj and one for gate_up_proj. The decoder keeps q/k/v and gate/up as parameters of
@@ -22,9 +23,12 @@ from tests.models.tiny_models import build
 
 ADAPTERS = {
     "all": {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"},
-    "narrow": {"r": 4, "lora_alpha": 12, "use_rslora": True, "layers_to_transform": [0, 2],
-               "target_modules": ["qkv_proj", "down_proj"]},
+    "narrow": {"r": 4, "lora_alpha": 12, "use_rslora": True, "layers_to_transform": [0, 2]},
 }
+# Per family: the narrow adapter's targets; the modules PEFT resolves all-linear to.
+NARROW = {"phi3": ["qkv_proj", "down_proj"], "phi4_mini": ["qkv_proj", "down_proj"], "glm4": ["k_proj", "gate_up_proj"]}
+ALL_LINEAR = {"phi3": {"down_proj", "gate_up_proj", "o_proj", "qkv_proj"},
+              "glm4": {"down_proj", "gate_up_proj", "o_proj", "q_proj", "k_proj", "v_proj"}}
 MIXED = [("all", 9), (None, 6), ("narrow", 14), ("all", 12), ("narrow", 1)]
 
 
@@ -37,8 +41,10 @@ class Phi3:
         self.targets = LoraTargets.from_config(self.model.config)
         torch.manual_seed(23)
         first, second = ADAPTERS
+        self.family = family
         self.peft = get_peft_model(base, LoraConfig(**ADAPTERS[first], init_lora_weights=False), adapter_name=first)
-        self.peft.add_adapter(second, LoraConfig(**ADAPTERS[second], init_lora_weights=False))
+        self.peft.add_adapter(second, LoraConfig(**ADAPTERS[second], target_modules=NARROW[family],
+                                                 init_lora_weights=False))
         self.peft.eval()
         self.peft.save_pretrained(root / "adapters")
         self.saved = {name: read_peft_dir(root / "adapters" / name) for name in ADAPTERS}
@@ -57,8 +63,9 @@ class Phi3:
 
 
 # phi4_mini: partial rotary embeddings, so B's rows of q and k follow the order the loader
-# gave the weights' (the prompts stay within its LongRoPE's original context).
-@pytest.fixture(scope="module", params=["phi3", "phi4_mini"])
+# gave the weights' (the prompts stay within its LongRoPE's original context); glm4: q/k/v on
+# their own, gate/up fused, half of each head rotating in neighbouring pairs.
+@pytest.fixture(scope="module", params=["phi3", "phi4_mini", "glm4"])
 def phi3(request, tmp_path_factory) -> Phi3:
     return Phi3(request.param, tmp_path_factory.mktemp(request.param))
 
@@ -66,11 +73,11 @@ def phi3(request, tmp_path_factory) -> Phi3:
 def test_peft_names_the_fused_modules_and_the_adapter_reports_them(phi3):
     config, tensors = phi3.saved["all"]
     # PEFT saves all-linear resolved, as the modules' paths.
-    assert {t.rsplit(".", 1)[-1] for t in config["target_modules"]} == {"down_proj", "gate_up_proj", "o_proj",
-                                                                       "qkv_proj"}
-    assert any(".qkv_proj.lora_B" in name for name in tensors)
+    modules = ALL_LINEAR["glm4" if phi3.family == "glm4" else "phi3"]
+    assert {t.rsplit(".", 1)[-1] for t in config["target_modules"]} == modules
+    assert any(".gate_up_proj.lora_B" in name for name in tensors)
     adapter = phi3.adapters["all"]
-    assert adapter.target_modules == ("down_proj", "gate_up_proj", "o_proj", "qkv_proj")
+    assert adapter.target_modules == tuple(sorted(modules))
     # Counted as PEFT stores it (one A per fused projection), though q, k and v each use it.
     assert adapter.num_parameters == sum(t.numel() for t in tensors.values())
     assert adapter.nbytes == 4 * adapter.num_parameters
@@ -78,12 +85,13 @@ def test_peft_names_the_fused_modules_and_the_adapter_reports_them(phi3):
                                               "down_proj"}
     a_q, b_q = adapter.weights[(0, "q_proj")]
     a_v, b_v = adapter.weights[(0, "v_proj")]
-    assert a_q is a_v  # the parts share the fused pair's A
+    assert (a_q is a_v) == (phi3.family != "glm4")  # the parts share a fused pair's A
+    assert adapter.weights[(0, "gate_proj")][0] is adapter.weights[(0, "up_proj")][0]
     q = phi3.model.config.num_heads * phi3.model.config.head_dim
     assert b_q.shape == (q, 8) and b_v.shape == (phi3.model.config.num_kv_heads * phi3.model.config.head_dim, 8)
     narrow = phi3.adapters["narrow"]
-    assert sorted(narrow.weights) == [(layer, m) for layer in (0, 2)
-                                      for m in ("down_proj", "k_proj", "q_proj", "v_proj")]
+    parts = ("gate_proj", "k_proj", "up_proj") if phi3.family == "glm4" else ("down_proj", "k_proj", "q_proj", "v_proj")
+    assert sorted(narrow.weights) == [(layer, m) for layer in (0, 2) for m in parts]
 
 
 @pytest.mark.parametrize("reference", [False, True], ids=["fast", "reference"])
@@ -99,15 +107,21 @@ def test_a_mixed_batch_matches_peft(phi3, reference):
 
 
 def test_the_split_projections_are_refused_by_their_own_names(phi3):
+    """A part of a fused projection is not a module of the family's transformers model."""
     config, tensors = phi3.saved["narrow"]
-    renamed = {name.replace("qkv_proj", "q_proj"): t for name, t in tensors.items()}
-    with pytest.raises(LoraAdapterError, match=r"target module 'q_proj' is not one this executor can adapt; "
-                                               r"supported: qkv_proj, o_proj, gate_up_proj, down_proj"):
-        build_adapter("renamed", "renamed@1", {**config, "target_modules": ["q_proj", "down_proj"]}, renamed,
+    glm = phi3.family == "glm4"
+    fused, part = ("gate_up_proj", "gate_proj") if glm else ("qkv_proj", "q_proj")
+    supported = ("q_proj, k_proj, v_proj, o_proj, gate_up_proj, down_proj" if glm
+                 else "qkv_proj, o_proj, gate_up_proj, down_proj")
+    renamed = {name.replace(fused, part): t for name, t in tensors.items()}
+    targets = [part if t == fused else t for t in NARROW[phi3.family]]
+    with pytest.raises(LoraAdapterError, match=rf"target module '{part}' is not one this executor can adapt; "
+                                               rf"supported: {supported}"):
+        build_adapter("renamed", "renamed@1", {**config, "target_modules": targets}, renamed,
                       phi3.targets, dtype=torch.float32, device="cpu", max_rank=16, source="test")
     short = dict(tensors)
-    name = next(n for n in short if ".qkv_proj.lora_B" in n)
-    short[name] = short[name][:-1]  # one output row short of q + k + v
-    with pytest.raises(LoraAdapterError, match=r"qkv_proj maps 64 -> 128 features"):
+    name = next(n for n in short if f".{fused}.lora_B" in n)
+    short[name] = short[name][:-1]  # one output row short of the parts'
+    with pytest.raises(LoraAdapterError, match=rf"{fused} maps 64 -> {256 if glm else 128} features"):
         build_adapter("short", "short@1", config, short, phi3.targets, dtype=torch.float32, device="cpu",
                       max_rank=16, source="test")

@@ -3,7 +3,7 @@
 No hub is reachable from the tests, so these are the keys and values that matter of
 microsoft/Phi-3-mini-4k-instruct, microsoft/Phi-4-mini-instruct, google/gemma-2-2b-it,
 ibm-granite/granite-3.1-2b-instruct, google/gemma-2b, HuggingFaceTB/SmolLM3-3B,
-allenai/OLMo-2-1124-7B, allenai/Olmo-3-1025-7B LGAI-EXAONE/EXAONE-4.0-32B and Qwen/Qwen3-8B with the YaRN setting its
+allenai/OLMo-2-1124-7B, allenai/Olmo-3-1025-7B LGAI-EXAONE/EXAONE-4.0-32B, THUDM/GLM-4-9B-0414 and Qwen/Qwen3-8B with the YaRN setting its
 model card gives for 131072 tokens (transformers 4's
 layout: top-level rope_theta, no layer_types; the LongRoPE factor lists stand in for the published
 48 numbers: their count and place are what is read here). The tiny random models of the
@@ -84,6 +84,13 @@ EXAONE4_32B = {
     "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(64)],
     "tie_word_embeddings": False, "vocab_size": 102400, "bos_token_id": 1, "eos_token_id": 361, "pad_token_id": 0,
     "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+GLM4_9B = {
+    "architectures": ["Glm4ForCausalLM"], "model_type": "glm4", "hidden_size": 4096, "intermediate_size": 13696,
+    "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
+    "max_position_embeddings": 32768, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+    "attention_bias": True, "tie_word_embeddings": False, "vocab_size": 151552, "pad_token_id": 151329,
+    "eos_token_id": [151329, 151336, 151338], "hidden_act": "silu", "torch_dtype": "bfloat16",
 }
 GEMMA2_2B = {
     "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216,
@@ -186,3 +193,10 @@ def test_exaone4_32b_global_layers_are_nope_and_its_string_pattern_unread():
     assert c.layer_windows == tuple(None if (i + 1) % 4 == 0 else 4096 for i in range(64))
     assert (c.rope_scaling.kind, c.rope_scaling.factor) == ("llama3", 16.0) and c.rope_theta == 1e6
     assert not c.pre_norms and c.sandwich_norms and c.qk_norm and not c.qk_norm_across_heads
+
+
+def test_glm4_9b_rotates_half_of_each_head_in_neighbouring_pairs():
+    c = DecoderConfig.from_dict(GLM4_9B)
+    assert (c.rotary_dim, c.head_dim, c.rope_interleaved, c.fused_checkpoint) == (64, 128, True, ("gate_up_proj",))
+    assert c.qkv_bias and not c.o_bias and c.sandwich_norms and c.pre_norms and not c.qk_norm
+    assert c.eos_token_ids == (151329, 151336, 151338) and c.rms_norm_eps == 1e-5
