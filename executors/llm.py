@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 FAMILY_TYPES = {"llama": ModelType.LLAMA, "qwen2": ModelType.QWEN, "qwen3": ModelType.QWEN,
                 "qwen2_moe": ModelType.QWEN, "qwen3_moe": ModelType.QWEN, "mistral": ModelType.MISTRAL,
-                "mixtral": ModelType.MISTRAL, "gemma": ModelType.GEMMA, "gemma2": ModelType.GEMMA,
+                "mixtral": ModelType.MISTRAL, "ministral": ModelType.MISTRAL, "gemma": ModelType.GEMMA, "gemma2": ModelType.GEMMA,
                 "gemma3": ModelType.GEMMA, "phi3": ModelType.PHI, "smollm3": ModelType.LLAMA,
                 "granite": ModelType.CUSTOM, "olmo2": ModelType.CUSTOM,
                 "olmo3": ModelType.CUSTOM, "exaone4": ModelType.CUSTOM,

@@ -48,6 +48,7 @@ ARCHITECTURES = {
     "Olmo3ForCausalLM": ("olmo3", True),
     "Exaone4ForCausalLM": ("exaone4", True),
     "Glm4ForCausalLM": ("glm4", False),
+    "MinistralForCausalLM": ("ministral", False),
 }
 # The projections each family's checkpoints store fused: Phi-3's q/k/v as one qkv_proj and
 # gate/up as one gate_up_proj, GLM-4's gate/up.

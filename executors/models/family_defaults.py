@@ -39,6 +39,8 @@ FAMILY_DEFAULTS = {
                             attention_bias_key="attention_bias", o_proj_bias=True, mlp_bias_key="mlp_bias"),
     "mistral": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=131072,
                               sliding_window=4096),
+    "ministral": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=131072,
+                                sliding_window=4096),
     "mixtral": FamilyDefaults(rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=131072),
     "qwen2": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
                             sliding_window=4096, attention_bias=True),

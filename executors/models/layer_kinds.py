@@ -1,6 +1,6 @@
 """What kind of attention each layer has, read from a config.json as transformers reads it:
-its sliding window (Mistral, Mixtral and Phi-3 every layer; Gemma 2 and 3, SmolLM3, OLMo 3
-and EXAONE 4 by `layer_types`) and whether it rotates q and k at all (SmolLM3's NoPE layers,
+its sliding window (Mistral, Mixtral and Phi-3 every layer; Gemma 2 and 3, SmolLM3, OLMo 3,
+EXAONE 4 and Ministral by `layer_types`) and whether it rotates q and k at all (SmolLM3's NoPE layers,
 EXAONE 4's global ones)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from executors.models.family_defaults import FamilyDefaults
 # Families whose every layer sees the same `sliding_window` (when the config sets one).
 WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")
 # Families whose layers slide or not by `layer_types` (or the older keys that stand for it).
-LAYER_TYPE_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo3", "exaone4")
+LAYER_TYPE_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo3", "exaone4", "ministral")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -54,6 +54,8 @@ def _implied_layer_types(cfg: dict[str, Any], family: str, defaults: FamilyDefau
         return ["sliding_attention" if slides and not rotary[i] else "full_attention" for i in range(layers)]
     if family == "exaone4" and window is None:  # Exaone4Config fails here (a pattern of 0): none slides
         return ["full_attention"] * layers
+    if family == "ministral":  # MinistralConfig: every layer slides where there is a window
+        return ["full_attention" if window is None else "sliding_attention"] * layers
     # Gemma and OLMo 3: every `sliding_window_pattern`-th layer is global (only Gemma 3 reads
     # the key: Gemma 2's every other layer slides, from the first; OLMo 3's three of four).
     pattern = (cfg.get("sliding_window_pattern", defaults.sliding_window_pattern) if family in ("gemma3", "exaone4")

@@ -186,6 +186,9 @@ CASES = {
     "glm4_whole_head": ("glm4", {"head_dim": 16, "partial_rotary_factor": 1.0}, {}, 40, None),
     "glm4_three_quarters_no_bias": ("glm4", {"head_dim": 16, "partial_rotary_factor": 0.75, "attention_bias": False},
                                     {}, 40, None),
+    # 18. Ministral: without layer_types every layer slides (transformers' Ministral fails without a window).
+    "ministral_every_layer_slides": ("ministral", {"head_dim": 16, "sliding_window": 8}, {"layer_types": DEL}, 40,
+                                     None),
     "smollm3_longer_no_rope_layers": ("smollm3", {"num_hidden_layers": 3}, {"no_rope_layers": [0, 1, 0, 0, 0]},
                                       40, None),
 }
@@ -199,7 +202,7 @@ MODELS = {
     "gemma2": ("Gemma2ForCausalLM", "Gemma2Config"), "gemma": ("GemmaForCausalLM", "GemmaConfig"),
     "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config"), "olmo2": ("Olmo2ForCausalLM", "Olmo2Config"),
     "olmo3": ("Olmo3ForCausalLM", "Olmo3Config"), "exaone4": ("Exaone4ForCausalLM", "Exaone4Config"),
-    "glm4": ("Glm4ForCausalLM", "Glm4Config"),
+    "glm4": ("Glm4ForCausalLM", "Glm4Config"), "ministral": ("MinistralForCausalLM", "MinistralConfig"),
 }
 
 
