@@ -129,3 +129,22 @@ def test_caches_move_between_two_ranks_and_one_process(name, dtype, quantization
     finally:
         stop(tp)
         one.stop()
+
+
+def test_a_rank_reads_only_its_rows_of_a_fused_tensor(tmp_path):
+    """RowWindow: rows [lo, hi) of a safetensors slice, sliced again as the whole part, the
+    way ShardPlan.read cuts a rank's rows of q/k/v or gate/up out of Phi-3's and GLM-4's
+    fused tensors without reading the rest."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from executors.models.checkpoint_sections import RowWindow
+
+    fused = torch.arange(40 * 3, dtype=torch.float32).reshape(40, 3)
+    save_file({"w": fused}, str(tmp_path / "w.safetensors"))
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt", device="cpu") as f:
+        window = RowWindow(f.get_slice("w"), 16, 32)  # a part: rows 16..31
+        assert torch.equal(window[:], fused[16:32])
+        assert torch.equal(window[4:8], fused[20:24])
+        assert torch.equal(window[4:8, 1:], fused[20:24, 1:])
+        assert torch.equal(window[10:], fused[26:32])

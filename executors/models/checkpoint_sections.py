@@ -43,6 +43,22 @@ def fused_sections(config: DecoderConfig) -> Sections:
     return sections
 
 
+class RowWindow:
+    """Rows [lo, hi) of a tensor read lazily (a safetensors slice), indexed as if they were
+    the whole tensor: a tensor-parallel rank reads only its rows of each part of a fused
+    tensor (ShardPlan.read), not the whole fused tensor per rank."""
+
+    def __init__(self, piece, lo: int, hi: int) -> None:
+        self.piece, self.lo, self.hi = piece, lo, hi
+
+    def __getitem__(self, index):
+        rows, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+        start, stop, step = rows.indices(self.hi - self.lo)
+        if step != 1:
+            raise ValueError("a RowWindow reads contiguous rows only")
+        return self.piece[(slice(self.lo + start, self.lo + stop), *rest)]
+
+
 def fused_shape(parts: tuple[tuple[str, int, int], ...], expected: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
     """The shape the fused tensor must have: its parts' rows stacked, their columns."""
     return (parts[-1][2], *expected[parts[0][0]][1:])

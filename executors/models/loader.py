@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from executors.cpu_kernels.qpanels import QGROUP, quantize
-from executors.models.checkpoint_sections import fused_sections, fused_shape
+from executors.models.checkpoint_sections import RowWindow, fused_sections, fused_shape
 from executors.models.config import DecoderConfig, UnsupportedModel
 from executors.models.decoder import DecoderLM
 from executors.models.served_tensors import served
@@ -101,20 +101,21 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     progress, started = _Progress(model_dir.name, total), time.perf_counter()
-    sections = fused_sections(config)  # Phi-3's qkv_proj and gate_up_proj: cut into the decoder's parameters
+    sections = fused_sections(config)  # Phi-3's qkv_proj, GLM-4's gate_up_proj and norms: cut or renamed
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name in sections:
                     parts = sections[name]
-                    fused = f.get_tensor(name)  # whole, also for one rank: its rows of each part are cut below
+                    # One process reads the whole tensor; a rank only its rows of each part.
+                    fused = f.get_tensor(name) if plan is None else f.get_slice(name)
+                    shape = tuple(fused.shape) if plan is None else tuple(fused.get_shape())
                     want = fused_shape(parts, expected_full)
-                    if tuple(fused.shape) != want:
-                        raise UnsupportedModel(
-                            f"{path.name}: tensor {name} has shape {tuple(fused.shape)}, the config implies {want}")
+                    if shape != want:
+                        raise UnsupportedModel(f"{path.name}: tensor {name} has shape {shape}, the config implies {want}")
                     for part, lo, hi in parts:
-                        section = fused[lo:hi]
-                        mine = section if plan is None else plan.read(part, section, section.shape)
+                        mine = fused[lo:hi] if plan is None else plan.read(part, RowWindow(fused, lo, hi),
+                                                                          (hi - lo, *shape[1:]))
                         state[part] = _converted(served(part, mine, config), dtype, device)
                     progress.add(sizes[path].get(name, 0))
                     continue
