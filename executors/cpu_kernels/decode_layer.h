@@ -14,7 +14,6 @@
 #include "weight_linear.h"
 #include "weight_q8.h"
 
-
 /* Addresses of one layer's tensors, in a [layers, LAYER_FIELDS] int64 table; 0 where absent.
  * A matrix whose *_SCALES entry is set is int8 panels with those scales, else float32 panels. */
 enum { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_Q_NORM, W_K_NORM, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS,

@@ -8,8 +8,8 @@ family's transformers default (family_defaults.py), and the rope keys are read i
 order of precedence (rope_config.py).
 
 A family is a set of flags on the one decoder: mixtures of experts (moe_config.py) replace
-the MLP of some layers; each layer's window and whether it rotates at all (SmolLM3's NoPE
-layers) are read in layer_kinds.py; Gemma's norms, scaled embeddings, soft-capping,
+the MLP of some layers; each layer's window and whether it rotates at all (NoPE layers)
+are read in layer_kinds.py; Gemma's norms, scaled embeddings, soft-capping,
 per-layer rope bases, partial rotary embeddings and Phi-3's fused checkpoint projections
 are fields here.
 """
@@ -94,7 +94,8 @@ class DecoderConfig:
     # (or an empty tuple for every layer): all earlier keys.
     layer_windows: tuple[int | None, ...] = ()
     local_rope_theta: float | None = None  # sliding layers' rope base, where it differs (Gemma 3)
-    # SmolLM3: the layers whose q and k are not rotated (NoPE); () where every layer rotates.
+    # The layers whose q and k are not rotated (NoPE: SmolLM3's, EXAONE 4's global ones); ()
+    # where every layer rotates.
     nope_layers: tuple[int, ...] = ()
     # Gemma: RMSNorm weights stored as w - 1 (the norm multiplies by 1 + w), embeddings
     # scaled by sqrt(hidden), GELU-tanh MLPs; Gemma 2 and 3 also norms around attention's and the
@@ -130,7 +131,7 @@ class DecoderConfig:
         return self.layer_windows[layer] if self.layer_windows else None
 
     def rotates(self, layer: int) -> bool:
-        """Whether the layer applies rotary embeddings to q and k (not on SmolLM3's NoPE layers)."""
+        """Whether the layer applies rotary embeddings to q and k (not on a NoPE layer)."""
         return layer not in self.nope_layers
 
     @property
