@@ -70,7 +70,7 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
     blocked_mlp = m > MLP_ROWS and lora is None and model.cpu_kernels is not None and linear == model.cpu_kernels.linear
     for i, w in enumerate(layers):
         sliding, rotates = c.window(i) is not None, c.rotates(i)
-        h = x if w.input_norm is None else norm(x, w.input_norm, eps)  # OLMo 2 norms no input
+        h = x if w.input_norm is None else norm(x, w.input_norm, eps)  # OLMo, EXAONE 4: no input norm
         qkv = linear(h, w.qkv, w.qkv_bias)
         if lora is not None:  # deltas into the fused output's column slices, before q/k norm and rope
             lora.apply(i, "q_proj", h, qkv[:, :hq])
@@ -79,7 +79,7 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
         if prologue is not None and rotates:  # K and V go straight to the pool (triton_prologue.py)
             a = attend(i, prologue(i, qkv, positions, ctx, sliding), None, None, ctx)
         else:
-            if c.qk_norm_across_heads:  # OLMo 2: each of q and k normed as one vector
+            if c.qk_norm_across_heads:  # OLMo 2 and 3: each of q and k normed as one vector
                 q = rms_norm_across_heads(qkv[:, :hq], w.q_norm, eps, model.mean_over_ranks).view(m, heads, d)
                 k = rms_norm_across_heads(qkv[:, hq:hq + hk], w.k_norm, eps, model.mean_over_ranks).view(
                     m, kv_heads, d)
@@ -87,7 +87,7 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
                     q, k = rotate(q, sliding), rotate(k, sliding)
             elif w.q_norm is None:
                 qk = qkv[:, :hq + hk].view(m, heads + kv_heads, d)
-                if rotates:  # not on a NoPE layer (SmolLM3)
+                if rotates:  # not on a NoPE layer (SmolLM3, EXAONE 4)
                     qk = rotate(qk, sliding)
                 q, k = qk[:, :heads], qk[:, heads:]
             else:
@@ -97,7 +97,7 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
                     q, k = rotate(q, sliding), rotate(k, sliding)
             v = qkv[:, hq + hk:].view(m, kv_heads, d)
             a = attend(i, q, k, v, ctx)
-        if w.post_ff_norm is not None:  # Gemma 2 and 3, OLMo 2: attention's output normed before the add
+        if w.post_ff_norm is not None:  # Gemma 2 and 3, GLM-4, OLMo, EXAONE 4: attention's output normed
             x, h = _sandwich_attention_out(model, i, x, a, w, ctx, linear, norm)
         elif reduce is not None:  # the ranks' partial sums of o_proj, then the residual add
             o = linear(a, w.o, w.o_bias)
@@ -145,8 +145,8 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
 def _sandwich_attention_out(model: DecoderLM, i: int, x: torch.Tensor, a: torch.Tensor, w: FusedLayer,
                             ctx: StepContext, linear: step_ops.Linear,
                             norm: step_ops.Norm) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gemma 2 and 3: x + norm(o_proj(a)), and the pre-MLP norm of that (no add to fuse into the
-    matmul); OLMo 2 has no pre-MLP norm."""
+    """Gemma 2 and 3, GLM-4: x + norm(o_proj(a)), and the pre-MLP norm of that (no add to fuse
+    into the matmul); OLMo and EXAONE 4 have no pre-MLP norm."""
     eps = model.config.rms_norm_eps
     o = linear(a, w.o, w.o_bias)
     if ctx.lora is not None:
