@@ -49,6 +49,8 @@ ARCHITECTURES = {
     "Exaone4ForCausalLM": ("exaone4", True),
     "Glm4ForCausalLM": ("glm4", False),
     "MinistralForCausalLM": ("ministral", False),
+    "HeliumForCausalLM": ("helium", False),
+    "SeedOssForCausalLM": ("seed_oss", False),
 }
 # The projections each family's checkpoints store fused: Phi-3's q/k/v as one qkv_proj and
 # gate/up as one gate_up_proj, GLM-4's gate/up.
@@ -117,7 +119,7 @@ class DecoderConfig:
     # Phi-3: the checkpoint holds q/k/v as one qkv_proj and gate/up as one gate_up_proj (GLM-4:
     # gate_up_proj), which the loader splits into the decoder's parameters (checkpoint_sections.py).
     fused_checkpoint: tuple[str, ...] = ()
-    # GLM-4: rotary pairs are neighbouring dimensions (2i, 2i + 1), not i and i + D/2; the
+    # GLM-4, Helium: rotary pairs are neighbouring dimensions (2i, 2i + 1), not i and i + D/2; the
     # loader reorders q's and k's dimensions into the NeoX pairs every path rotates
     # (partial_rotary.py).
     rope_interleaved: bool = False
@@ -219,7 +221,8 @@ class DecoderConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", defaults.tie_word_embeddings)),
             qkv_bias=attention_bias,
-            o_bias=attention_bias and defaults.o_proj_bias,
+            o_bias=(bool(cfg.get(defaults.o_proj_bias_key, False)) if defaults.o_proj_bias_key
+                    else attention_bias and defaults.o_proj_bias),
             mlp_bias=bool(cfg.get(defaults.mlp_bias_key, False)) if defaults.mlp_bias_key else False,
             qk_norm=qk_norm,
             rope_scaling=scaling,
@@ -244,7 +247,7 @@ class DecoderConfig:
             attn_softcap=(_positive(cfg, "attn_logit_softcapping", defaults.attn_logit_softcapping)
                           if family == "gemma2" else None),
             fused_checkpoint=FUSED_CHECKPOINT.get(family, ()),
-            rope_interleaved=family == "glm4",
+            rope_interleaved=family in ("glm4", "helium"),
             residual_scale=granite("residual_multiplier"),
             logits_divisor=granite("logits_scaling"),
             raw=cfg,

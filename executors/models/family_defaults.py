@@ -25,6 +25,7 @@ class FamilyDefaults:
     attention_bias_key: str | None = None
     attention_bias: bool = False
     o_proj_bias: bool = False  # o_proj carries the bias whenever q/k/v do
+    o_proj_bias_key: str | None = None  # Seed-OSS: o_proj's bias switched by a key of its own
     mlp_bias_key: str | None = None  # None: the MLP never has a bias
     # Gemma only (and OLMo 3's sliding_window_pattern).
     local_rope_theta: float | None = None  # Gemma 3's sliding layers
@@ -55,6 +56,11 @@ FAMILY_DEFAULTS = {
                               attention_bias_key="attention_bias", o_proj_bias=True, mlp_bias_key="mlp_bias"),
     "olmo2": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=2048,
                             attention_bias_key="attention_bias", o_proj_bias=True),
+    "helium": FamilyDefaults(rope_theta=100000.0, rms_norm_eps=1e-8, max_position_embeddings=4096,
+                             attention_bias_key="attention_bias", mlp_bias_key="mlp_bias"),
+    "seed_oss": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=524288,
+                               attention_bias_key="attention_bias", attention_bias=True,
+                               o_proj_bias_key="attention_out_bias", mlp_bias_key="mlp_bias"),
     "glm4": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1.5625e-07, max_position_embeddings=131072,
                            attention_bias_key="attention_bias", attention_bias=True),
     "exaone4": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=2048,

@@ -189,6 +189,11 @@ CASES = {
     # 18. Ministral: without layer_types every layer slides (transformers' Ministral fails without a window).
     "ministral_every_layer_slides": ("ministral", {"head_dim": 16, "sliding_window": 8}, {"layer_types": DEL}, 40,
                                      None),
+    # 19. Helium: every dimension rotating in neighbouring pairs; Seed-OSS: o_proj's bias by
+    # attention_out_bias, q/k/v's by attention_bias (on by default).
+    "helium": ("helium", {"head_dim": 16, "attention_bias": True}, {}, 40, None),
+    "seed_oss_out_bias": ("seed_oss", {"head_dim": 16, "attention_out_bias": True}, {"attention_bias": DEL}, 40, None),
+    "seed_oss_no_biases": ("seed_oss", {"head_dim": 16, "attention_bias": False}, {}, 40, None),
     "smollm3_longer_no_rope_layers": ("smollm3", {"num_hidden_layers": 3}, {"no_rope_layers": [0, 1, 0, 0, 0]},
                                       40, None),
 }
@@ -203,6 +208,7 @@ MODELS = {
     "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config"), "olmo2": ("Olmo2ForCausalLM", "Olmo2Config"),
     "olmo3": ("Olmo3ForCausalLM", "Olmo3Config"), "exaone4": ("Exaone4ForCausalLM", "Exaone4Config"),
     "glm4": ("Glm4ForCausalLM", "Glm4Config"), "ministral": ("MinistralForCausalLM", "MinistralConfig"),
+    "helium": ("HeliumForCausalLM", "HeliumConfig"), "seed_oss": ("SeedOssForCausalLM", "SeedOssConfig"),
 }
 
 
@@ -210,7 +216,8 @@ def save_tiny(family: str, kwargs: dict, edits: dict, out):
     """Save a random tiny model, apply `edits` to its config.json, return transformers' reading of it."""
     model_cls, config_cls = (getattr(tf, n) for n in MODELS[family])
     torch.manual_seed(0)
-    model = model_cls(config_cls(**{**{"gemma2": GEMMA2, "gemma3": GEMMA, "phi3": PHI3, "smollm3": SMOLLM3, "glm4": PHI3}.get(family, COMMON), **kwargs}))
+    model = model_cls(config_cls(**{**{"gemma2": GEMMA2, "gemma3": GEMMA, "phi3": PHI3, "smollm3": SMOLLM3, "glm4": PHI3, "helium": PHI3}.get(
+        family, COMMON), **kwargs}))
     with torch.no_grad():  # random init leaves biases at zero and norms at one: make them count
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -353,14 +360,15 @@ def test_family_bias_layout_matches_transformers_modeling(family):
     model_cls, config_cls = (getattr(tf, n) for n in MODELS[family])
     moe = {"num_experts": 2, "num_local_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 8,
            "shared_expert_intermediate_size": 8, "mlp_only_layers": [0]}  # layer 0 dense, layer 1 sparse
-    config = config_cls(**{**COMMON, "pad_token_id": 0, "hidden_size": 16, "intermediate_size": 8, "head_dim": 4, "attention_bias": True,
-                           "qkv_bias": True, "mlp_bias": True, **(moe if family in MOE_FAMILIES else {})})
+    switches = {key: True for key in ("attention_bias", "qkv_bias", "mlp_bias", ours.o_proj_bias_key) if key}
+    config = config_cls(**{**COMMON, "pad_token_id": 0, "hidden_size": 16, "intermediate_size": 8, "head_dim": 4,
+                           **switches, **(moe if family in MOE_FAMILIES else {})})
     with torch.device("meta"):
         names = {n for n, _ in model_cls(config).named_parameters()}
     switchable = ours.attention_bias_key is not None
     q_bias = {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.qkv_proj.bias"} & names  # Phi-3: qkv
     assert bool(q_bias) == (switchable or ours.attention_bias), family
-    assert ("model.layers.0.self_attn.o_proj.bias" in names) == ours.o_proj_bias, family
+    assert ("model.layers.0.self_attn.o_proj.bias" in names) == (ours.o_proj_bias or bool(ours.o_proj_bias_key)), family
     mlp_biases = {n for n in names if n.endswith("bias") and ("mlp" in n or "sparse_moe" in n)}
     assert bool(mlp_biases) == (ours.mlp_bias_key is not None), (family, mlp_biases)
 

@@ -3,7 +3,8 @@
 Qwen3-MoE, Qwen2-MoE, Mixtral, Mistral, Gemma, Gemma 2, Gemma 3, Phi-3, Granite, SmolLM3 (NoPE layers), OLMo 2 (norms after attention
 and the MLP only, q/k norms across heads), OLMo 3 (its windows, YaRN on its global layers) and
 EXAONE 4 (output norms, per-head q/k norms, NoPE global layers among sliding ones) and GLM-4
-(half of each head rotating in neighbouring pairs, fused gate/up, renamed norms) and Ministral:
+(half of each head rotating in neighbouring pairs, fused gate/up, renamed norms), Ministral,
+Helium (whole heads rotating in neighbouring pairs) and Seed-OSS (o_proj's bias by its own key):
 tiny random checkpoints saved by
 transformers (tiny_models.py), loaded by our loader and served by a real server, as
 test_llm_executor.py does for the dense families. The sliding families have a window of 8
@@ -21,7 +22,8 @@ from client import DecodeInput, PrefillInput, UnifiedBatchItem
 from tests.models.test_llm_executor import Served, close, greedy, prompt
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "mistral", "gemma", "gemma2", "gemma3", "phi3", "granite", "smollm3", "olmo2",
-            "olmo3", "exaone4", "glm4", "ministral"]
+            "olmo3", "exaone4", "glm4", "ministral",
+            "helium", "seed_oss"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

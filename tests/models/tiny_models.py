@@ -2,7 +2,7 @@
 and Qwen2; the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral; the sliding-window
 Mistral, Gemma 2 (soft-capped attention scores), Gemma 3 and Phi-3 (whose checkpoint fuses
 q/k/v and gate/up); Phi-4-mini's rope; Granite's multipliers; Gemma (1); SmolLM3's NoPE layers;
-OLMo 2's norms; OLMo 3's windows and YaRN; EXAONE 4's NoPE global layers; GLM-4's interleaved half rotation and renamed norms; Ministral's sliding and global layers."""
+OLMo 2's norms; OLMo 3's windows and YaRN; EXAONE 4's NoPE global layers; GLM-4's interleaved half rotation and renamed norms; Ministral's sliding and global layers; Helium's interleaved rotation; Seed-OSS's biases."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def build(family: str, out_dir: Path, **save_kwargs):
 
 
 SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8, "phi3": 9, "phi4_mini": 10,
-         "granite": 11, "gemma2": 12, "gemma": 13, "smollm3": 14, "olmo2": 15, "olmo3": 16, "exaone4": 17, "glm4": 18, "ministral": 19}
+         "granite": 11, "gemma2": 12, "gemma": 13, "smollm3": 14, "olmo2": 15, "olmo3": 16, "exaone4": 17, "glm4": 18, "ministral": 19, "helium": 20, "seed_oss": 21}
 # phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
 LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
@@ -155,4 +155,11 @@ def _new_family(tf, family: str, common: dict):
         return tf.MinistralForCausalLM(tf.MinistralConfig(
             **common, head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             tie_word_embeddings=False))
+    if family == "helium":
+        # Helium: every dimension of a head rotates, in neighbouring pairs; q/k/v biases.
+        return tf.HeliumForCausalLM(tf.HeliumConfig(**common, head_dim=16, attention_bias=True, pad_token_id=0))
+    if family == "seed_oss":
+        # Seed-OSS: q/k/v biases, o_proj's switched by attention_out_bias.
+        return tf.SeedOssForCausalLM(tf.SeedOssConfig(**common, head_dim=16, attention_bias=True,
+                                                      attention_out_bias=True))
     raise ValueError(family)
