@@ -106,6 +106,38 @@ def prefill_flops(ex: LlmExecutor, prompts: int, prompt_len: int) -> int:
             + 4 * cfg.head_dim * cfg.num_heads * cfg.num_layers * pairs)
 
 
+def alternating_decode_steps(loop: asyncio.AbstractEventLoop, executors: dict[Any, LlmExecutor],
+                             handles: dict[Any, list], rounds: int, vocab: int,
+                             before: Any = None, after: Any = None) -> dict[Any, list[float]]:
+    """In-process ARGMAX decode steps of each executor's caches (`handles`, updated in place), the
+    executors taking turns for rounds + 1 rounds (the first a warm-up, not timed); each one's
+    step times in seconds. Each row gets a different token each round (rows of a mixture of
+    experts route apart). `before(key)` and `after(key)` run around each step, untimed."""
+    from executors.types import DecodeInput
+
+    times: dict[Any, list[float]] = {key: [] for key in executors}
+    for r in range(rounds + 1):
+        for key, ex in executors.items():
+            if before is not None:
+                before(key)
+            t0 = time.perf_counter()
+            steps = loop.run_until_complete(ex.batch_decode(
+                [DecodeInput(token_id=(5 + 31 * r + 977 * i) % vocab, kv_cache=h, logits_policy=ARGMAX)
+                 for i, h in enumerate(handles[key])]))
+            if r:
+                times[key].append(time.perf_counter() - t0)
+            if after is not None:
+                after(key)
+            handles[key] = [s.kv_cache for s in steps]
+    return times
+
+
+def release_all(loop: asyncio.AbstractEventLoop, executors: dict[Any, LlmExecutor], handles: dict[Any, list]) -> None:
+    for key, ex in executors.items():
+        for h in handles[key]:
+            loop.run_until_complete(ex.release_cache(h.cache_id))
+
+
 def weight_bytes(ex: LlmExecutor) -> int:
     return ex.parameter_bytes
 

@@ -16,16 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import time
 
 import torch
 
+from bench.common import ARGMAX, alternating_decode_steps, release_all
 from executors.llm import LlmExecutor, LlmExecutorConfig
 from executors.models.config import DecoderConfig
 from executors.models.decoder import DecoderLM
-from executors.types import DecodeInput, LogitsKind, LogitsPolicy, PrefillInput
-
-ARGMAX = LogitsPolicy(kind=LogitsKind.ARGMAX)
+from executors.types import PrefillInput
 
 
 def model(experts: int, top_k: int, args, device: str) -> DecoderLM:
@@ -69,6 +67,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {total / 1e6:.1f} M parameters, {m.config.moe or 'dense MLPs'}", flush=True)
     loop = asyncio.new_event_loop()
     gen = torch.Generator().manual_seed(1)
+    load = executors["moe"].model.expert_load
+    before_step = []  # the expert load before the MoE step
+    touched: list[float] = []  # experts with rows, per layer, in each MoE step of a batch size
+
+    def before(name: str) -> None:
+        if name == "moe":
+            before_step[:] = [load.clone()]
+
+    def after(name: str) -> None:
+        if name == "moe":
+            touched.append(((load - before_step[0]) > 0).sum(1).float().mean().item())
+
     for b in (int(x) for x in args.batches.split(",")):
         handles = {}
         for name, ex in executors.items():
@@ -76,24 +86,9 @@ def main(argv: list[str] | None = None) -> int:
             outs = loop.run_until_complete(ex.batch_prefill([PrefillInput(input_ids=q, logits_policy=ARGMAX)
                                                              for q in prompts]))
             handles[name] = [o.kv_cache for o in outs]
-        times: dict[str, list[float]] = {name: [] for name in executors}
-        load = executors["moe"].model.expert_load
-        touched: list[float] = []  # experts with rows, per layer, in each MoE step
-        for r in range(args.rounds + 1):
-            for name, ex in executors.items():
-                before = load.clone()
-                t0 = time.perf_counter()
-                steps = loop.run_until_complete(ex.batch_decode(
-                    [DecodeInput(token_id=(5 + 31 * r + 977 * i) % args.vocab, kv_cache=h, logits_policy=ARGMAX)
-                     for i, h in enumerate(handles[name])]))  # a different token per row: rows route apart
-                if r:
-                    times[name].append(time.perf_counter() - t0)
-                if name == "moe":
-                    touched.append(((load - before) > 0).sum(1).float().mean().item())
-                handles[name] = [s.kv_cache for s in steps]
-        for name, ex in executors.items():
-            for h in handles[name]:
-                loop.run_until_complete(ex.release_cache(h.cache_id))
+        touched.clear()
+        times = alternating_decode_steps(loop, executors, handles, args.rounds, args.vocab, before, after)
+        release_all(loop, executors, handles)
         dense, sparse = (statistics.median(times[n]) * 1e3 for n in ("dense", "moe"))
         print(f"batch {b:2d}: dense {dense:6.1f} ms, moe {sparse:6.1f} ms ({sparse / dense:.2f}x); "
               f"experts with rows per layer and step: {statistics.mean(touched):.1f} of {args.experts}",

@@ -17,17 +17,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import time
 
 import torch
 
+from bench.common import ARGMAX, alternating_decode_steps, release_all
 from executors.llm import LlmExecutor, LlmExecutorConfig
 from executors.models import fused_decode
 from executors.models.config import DecoderConfig
 from executors.models.decoder import DecoderLM
-from executors.types import DecodeInput, LogitsKind, LogitsPolicy, PrefillInput
+from executors.types import PrefillInput
 
-ARGMAX = LogitsPolicy(kind=LogitsKind.ARGMAX)
 # Per family: config.json keys beside the shared shape (head_dim 64 unless the family's own).
 FAMILIES = {
     "llama": {"architectures": ["LlamaForCausalLM"]},
@@ -66,23 +65,19 @@ def time_family(family: str, args, loop: asyncio.AbstractEventLoop) -> None:
     try:
         for b in (int(x) for x in args.batches.split(",")):
             prompts = [torch.randint(0, args.vocab, (args.context,), generator=gen).tolist() for _ in range(b)]
-            handles, times = {}, {}
-            for ex in (one_call, op_by_op):
+            executors, handles = {"one call": one_call, "op by op": op_by_op}, {}
+            for name, ex in executors.items():
                 outs = loop.run_until_complete(ex.batch_prefill([PrefillInput(input_ids=q, logits_policy=ARGMAX)
                                                                  for q in prompts]))
-                handles[ex], times[ex] = [o.kv_cache for o in outs], []
-            for r in range(args.rounds + 1):
-                for ex in (one_call, op_by_op):
-                    fused_decode.FUSED_DECODE = ex is one_call
-                    t0 = time.perf_counter()
-                    steps = loop.run_until_complete(ex.batch_decode(
-                        [DecodeInput(token_id=(5 + 31 * r + 977 * i) % args.vocab, kv_cache=h, logits_policy=ARGMAX)
-                         for i, h in enumerate(handles[ex])]))
-                    if r:
-                        times[ex].append(time.perf_counter() - t0)
-                    handles[ex] = [s.kv_cache for s in steps]
+                handles[name] = [o.kv_cache for o in outs]
+
+            def switch(name: str) -> None:
+                fused_decode.FUSED_DECODE = name == "one call"
+
+            times = alternating_decode_steps(loop, executors, handles, args.rounds, args.vocab, before=switch)
             fused_decode.FUSED_DECODE = True
-            fast, slow = (statistics.median(times[ex]) * 1e3 for ex in (one_call, op_by_op))
+            release_all(loop, executors, handles)
+            fast, slow = (statistics.median(times[name]) * 1e3 for name in executors)
             print(f"{family:8s} batch {b:2d}, context {args.context}: one call {fast:6.2f} ms, op by op "
                   f"{slow:6.2f} ms ({slow / fast:.2f}x), weights at {weight_bytes / fast / 1e6:5.1f} GB/s",
                   flush=True)

@@ -20,12 +20,11 @@ import time
 
 import torch
 
+from bench.common import ARGMAX, alternating_decode_steps, release_all
 from executors.llm import LlmExecutor, LlmExecutorConfig
 from executors.models.config import DecoderConfig
 from executors.models.decoder import DecoderLM
-from executors.types import DecodeInput, LogitsKind, LogitsPolicy, PrefillInput
-
-ARGMAX = LogitsPolicy(kind=LogitsKind.ARGMAX)
+from executors.types import PrefillInput
 
 
 def model(softcap: float | None, args) -> DecoderLM:
@@ -79,19 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                 outs = loop.run_until_complete(ex.batch_prefill([PrefillInput(input_ids=q, logits_policy=ARGMAX)
                                                                  for q in prompts]))
                 handles[name] = [o.kv_cache for o in outs]
-            times: dict[str, list[float]] = {name: [] for name in executors}
-            for r in range(args.rounds + 1):
-                for name, ex in executors.items():
-                    t0 = time.perf_counter()
-                    steps = loop.run_until_complete(ex.batch_decode(
-                        [DecodeInput(token_id=(5 + 31 * r + 977 * i) % args.vocab, kv_cache=h, logits_policy=ARGMAX)
-                         for i, h in enumerate(handles[name])]))
-                    if r:
-                        times[name].append(time.perf_counter() - t0)
-                    handles[name] = [s.kv_cache for s in steps]
-            for name, ex in executors.items():
-                for h in handles[name]:
-                    loop.run_until_complete(ex.release_cache(h.cache_id))
+            times = alternating_decode_steps(loop, executors, handles, args.rounds, args.vocab)
+            release_all(loop, executors, handles)
             capped, uncapped = (statistics.median(times[n]) * 1e3 for n in ("capped", "uncapped"))
             print(f"context {context:5d}, batch {b:2d}: capped {capped:7.1f} ms, uncapped {uncapped:7.1f} ms "
                   f"({capped / uncapped:.2f}x)", flush=True)

@@ -23,7 +23,7 @@ from typing import Any
 
 from executors.models.errors import UnsupportedModel
 from executors.models.family_defaults import FAMILY_DEFAULTS
-from executors.models.layer_kinds import layer_rotation, layer_windows
+from executors.models.layer_kinds import layer_kinds
 from executors.models.moe_config import MoeConfig, moe_from_dict
 from executors.models.rope_config import RopeScaling, positive_number, read_rope, rotary_dim_of
 
@@ -204,8 +204,7 @@ class DecoderConfig:
             return positive_number(cfg, key, 1.0) if family == "granite" else None
 
         layers = int(need("num_hidden_layers"))
-        windows = layer_windows(cfg, family, defaults, layers, max_positions)
-        rotation = layer_rotation(cfg, family, layers, defaults)
+        windows, rotation = layer_kinds(cfg, family, defaults, layers, max_positions)
         return cls(
             architecture=arch,
             family=family,

@@ -68,7 +68,8 @@ class FusedDecode:
         local = model.rope_local
         self.rotary = torch.tensor([ROTARY_NONE if not c.rotates(i) else ROTARY_LOCAL if model.rope_for(i) is local
                                     else ROTARY_GLOBAL for i in range(c.num_layers)], dtype=torch.int32)
-        self.softcaps = torch.tensor([c.attn_softcap or 0.0] * c.num_layers, dtype=torch.float32)
+        self.softcaps = (torch.tensor([c.attn_softcap] * c.num_layers, dtype=torch.float32)
+                         if c.attn_softcap is not None else None)
         # The tensors whose addresses the spec holds stay referenced here (and by the model).
         self._tensors = (fused, self.final_norm, model.rope.cos, model.rope.signed_sin, local)
         self.spec = DecoderSpec(
@@ -80,7 +81,7 @@ class FusedDecode:
             max_positions=model.rope.cos.shape[0], rotary=self.rotary.data_ptr(),
             local_cos=local.cos.data_ptr() if local is not None else None,
             local_sin=local.signed_sin.data_ptr() if local is not None else None,
-            softcaps=self.softcaps.data_ptr() if c.attn_softcap is not None else None,
+            softcaps=self.softcaps.data_ptr() if self.softcaps is not None else None,
             qk_norm_across=int(c.qk_norm_across_heads))
 
     @classmethod

@@ -17,47 +17,50 @@ LAYER_TYPE_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo3", "exaone4", "minis
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-def layer_windows(cfg: dict[str, Any], family: str, defaults: FamilyDefaults, layers: int,
-                  max_positions: int) -> tuple[int | None, ...]:
-    """Each layer's sliding window (None: global), or () when no layer has one. A window as
-    long as the positions a sequence can have (Phi-4-mini's 262144 over 131072) hides no key:
-    none, so that attention takes the global paths."""
+def layer_kinds(cfg: dict[str, Any], family: str, defaults: FamilyDefaults, layers: int,
+                max_positions: int) -> tuple[tuple[int | None, ...], tuple[bool, ...]]:
+    """(each layer's sliding window, or () when no layer has one; whether each layer rotates q
+    and k). A window as long as the positions a sequence can have (Phi-4-mini's 262144 over
+    131072) hides no key: none, so that attention takes the global paths."""
     window = cfg.get("sliding_window", defaults.sliding_window)  # null in the file: no window
+    rotation = _smollm3_rotation(cfg, layers) if family == "smollm3" else (True,) * layers
     if family in WINDOWED_FAMILIES:
         if window is None or window_size(window) >= max_positions:
-            return ()
-        return (window_size(window),) * layers
+            return (), rotation
+        return (window_size(window),) * layers, rotation
     if family not in LAYER_TYPE_FAMILIES:
-        return ()  # Qwen: sliding windows only with use_sliding_window, refused by config.py
+        return (), rotation  # Qwen: sliding windows only with use_sliding_window, refused by config.py
     types = cfg.get("layer_types")
     if types is None:
-        types = _implied_layer_types(cfg, family, defaults, layers, window)
+        types = _implied_layer_types(cfg, family, defaults, layers, window, rotation)
     if not isinstance(types, list) or len(types) != layers:
         raise UnsupportedModel(f"layer_types must list num_hidden_layers ({layers}) layers, got {types!r}")
     unknown = sorted({str(t) for t in types} - set(LAYER_TYPES))
     if unknown:
         raise UnsupportedModel(f"layer types {unknown} are not supported (only sliding_attention, full_attention)")
+    if family == "exaone4" and window is not None:  # with a window, its global layers are NoPE
+        rotation = tuple(t == "sliding_attention" for t in types)
     if "sliding_attention" not in types:
-        return ()
+        return (), rotation
     size = window_size(window)
     if size >= max_positions:
-        return ()
-    return tuple(size if t == "sliding_attention" else None for t in types)
+        return (), rotation
+    return tuple(size if t == "sliding_attention" else None for t in types), rotation
 
 
 def _implied_layer_types(cfg: dict[str, Any], family: str, defaults: FamilyDefaults, layers: int,
-                         window: Any) -> list[str]:
+                         window: Any, rotation: tuple[bool, ...]) -> list[str]:
     """layer_types where an older config.json leaves them out, as the config classes derive them."""
     if family == "smollm3":  # SmolLM3Config: the NoPE layers slide, with use_sliding_window and a window
         slides = bool(cfg.get("use_sliding_window")) and window is not None
-        rotary = layer_rotation(cfg, family, layers)
-        return ["sliding_attention" if slides and not rotary[i] else "full_attention" for i in range(layers)]
+        return ["sliding_attention" if slides and not rotation[i] else "full_attention" for i in range(layers)]
     if family == "exaone4" and window is None:  # Exaone4Config fails here (a pattern of 0): none slides
         return ["full_attention"] * layers
     if family == "ministral":  # MinistralConfig: every layer slides where there is a window
         return ["full_attention" if window is None else "sliding_attention"] * layers
-    # Gemma and OLMo 3: every `sliding_window_pattern`-th layer is global (only Gemma 3 reads
-    # the key: Gemma 2's every other layer slides, from the first; OLMo 3's three of four).
+    # Gemma, OLMo 3 and EXAONE 4: every `sliding_window_pattern`-th layer is global (only Gemma 3
+    # and EXAONE 4 read the key: Gemma 2's every other layer slides, from the first; OLMo 3's
+    # three of four).
     pattern = (cfg.get("sliding_window_pattern", defaults.sliding_window_pattern) if family in ("gemma3", "exaone4")
                else defaults.sliding_window_pattern)
     if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
@@ -71,19 +74,10 @@ def window_size(window: Any) -> int:
     return window
 
 
-def layer_rotation(cfg: dict[str, Any], family: str, layers: int,
-                   defaults: FamilyDefaults | None = None) -> tuple[bool, ...]:
-    """Whether each layer rotates q and k. SmolLM3: `no_rope_layers` holds 1 for a layer with
-    rotary embeddings and 0 for a NoPE one (at least one entry per layer; transformers reads
-    the first ones), or without it every `no_rope_layer_interval`-th layer is NoPE. EXAONE 4:
-    with a sliding window, only the sliding layers rotate (its global ones are NoPE)."""
-    if family == "exaone4":
-        if cfg.get("sliding_window", defaults.sliding_window) is None:
-            return (True,) * layers
-        types = cfg.get("layer_types") or _implied_layer_types(cfg, family, defaults, layers, True)
-        return tuple(t == "sliding_attention" for t in types[:layers])
-    if family != "smollm3":
-        return (True,) * layers
+def _smollm3_rotation(cfg: dict[str, Any], layers: int) -> tuple[bool, ...]:
+    """SmolLM3: `no_rope_layers` holds 1 for a layer with rotary embeddings and 0 for a NoPE
+    one (at least one entry per layer; transformers reads the first ones), or without it every
+    `no_rope_layer_interval`-th layer is NoPE."""
     flags = cfg.get("no_rope_layers")
     if flags is None:
         interval = cfg.get("no_rope_layer_interval", 4)

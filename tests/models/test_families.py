@@ -140,10 +140,13 @@ def test_status_reports_expert_load_or_window_freeing(served):
 def test_every_dense_family_decodes_in_one_kernel_call(family, tmp_path):
     """A float32 CPU decode step of every dense family runs whole in the one-call kernel
     (test_fused_decode.py holds its logits to the reference's): none is left op by op."""
+    from executors.cpu_kernels import cpu_kernels
     from executors.llm import LlmExecutor, LlmExecutorConfig
     from executors.models.fused_decode import unsupported
     from tests.models.tiny_models import build
 
+    if cpu_kernels() is None:
+        pytest.skip("the CPU kernels do not build here: there is no one-call step")
     build(family, tmp_path)
     executor = LlmExecutor(LlmExecutorConfig(model_dir=str(tmp_path), num_blocks=32))
     try:
