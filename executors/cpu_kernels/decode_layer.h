@@ -37,7 +37,18 @@ typedef struct {
     const float *local_cos, *local_sin;  /* [max_positions, head_dim] (Gemma 3's sliding layers), or NULL */
     const float *softcaps;       /* [layers]: scores s -> c tanh(s / c) where c > 0 (Gemma 2); NULL: none */
     int32_t qk_norm_across;      /* 1: q_norm and k_norm span every head of a row (OLMo 2 and 3) */
+    int32_t norm_kind;           /* the layers' and the final norm: NORM_RMS, or LayerNorms (Cohere, StableLM) */
+    int32_t parallel;            /* 1: the MLP reads the input norm's output, x + attn(h) + mlp(h) (Cohere) */
 } me_decoder;
+
+/* NORM_LAYER_BIAS: each norm's address holds its n weights, then its n biases. */
+enum { NORM_RMS = 0, NORM_LAYER = 1, NORM_LAYER_BIAS = 2 };
+
+/* y = the model's norm of one row of n floats with weights w (q/k norms are RMSNorms). */
+static inline void norm_row(const me_decoder *m, const float *x, int64_t n, const float *w, float *y) {
+    if (m->norm_kind == NORM_RMS) rms_norm_row(x, n, w, m->eps, y);
+    else layer_norm_row(x, n, w, m->norm_kind == NORM_LAYER_BIAS ? w + n : NULL, m->eps, y);
+}
 
 typedef struct {
     int64_t rows;
@@ -96,17 +107,17 @@ static void step_linear(const me_decoder *m, int64_t l, int f, int scales_field,
     }
 }
 
-static void step_norm(const float *x, int64_t rows, int64_t hidden, const float *w, float eps, float *y) {
+static void step_norm(const me_decoder *m, const float *x, int64_t rows, const float *w, float *y) {
     #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * hidden, hidden, w, eps, y + r * hidden);
+    for (int64_t r = 0; r < rows; r++) norm_row(m, x + r * m->hidden, m->hidden, w, y + r * m->hidden);
 }
 
 /* Every row normed by the calling thread alone, into its own h: the matmul after it reads h
  * (in place, or packing its share of x), so no barrier waits for the other threads' rows. A
  * thread that has nothing to do in a phase parks at its barrier and wakes late (tens of
  * microseconds in a VM, bench/RESULTS.md run 19): a norm of a few rows costs less. */
-static void own_norm(const float *x, int64_t rows, int64_t hidden, const float *w, float eps, float *h) {
-    for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * hidden, hidden, w, eps, h + r * hidden);
+static void own_norm(const me_decoder *m, const float *x, int64_t rows, const float *w, float *h) {
+    for (int64_t r = 0; r < rows; r++) norm_row(m, x + r * m->hidden, m->hidden, w, h + r * m->hidden);
 }
 
 /* 1 / rms of each row's q and of its k, [rows, 2], where the norms span every head (a phase
@@ -204,13 +215,14 @@ static void step_mlp(const me_decoder *m, const me_step *s, int64_t l, const flo
     step_linear(m, l, W_DOWN, W_DOWN_SCALES, a, rows, inter, hidden, field(m, l, W_DOWN_BIAS), residual, y, sc);
 }
 
-/* x += RMSNorm(y) with weight w, row by row, shared out over the team (the residual add of
- * a layer that norms attention's or the MLP's output). */
-static void add_normed(float *x, float *y, int64_t rows, int64_t hidden, const float *w, float eps) {
+/* x += norm(y) with weight w, row by row, shared out over the team (the residual add of a
+ * layer that norms attention's or the MLP's output). */
+static void add_normed(const me_decoder *m, float *x, float *y, int64_t rows, const float *w) {
+    const int64_t hidden = m->hidden;
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         float *yr = y + r * hidden, *xr = x + r * hidden;
-        rms_norm_row(yr, hidden, w, eps, yr);
+        norm_row(m, yr, hidden, w, yr);
         for (int64_t j = 0; j < hidden; j++) xr[j] += yr[j];
     }
 }

@@ -119,7 +119,7 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
                 float *kpool = s->kpool + l * s->layer_stride, *vpool = s->vpool + l * s->layer_stride;
                 /* q, k, v (of the rows themselves where the layer norms no input: OLMo 2 and 3) */
                 const float *input = field(m, l, W_INPUT_NORM) ? h : s->x;
-                if (input == h) own_norm(s->x, rows, hidden, field(m, l, W_INPUT_NORM), m->eps, h);
+                if (input == h) own_norm(m, s->x, rows, field(m, l, W_INPUT_NORM), h);
                 step_linear(m, l, W_QKV, W_QKV_SCALES, input, rows, hidden, width, field(m, l, W_QKV_BIAS), NULL,
                             s->qkv, &sc);
                 if (m->qk_norm_across && field(m, l, W_Q_NORM)) whole_row_norms(m, s, inv_rms);
@@ -153,19 +153,20 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
                 if (!field(m, l, W_POST_FF_NORM)) {  /* x += attn @ o^T; the MLP */
                     step_linear(m, l, W_O, W_O_SCALES, s->attn, rows, hq, hidden, field(m, l, W_O_BIAS), s->x, s->x,
                                 &sc);
-                    own_norm(s->x, rows, hidden, field(m, l, W_POST_NORM), m->eps, h);
+                    /* a parallel layer's MLP reads h, the input norm's output: nothing since wrote it */
+                    if (!m->parallel) own_norm(m, s->x, rows, field(m, l, W_POST_NORM), h);
                     step_mlp(m, s, l, h, &sc, act, s->x, s->x);
                     continue;
                 }
                 /* x += norm(attn @ o^T); x += norm(MLP(norm(x) or x)) */
                 step_linear(m, l, W_O, W_O_SCALES, s->attn, rows, hq, hidden, field(m, l, W_O_BIAS), NULL, y, &sc);
-                add_normed(s->x, y, rows, hidden, field(m, l, W_POST_NORM), m->eps);
+                add_normed(m, s->x, y, rows, field(m, l, W_POST_NORM));
                 const float *mlp_input = field(m, l, W_PRE_FF_NORM) ? h : s->x;
-                if (mlp_input == h) own_norm(s->x, rows, hidden, field(m, l, W_PRE_FF_NORM), m->eps, h);
+                if (mlp_input == h) own_norm(m, s->x, rows, field(m, l, W_PRE_FF_NORM), h);
                 step_mlp(m, s, l, mlp_input, &sc, act, NULL, y);
-                add_normed(s->x, y, rows, hidden, field(m, l, W_POST_FF_NORM), m->eps);
+                add_normed(m, s->x, y, rows, field(m, l, W_POST_FF_NORM));
             }
-            step_norm(s->x, rows, hidden, m->final_norm, m->eps, s->x);
+            step_norm(m, s->x, rows, m->final_norm, s->x);
         }
         free(scores);
         free(h);

@@ -37,6 +37,18 @@ static inline void rms_norm_row(const float *x, int64_t n, const float *w, float
     scale_row(x, n, 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps), w, y);
 }
 
+/* LayerNorm of one row of n floats: y = (x - mean) * rsqrt(var + eps) * w (+ b where b is not
+ * NULL); y may be x. The mean first, then the variance about it (two passes, as torch's
+ * float32 layer_norm rather than E[x^2] - mean^2, which cancels badly). */
+static inline void layer_norm_row(const float *x, int64_t n, const float *w, const float *b, float eps, float *y) {
+    float mean = 0.0f, var = 0.0f;
+    for (int64_t j = 0; j < n; j++) mean += x[j];
+    mean /= (float)n;
+    for (int64_t j = 0; j < n; j++) var += (x[j] - mean) * (x[j] - mean);
+    const float inv = 1.0f / sqrtf(var / (float)n + eps);
+    for (int64_t j = 0; j < n; j++) y[j] = (x[j] - mean) * inv * w[j] + (b ? b[j] : 0.0f);
+}
+
 /* NeoX rotation of one head of d floats in place, by the tables' rows c and s (cos, and
  * sin with its first half negated). d even, at most MAX_HEAD_DIM. */
 static inline void rope_head(float *x, int64_t d, const float *c, const float *s) {

@@ -16,6 +16,8 @@ LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "q_norm", "k_nor
 ROTARY_NONE, ROTARY_GLOBAL, ROTARY_LOCAL = 0, 1, 2
 SCALES_SUFFIX = "_scales"
 MAX_STEP_ROWS = 64  # ME_STEP_MAX_ROWS
+# DecoderSpec.norm_kind: RMSNorms, LayerNorms, LayerNorms with a bias (after each norm's weights).
+NORM_RMS, NORM_LAYER, NORM_LAYER_BIAS = 0, 1, 2
 UNSUPPORTED, OUT_OF_RANGE = -2, -3  # the kernel's refusals (the caller falls back to the op-by-op path)
 
 
@@ -25,7 +27,8 @@ class DecoderSpec(ctypes.Structure):
     _fields_ = [("layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("inter", _I),
                 ("eps", ctypes.c_float), ("activation", ctypes.c_int32), ("weights", _P), ("windows", _P),
                 ("scales", _P), ("final_norm", _P), ("cos", _P), ("signed_sin", _P), ("max_positions", _I), ("rotary", _P),
-                ("local_cos", _P), ("local_sin", _P), ("softcaps", _P), ("qk_norm_across", ctypes.c_int32)]
+                ("local_cos", _P), ("local_sin", _P), ("softcaps", _P), ("qk_norm_across", ctypes.c_int32),
+                ("norm_kind", ctypes.c_int32), ("parallel", ctypes.c_int32)]
 
 
 class StepSpec(ctypes.Structure):

@@ -51,6 +51,9 @@ ARCHITECTURES = {
     "MinistralForCausalLM": ("ministral", False),
     "HeliumForCausalLM": ("helium", False),
     "SeedOssForCausalLM": ("seed_oss", False),
+    "CohereForCausalLM": ("cohere", False),
+    "Cohere2ForCausalLM": ("cohere2", False),
+    "StableLmForCausalLM": ("stablelm", False),
 }
 # The projections each family's checkpoints store fused: Phi-3's q/k/v as one qkv_proj and
 # gate/up as one gate_up_proj, GLM-4's gate/up.
@@ -62,6 +65,9 @@ SANDWICH_FAMILIES = ("gemma2", "gemma3")  # and norms around attention's and the
 # are per head, OLMo's span every head).
 POST_NORM_FAMILIES = ("olmo2", "olmo3", "exaone4")
 OLMO_FAMILIES = ("olmo2", "olmo3")
+# LayerNorms (the mean subtracted) in place of RMSNorms; StableLM's with a bias.
+LAYER_NORM_FAMILIES = ("cohere", "cohere2", "stablelm")
+COHERE_FAMILIES = ("cohere", "cohere2")  # parallel attention and MLP, logits scaled, pairs interleaved
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +132,14 @@ class DecoderConfig:
     # Granite: each attention and MLP output is scaled before its residual add (folded into
     # o_proj and down_proj as they load, served_tensors.py), the logits divided by this.
     residual_scale: float | None = None
-    logits_divisor: float | None = None
+    logits_divisor: float | None = None  # Cohere's logit_scale too, as its inverse
+    # Cohere, Cohere 2 and StableLM: LayerNorms (the mean subtracted, in float32) where the
+    # others have RMSNorms (rms_norm_eps is then their epsilon), with a bias on StableLM's.
+    layer_norm: bool = False
+    norm_bias: bool = False
+    # Cohere, Cohere 2, StableLM with use_parallel_residual: attention and the MLP both read
+    # the input norm's output, and both add to the residual: x + attn(h) + mlp(h), no second norm.
+    parallel_residual: bool = False
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def window(self, layer: int) -> int | None:
@@ -203,6 +216,7 @@ class DecoderConfig:
             """Granite's multipliers (1.0 when absent, as GraniteConfig has them); None elsewhere."""
             return positive_number(cfg, key, 1.0) if family == "granite" else None
 
+        _refuse_unserved_options(cfg, family)
         layers = int(need("num_hidden_layers"))
         windows, rotation = layer_kinds(cfg, family, defaults, layers, max_positions)
         return cls(
@@ -215,7 +229,7 @@ class DecoderConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=positive_number(cfg, "rms_norm_eps", defaults.rms_norm_eps),
+            rms_norm_eps=positive_number(cfg, defaults.norm_eps_key, defaults.rms_norm_eps),
             rope_theta=theta,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", defaults.tie_word_embeddings)),
@@ -246,11 +260,24 @@ class DecoderConfig:
             attn_softcap=(_positive(cfg, "attn_logit_softcapping", defaults.attn_logit_softcapping)
                           if family == "gemma2" else None),
             fused_checkpoint=FUSED_CHECKPOINT.get(family, ()),
-            rope_interleaved=family in ("glm4", "helium"),
+            rope_interleaved=family in ("glm4", "helium", *COHERE_FAMILIES),
             residual_scale=granite("residual_multiplier"),
-            logits_divisor=granite("logits_scaling"),
+            logits_divisor=(1 / positive_number(cfg, "logit_scale", defaults.logit_scale) if family in COHERE_FAMILIES
+                            else granite("logits_scaling")),
+            layer_norm=family in LAYER_NORM_FAMILIES,
+            norm_bias=family == "stablelm",
+            parallel_residual=family in COHERE_FAMILIES or bool(family == "stablelm"
+                                                                and cfg.get("use_parallel_residual")),
             raw=cfg,
         )
+
+
+def _refuse_unserved_options(cfg: dict[str, Any], family: str) -> None:
+    """Options of the LayerNorm families that change the layer in ways the decoder does not
+    compute: q/k LayerNorms with a weight per head (Command R+, StableLM 2 12B)."""
+    for key, fam in (("use_qk_norm", "cohere"), ("qk_layernorm", "stablelm")):
+        if family == fam and cfg.get(key):
+            raise UnsupportedModel(f"{key}: true (q/k LayerNorms with a weight per head) is not supported")
 
 
 def _positive(cfg: dict[str, Any], key: str, default: float | None = None) -> float | None:

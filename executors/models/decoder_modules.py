@@ -26,7 +26,7 @@ from executors.lora_batch import LoraBatch
 from executors.models.attention import StepContext
 from executors.models.attention_reference import attend_reference
 from executors.models.config import DecoderConfig
-from executors.models.layers import MLP, RMSNorm, RotaryEmbedding, rms_norm_across_heads
+from executors.models.layers import MLP, RMSNorm, RotaryEmbedding, norm, rms_norm_across_heads
 from executors.models.moe import SparseMoe
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the tensor-parallel ranks, in place
@@ -80,16 +80,19 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: DecoderConfig, layer: int) -> None:
         super().__init__()
-        h, eps, off = config.hidden_size, config.rms_norm_eps, config.norm_offset
+        h = config.hidden_size
         if config.pre_norms:  # not OLMo 2's layers
-            self.input_layernorm = RMSNorm(h, eps, off)
+            self.input_layernorm = norm(config, h)
         self.self_attn = Attention(config, layer)
-        # Gemma 2 and 3, OLMo 2: the norm of attention's output; elsewhere the norm before the MLP.
-        self.post_attention_layernorm = RMSNorm(h, eps, off)
+        # Gemma 2 and 3, OLMo 2: the norm of attention's output; elsewhere the norm before the
+        # MLP, but for a parallel layer (Cohere), whose MLP reads the input norm's output.
+        self.parallel = config.parallel_residual
+        if not self.parallel:
+            self.post_attention_layernorm = norm(config, h)
         if config.sandwich_norms:
             if config.pre_norms:
-                self.pre_feedforward_layernorm = RMSNorm(h, eps, off)
-            self.post_feedforward_layernorm = RMSNorm(h, eps, off)
+                self.pre_feedforward_layernorm = norm(config, h)
+            self.post_feedforward_layernorm = norm(config, h)
         self.sparse = config.moe is not None and config.moe.sparse_layers[layer]
         self.ffn_name = config.moe.module_name if self.sparse else "mlp"
         setattr(self, self.ffn_name, SparseMoe(config) if self.sparse else MLP(config))
@@ -108,7 +111,9 @@ class DecoderLayer(nn.Module):
         a = self.self_attn(h, positions, rope, ctx, mean_over_ranks)
         if reduce is not None:
             a = reduce(a)
-        if hasattr(self, "post_feedforward_layernorm"):  # attention's output normed before the add
+        if self.parallel:  # the MLP reads h too: x + attn(h) + mlp(h)
+            x = x + a
+        elif hasattr(self, "post_feedforward_layernorm"):  # attention's output normed before the add
             x = x + self.post_attention_layernorm(a)
             h = self.pre_feedforward_layernorm(x) if hasattr(self, "pre_feedforward_layernorm") else x
         else:
@@ -143,4 +148,4 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
+        self.norm = norm(config, config.hidden_size)

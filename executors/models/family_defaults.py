@@ -15,7 +15,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class FamilyDefaults:
     rope_theta: float  # the class's default_theta (Gemma 3: its global layers')
-    rms_norm_eps: float
+    rms_norm_eps: float  # the norms' epsilon, under norm_eps_key
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     sliding_window: int | None = None  # read only where the family applies it (layer_kinds.py)
@@ -33,6 +33,8 @@ class FamilyDefaults:
     sliding_window_pattern: int | None = None  # without layer_types: every n-th layer is global
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None  # applied on Gemma 2 only (config.py)
+    norm_eps_key: str = "rms_norm_eps"  # the LayerNorm families': layer_norm_eps
+    logit_scale: float | None = None  # Cohere: the logits times this
 
 
 FAMILY_DEFAULTS = {
@@ -71,6 +73,15 @@ FAMILY_DEFAULTS = {
     "smollm3": FamilyDefaults(rope_theta=2e6, rms_norm_eps=1e-6, max_position_embeddings=32768,
                               tie_word_embeddings=True, attention_bias_key="attention_bias", o_proj_bias=True,
                               mlp_bias_key="mlp_bias"),
+    "cohere": FamilyDefaults(rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
+                             tie_word_embeddings=True, attention_bias_key="attention_bias", o_proj_bias=True,
+                             norm_eps_key="layer_norm_eps", logit_scale=0.0625),
+    "cohere2": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=8192,
+                              tie_word_embeddings=True, sliding_window=4096, attention_bias_key="attention_bias",
+                              o_proj_bias=True, sliding_window_pattern=4, norm_eps_key="layer_norm_eps",
+                              logit_scale=0.0625),
+    "stablelm": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                               attention_bias_key="use_qkv_bias", norm_eps_key="layer_norm_eps"),
     "gemma": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=8192,
                             tie_word_embeddings=True, activation="gelu_pytorch_tanh",
                             attention_bias_key="attention_bias", o_proj_bias=True),

@@ -52,7 +52,7 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
             return out
     layers, linear, residual_linear, norm, rotate, glu, glu_down = step_ops.for_step(
         positions, model.fused, model.fused_fp32_packed, model.cpu_kernels, model.rope, model.rope_local, x.dtype,
-        c.hidden_act)
+        c.hidden_act, c.layer_norm)
     if model.cpu_kernels is not None and model.cpu_kernels.attention_accepts(heads, kv_heads, d):
         ctx.cpu = model.cpu_kernels
     # Attention through the Triton kernels: q/k norm, rotation and the K/V store as one kernel,
@@ -68,8 +68,10 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
     if few_rows or fused_glu:
         glu_down = step_ops.glu_then(residual_linear, glu)
     blocked_mlp = m > MLP_ROWS and lora is None and model.cpu_kernels is not None and linear == model.cpu_kernels.linear
+    parallel = c.parallel_residual  # Cohere: x + attn(h) + mlp(h)
     for i, w in enumerate(layers):
         sliding, rotates = c.window(i) is not None, c.rotates(i)
+        attention_partial = None  # tensor parallelism, a parallel layer: o_proj's partial sum, not yet reduced
         h = x if w.input_norm is None else norm(x, w.input_norm, eps)  # OLMo, EXAONE 4: no input norm
         qkv = linear(h, w.qkv, w.qkv_bias)
         if lora is not None:  # deltas into the fused output's column slices, before q/k norm and rope
@@ -103,17 +105,21 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
             o = linear(a, w.o, w.o_bias)
             if lora is not None:
                 lora.apply(i, "o_proj", a, o)
-            x = x + reduce(o)
-            h = norm(x, w.post_norm, eps)
+            if parallel:  # summed with the MLP's partial output: one all-reduce for both
+                attention_partial = o
+            else:
+                x = x + reduce(o)
+                h = norm(x, w.post_norm, eps)
         else:
             x = residual_linear(x, a, w.o, w.o_bias)
             if lora is not None:  # o_proj's delta straight into the residual stream
                 lora.apply(i, "o_proj", a, x)
-            h = norm(x, w.post_norm, eps)
+            if not parallel:  # a parallel layer's MLP reads the input norm's output, h
+                h = norm(x, w.post_norm, eps)
         if w.moe is not None:
             y = moe_forward(h, w.moe, model.act, model.expert_load[i])
             if reduce is not None:
-                y = reduce(y)
+                y = reduce(y if attention_partial is None else y.add_(attention_partial))
             x = x + (norm(y, w.post_ff_norm, eps) if w.post_ff_norm is not None else y)
             continue
         if blocked_mlp and w.post_ff_norm is None and reduce is None:
@@ -133,7 +139,7 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
             if lora is not None:
                 lora.apply(i, "down_proj", act, y)
             if reduce is not None:
-                y = reduce(y)
+                y = reduce(y if attention_partial is None else y.add_(attention_partial))
             x = x + (norm(y, w.post_ff_norm, eps) if w.post_ff_norm is not None else y)
             continue
         x = residual_linear(x, act, w.down, w.down_bias)

@@ -9,7 +9,8 @@ table then holds each int8 matrix's scales too). Every dense family qualifies: p
 the kernel takes a window, a score scale and cap (Gemma 2), a rotary table or none (Gemma
 3's sliding layers' own, SmolLM3's NoPE layers), q/k norms per head or over every head
 (OLMo 2 and 3), and norms of attention's and the MLP's outputs with or without input norms
-(Gemma 2 and 3, GLM-4; OLMo 2 and 3, EXAONE 4); what does not (experts, odd head sizes) keeps the
+(Gemma 2 and 3, GLM-4; OLMo 2 and 3, EXAONE 4), LayerNorms with or without biases and
+parallel attention and MLP (Cohere, StableLM); what does not (experts, odd head sizes) keeps the
 op-by-op path of decoder.py, as does any step the kernel refuses (a position, slot or block
 out of range: nothing is written then, and the op-by-op path raises its usual error). A
 refusal is counted (FusedDecode.refused) and the first one of a model logged with the step's
@@ -31,6 +32,9 @@ from executors.cpu_kernels.qpanels import QPanels
 from executors.cpu_kernels.step import (
     LAYER_FIELDS,
     MAX_STEP_ROWS,
+    NORM_LAYER,
+    NORM_LAYER_BIAS,
+    NORM_RMS,
     OUT_OF_RANGE,
     ROTARY_GLOBAL,
     ROTARY_LOCAL,
@@ -82,7 +86,9 @@ class FusedDecode:
             local_cos=local.cos.data_ptr() if local is not None else None,
             local_sin=local.signed_sin.data_ptr() if local is not None else None,
             softcaps=self.softcaps.data_ptr() if self.softcaps is not None else None,
-            qk_norm_across=int(c.qk_norm_across_heads))
+            qk_norm_across=int(c.qk_norm_across_heads),
+            norm_kind=NORM_RMS if not c.layer_norm else NORM_LAYER_BIAS if c.norm_bias else NORM_LAYER,
+            parallel=int(c.parallel_residual))
 
     @classmethod
     def build(cls, model: DecoderLM) -> FusedDecode | None:

@@ -24,6 +24,7 @@ from executors.models.moe import MoeWeights, stack
 class FusedLayer(NamedTuple):
     """One decoder layer's tensors for the fast forward (views of, or the same as, its parameters)."""
 
+    # The norms: RMSNorm weights, or a LayerNorm's weight and bias stacked [2, hidden] (StableLM).
     input_norm: torch.Tensor | None  # None: OLMo 2 norms no layer's input
     qkv: torch.Tensor  # [(H + 2 KVH) * D, hidden]
     qkv_bias: torch.Tensor | None
@@ -31,7 +32,9 @@ class FusedLayer(NamedTuple):
     o_bias: torch.Tensor | None
     q_norm: torch.Tensor | None  # [D], or [H * D] where the norm spans every head (OLMo 2)
     k_norm: torch.Tensor | None
-    post_norm: torch.Tensor  # Gemma 2 and 3, OLMo 2 (post_ff_norm set): of attention's output; else before the MLP
+    # Gemma 2 and 3, OLMo 2 (post_ff_norm set): of attention's output; else before the MLP;
+    # None in a parallel layer (Cohere), whose MLP reads the input norm's output.
+    post_norm: torch.Tensor | None
     gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a sparse layer
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor | None
@@ -74,7 +77,7 @@ def fuse_layers(model: DecoderModel, config: DecoderConfig) -> list[FusedLayer]:
             o=a.o_proj.weight.detach(), o_bias=a.o_proj.bias.detach() if c.o_bias else None,
             q_norm=a.q_norm.fused_weight() if c.qk_norm else None,
             k_norm=a.k_norm.fused_weight() if c.qk_norm else None,
-            post_norm=layer.post_attention_layernorm.fused_weight(),
+            post_norm=None if layer.parallel else layer.post_attention_layernorm.fused_weight(),
             **dense,
             pre_ff_norm=layer.pre_feedforward_layernorm.fused_weight() if pre else None,
             post_ff_norm=layer.post_feedforward_layernorm.fused_weight() if post else None,

@@ -1,7 +1,7 @@
 """What kind of attention each layer has, read from a config.json as transformers reads it:
 its sliding window (Mistral, Mixtral and Phi-3 every layer; Gemma 2 and 3, SmolLM3, OLMo 3,
-EXAONE 4 and Ministral by `layer_types`) and whether it rotates q and k at all (SmolLM3's NoPE layers,
-EXAONE 4's global ones)."""
+EXAONE 4, Ministral and Cohere 2 by `layer_types`) and whether it rotates q and k at all (SmolLM3's
+NoPE layers, EXAONE 4's and Cohere 2's global ones)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from executors.models.family_defaults import FamilyDefaults
 # Families whose every layer sees the same `sliding_window` (when the config sets one).
 WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")
 # Families whose layers slide or not by `layer_types` (or the older keys that stand for it).
-LAYER_TYPE_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo3", "exaone4", "ministral")
+LAYER_TYPE_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo3", "exaone4", "ministral", "cohere2")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -40,6 +40,8 @@ def layer_kinds(cfg: dict[str, Any], family: str, defaults: FamilyDefaults, laye
         raise UnsupportedModel(f"layer types {unknown} are not supported (only sliding_attention, full_attention)")
     if family == "exaone4" and window is not None:  # with a window, its global layers are NoPE
         rotation = tuple(t == "sliding_attention" for t in types)
+    if family == "cohere2":  # only its sliding layers rotate (Cohere2Attention: those with a window)
+        rotation = tuple(t == "sliding_attention" and window is not None for t in types)
     if "sliding_attention" not in types:
         return (), rotation
     size = window_size(window)
@@ -58,10 +60,11 @@ def _implied_layer_types(cfg: dict[str, Any], family: str, defaults: FamilyDefau
         return ["full_attention"] * layers
     if family == "ministral":  # MinistralConfig: every layer slides where there is a window
         return ["full_attention" if window is None else "sliding_attention"] * layers
-    # Gemma, OLMo 3 and EXAONE 4: every `sliding_window_pattern`-th layer is global (only Gemma 3
-    # and EXAONE 4 read the key: Gemma 2's every other layer slides, from the first; OLMo 3's
+    # Gemma, OLMo 3, EXAONE 4 and Cohere 2: every `sliding_window_pattern`-th layer is global (only
+    # Gemma 3, EXAONE 4 and Cohere 2 read the key: Gemma 2's every other layer slides, from the first; OLMo 3's
     # three of four).
-    pattern = (cfg.get("sliding_window_pattern", defaults.sliding_window_pattern) if family in ("gemma3", "exaone4")
+    pattern = (cfg.get("sliding_window_pattern", defaults.sliding_window_pattern)
+               if family in ("gemma3", "exaone4", "cohere2")
                else defaults.sliding_window_pattern)
     if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
         raise UnsupportedModel(f"sliding_window_pattern must be a positive integer, got {pattern!r}")

@@ -1,4 +1,4 @@
-"""Small building blocks: RMSNorm, rotary embedding (Llama 3 or linear scaling), gated MLP."""
+"""Small building blocks: RMSNorm and LayerNorm, rotary embedding (Llama 3 or linear scaling), gated MLP."""
 
 from __future__ import annotations
 
@@ -34,6 +34,35 @@ class RMSNorm(nn.Module):
         """The weight F.rms_norm multiplies by (offset added once, at fuse time)."""
         w = self.weight.detach()
         return (w.float() + self.offset).to(w.dtype) if self.offset else w
+
+
+class LayerNorm(nn.Module):
+    """Cohere's and StableLM's norm: the mean subtracted and the variance normalised, in
+    float32 whatever the weights' dtype (as CohereLayerNorm), times a weight, plus a bias
+    (StableLM's; Cohere's has none)."""
+
+    def __init__(self, dim: int, eps: float, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), bias, self.eps).to(x.dtype)
+
+    def fused_weight(self) -> torch.Tensor:
+        """What the fast forward's norm op takes (step_ops.layer_norm): the weight, or the weight
+        and the bias stacked ([2, dim])."""
+        w = self.weight.detach()
+        return w if self.bias is None else torch.stack([w, self.bias.detach()])
+
+
+def norm(config: DecoderConfig, dim: int) -> RMSNorm | LayerNorm:
+    """The family's norm over `dim` features."""
+    if config.layer_norm:
+        return LayerNorm(dim, config.rms_norm_eps, config.norm_bias)
+    return RMSNorm(dim, config.rms_norm_eps, config.norm_offset)
 
 
 def rms_norm_across_heads(x: torch.Tensor, weight: torch.Tensor, eps: float,

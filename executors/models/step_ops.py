@@ -39,7 +39,8 @@ PACK_FP32_MAX_BYTES = 1 << 30
 
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 ResidualLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x, weight, eps) over the last dim
+# (x, weight, eps) over the last dim; a LayerNorm's "weight" may be its weight and bias stacked
+Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 Rotate = Callable[[torch.Tensor, bool], torch.Tensor]  # (x [m, heads, d], local table?) -> rotated
 Glu = Callable[[torch.Tensor], torch.Tensor]  # gate_up [m, 2 I] -> act(gate) * up [m, I]
 # (residual, gate_up, weight, bias) -> residual + glu(gate_up) @ weight.T + bias: a gated MLP's down
@@ -62,7 +63,8 @@ class StepOps(NamedTuple):
 
 def for_step(positions: torch.Tensor, fused: list[FusedLayer], packed: list[FusedLayer] | None,
              kernels: CpuKernels | None, rope: RotaryEmbedding, rope_local: RotaryEmbedding | None,
-             dtype: torch.dtype, activation: str) -> StepOps:
+             dtype: torch.dtype, activation: str, layer_norm: bool = False) -> StepOps:
+    """`layer_norm`: the model's norms are LayerNorms (Cohere, StableLM), which torch computes."""
     rows = positions.shape[0]
     # The kernels' rotation reads the tables at the given positions unchecked: check once here.
     # Only with the (CPU) kernels: on a GPU the min/max would synchronize every step, and a
@@ -81,6 +83,8 @@ def for_step(positions: torch.Tensor, fused: list[FusedLayer], packed: list[Fuse
         rotate = _torch_rotate(positions, rope, rope_local, dtype)
         glu = functools.partial(torch_glu, act=layers.activation(activation))
         glu_down = None
+    if layer_norm:
+        norm = torch_layer_norm
     if kernels is not None:  # the weights are panels (panel_modules.py): every step through the kernels
         return StepOps(fused, kernels.linear, kernels.residual_linear, norm, rotate, glu,
                        glu_down or glu_then(kernels.residual_linear, glu))
@@ -101,6 +105,14 @@ def torch_glu(gu: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> 
 
 def torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+def torch_layer_norm(x: torch.Tensor, params: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm in float32 (as layers.LayerNorm); `params`: the weight, or the weight and
+    the bias stacked [2, dim] (LayerNorm.fused_weight)."""
+    weight, bias = (params[0], params[1]) if params.dim() == 2 else (params, None)
+    return F.layer_norm(x.float(), x.shape[-1:], weight.float(), None if bias is None else bias.float(),
+                        eps).to(x.dtype)
 
 
 def _torch_rotate(positions: torch.Tensor, rope: RotaryEmbedding, rope_local: RotaryEmbedding | None,

@@ -196,6 +196,20 @@ CASES = {
     "seed_oss_no_biases": ("seed_oss", {"head_dim": 16, "attention_bias": False}, {}, 40, None),
     "smollm3_longer_no_rope_layers": ("smollm3", {"num_hidden_layers": 3}, {"no_rope_layers": [0, 1, 0, 0, 0]},
                                       40, None),
+    # 20. Cohere: its defaults (LayerNorm eps 1e-5, logits times 0.0625, rope base 5e5); q/k
+    # norms with a weight per head refused. Cohere 2: every sliding_window_pattern-th layer
+    # global and NoPE without layer_types. StableLM: a quarter of each head rotating by default
+    # (or the top-level factor of older files), biases on its LayerNorms, attention and the MLP
+    # in parallel by use_parallel_residual; its per-head q/k LayerNorms refused.
+    "cohere_defaults": ("cohere", {}, {"layer_norm_eps": DEL, "logit_scale": DEL, "rope_parameters": DEL}, 40, None),
+    "cohere_qk_norm": ("cohere", {"use_qk_norm": True}, {}, 20, "use_qk_norm: true"),
+    "cohere2_pattern": ("cohere2", {"num_hidden_layers": 4, "sliding_window": 8},
+                        {"layer_types": DEL, "sliding_window_pattern": 2}, 40, None),
+    "stablelm_defaults": ("stablelm", {}, {"rope_parameters": DEL, "layer_norm_eps": DEL}, 40, None),
+    "stablelm_top_level_half_rotary": ("stablelm", {"use_qkv_bias": True}, {
+        "rope_parameters": DEL, "partial_rotary_factor": 0.5, "rope_theta": 3e3}, 40, None),
+    "stablelm_parallel": ("stablelm", {"use_parallel_residual": True}, {}, 40, None),
+    "stablelm_qk_layernorm": ("stablelm", {"qk_layernorm": True}, {}, 20, "qk_layernorm: true"),
 }
 
 MODELS = {
@@ -209,6 +223,8 @@ MODELS = {
     "olmo3": ("Olmo3ForCausalLM", "Olmo3Config"), "exaone4": ("Exaone4ForCausalLM", "Exaone4Config"),
     "glm4": ("Glm4ForCausalLM", "Glm4Config"), "ministral": ("MinistralForCausalLM", "MinistralConfig"),
     "helium": ("HeliumForCausalLM", "HeliumConfig"), "seed_oss": ("SeedOssForCausalLM", "SeedOssConfig"),
+    "cohere": ("CohereForCausalLM", "CohereConfig"), "cohere2": ("Cohere2ForCausalLM", "Cohere2Config"),
+    "stablelm": ("StableLmForCausalLM", "StableLmConfig"),
 }
 
 
@@ -216,7 +232,8 @@ def save_tiny(family: str, kwargs: dict, edits: dict, out):
     """Save a random tiny model, apply `edits` to its config.json, return transformers' reading of it."""
     model_cls, config_cls = (getattr(tf, n) for n in MODELS[family])
     torch.manual_seed(0)
-    model = model_cls(config_cls(**{**{"gemma2": GEMMA2, "gemma3": GEMMA, "phi3": PHI3, "smollm3": SMOLLM3, "glm4": PHI3, "helium": PHI3}.get(
+    model = model_cls(config_cls(**{**{"gemma2": GEMMA2, "gemma3": GEMMA, "phi3": PHI3, "smollm3": SMOLLM3, "glm4": PHI3, "helium": PHI3,
+                                     "cohere": SMOLLM3, "cohere2": SMOLLM3, "stablelm": SMOLLM3}.get(
         family, COMMON), **kwargs}))
     with torch.no_grad():  # random init leaves biases at zero and norms at one: make them count
         for name, p in model.named_parameters():
@@ -336,7 +353,8 @@ def test_family_defaults_match_transformers_config_classes():
         expected = {
             "rope_theta": theta["global"] if isinstance(theta, dict) else theta,
             "local_rope_theta": theta["local"] if isinstance(theta, dict) else None,
-            "rms_norm_eps": fields["rms_norm_eps"], "max_position_embeddings": fields["max_position_embeddings"],
+            "rms_norm_eps": fields[ours.norm_eps_key], "max_position_embeddings": fields["max_position_embeddings"],
+            "logit_scale": fields.get("logit_scale"),
             "tie_word_embeddings": fields["tie_word_embeddings"], "sliding_window": fields.get("sliding_window"),
             "activation": fields[ours.activation_key], "query_pre_attn_scalar": fields.get("query_pre_attn_scalar"),
             "final_logit_softcapping": fields.get("final_logit_softcapping"),
@@ -360,7 +378,8 @@ def test_family_bias_layout_matches_transformers_modeling(family):
     model_cls, config_cls = (getattr(tf, n) for n in MODELS[family])
     moe = {"num_experts": 2, "num_local_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 8,
            "shared_expert_intermediate_size": 8, "mlp_only_layers": [0]}  # layer 0 dense, layer 1 sparse
-    switches = {key: True for key in ("attention_bias", "qkv_bias", "mlp_bias", ours.o_proj_bias_key) if key}
+    switches = {key: True for key in ("attention_bias", "qkv_bias", "mlp_bias", ours.attention_bias_key,
+                                      ours.o_proj_bias_key) if key}
     config = config_cls(**{**COMMON, "pad_token_id": 0, "hidden_size": 16, "intermediate_size": 8, "head_dim": 4,
                            **switches, **(moe if family in MOE_FAMILIES else {})})
     with torch.device("meta"):
@@ -371,6 +390,28 @@ def test_family_bias_layout_matches_transformers_modeling(family):
     assert ("model.layers.0.self_attn.o_proj.bias" in names) == (ours.o_proj_bias or bool(ours.o_proj_bias_key)), family
     mlp_biases = {n for n in names if n.endswith("bias") and ("mlp" in n or "sparse_moe" in n)}
     assert bool(mlp_biases) == (ours.mlp_bias_key is not None), (family, mlp_biases)
+
+
+@pytest.mark.parametrize("family, extra", [*((f, {}) for f in FAMILY_DEFAULTS if f not in MOE_FAMILIES),
+                                           ("stablelm", {"use_parallel_residual": True})])
+def test_parameter_names_match_transformers_modeling(family, extra):
+    """Every bias switch on: the decoder holds the parameters transformers' model has, by
+    name (the norms' biases, a parallel layer's one norm), a fused checkpoint tensor counting
+    as its parts. (transformers 5 stacks a mixture's experts in its modules, not in its files.)"""
+    from executors.models.checkpoint_sections import fused_sections
+    from executors.models.decoder import DecoderLM
+
+    ours = FAMILY_DEFAULTS[family]
+    model_cls, config_cls = (getattr(tf, n) for n in MODELS[family])
+    switches = {key: True for key in ("attention_bias", "mlp_bias", ours.attention_bias_key, ours.o_proj_bias_key)
+                if key}
+    config = config_cls(**{**SMOLLM3, "hidden_size": 32, "intermediate_size": 8, "head_dim": 8, **switches, **extra})
+    with torch.device("meta"):
+        theirs = {n for n, _ in model_cls(config).named_parameters()}
+        decoder = DecoderConfig.from_dict({**config.to_dict(), "architectures": [MODELS[family][0]]})
+        mine = {n for n, _ in DecoderLM(decoder).named_parameters()}
+    sections = fused_sections(decoder)
+    assert {part for n in theirs for part, _, _ in sections.get(n, ((n, 0, 0),))} == mine, family
 
 
 def test_every_family_has_a_model_type():

@@ -43,6 +43,11 @@ FAMILIES = {
     # past these positions.
     "gemma2": {"architectures": ["Gemma2ForCausalLM"], "head_dim": 16, "attn_logit_softcapping": 1.0,
                "final_logit_softcapping": 5.0, "query_pre_attn_scalar": 20},
+    # Cohere: LayerNorms without biases, attention and the MLP in parallel, interleaved pairs.
+    "cohere": {"architectures": ["CohereForCausalLM"], "attention_bias": True, "logit_scale": 0.5},
+    # StableLM: LayerNorms with biases, a quarter of each head rotating; in sequence and in parallel.
+    "stablelm": {"architectures": ["StableLmForCausalLM"], "use_qkv_bias": True},
+    "stablelm_parallel": {"architectures": ["StableLmForCausalLM"], "use_parallel_residual": True},
 }
 POLICIES = {
     "default": {},  # decode steps of up to 64 rows in one kernel call, other steps op by op

@@ -38,8 +38,9 @@ TOL = 1e-4
 # adapter moves them by 0.6-1.1: a lost or misplaced delta still fails.
 TOL_BF16 = 0.08
 # Granite: B of o_proj and down_proj scaled; Gemma 2: sandwich norms, soft-capped scores;
-# SmolLM3: NoPE layers; OLMo 2: deltas on q/k before its norms across heads.
-FAMILIES = ["qwen3", "llama", "qwen2", "granite", "gemma2", "smollm3", "olmo2"]
+# SmolLM3: NoPE layers; OLMo 2: deltas on q/k before its norms across heads; Cohere: parallel
+# layers (the MLP's deltas on the input norm's output), q/k rows reordered; StableLM: partial rotation.
+FAMILIES = ["qwen3", "llama", "qwen2", "granite", "gemma2", "smollm3", "olmo2", "cohere", "stablelm"]
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Two adapters that differ in everything PEFT lets them differ in: rank, alpha, scaling
 # rule, targets, and a layer restriction (tiny_models has 3 or 4 layers; "narrow" skips layer 1).
@@ -103,6 +104,7 @@ class Family:
         with self.peft.disable_adapter() if adapter is None else contextlib.nullcontext():
             hidden = causal_lm.model(ids).last_hidden_state
             logits = causal_lm.lm_head(hidden) / getattr(causal_lm.config, "logits_scaling", 1.0)  # Granite's
+            logits = logits * getattr(causal_lm.config, "logit_scale", 1.0)  # Cohere's
             cap = getattr(causal_lm.config, "final_logit_softcapping", None)  # Gemma's
             if cap is not None:
                 logits = torch.tanh(logits / cap) * cap

@@ -3,7 +3,9 @@
 No hub is reachable from the tests, so these are the keys and values that matter of
 microsoft/Phi-3-mini-4k-instruct, microsoft/Phi-4-mini-instruct, google/gemma-2-2b-it,
 ibm-granite/granite-3.1-2b-instruct, google/gemma-2b, HuggingFaceTB/SmolLM3-3B,
-allenai/OLMo-2-1124-7B, allenai/Olmo-3-1025-7B LGAI-EXAONE/EXAONE-4.0-32B, THUDM/GLM-4-9B-0414 and Qwen/Qwen3-8B with the YaRN setting its
+allenai/OLMo-2-1124-7B, allenai/Olmo-3-1025-7B LGAI-EXAONE/EXAONE-4.0-32B, THUDM/GLM-4-9B-0414,
+CohereForAI/c4ai-command-r-v01, CohereForAI/c4ai-command-r7b-12-2024 (with its keys transformers
+does not read), stabilityai/stablelm-2-1_6b and Qwen/Qwen3-8B with the YaRN setting its
 model card gives for 131072 tokens (transformers 4's
 layout: top-level rope_theta, no layer_types; the LongRoPE factor lists stand in for the published
 48 numbers: their count and place are what is read here). The tiny random models of the
@@ -91,6 +93,29 @@ GLM4_9B = {
     "max_position_embeddings": 32768, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
     "attention_bias": True, "tie_word_embeddings": False, "vocab_size": 151552, "pad_token_id": 151329,
     "eos_token_id": [151329, 151336, 151338], "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+COMMAND_R = {
+    "architectures": ["CohereForCausalLM"], "model_type": "cohere", "hidden_size": 8192, "intermediate_size": 22528,
+    "num_hidden_layers": 40, "num_attention_heads": 64, "num_key_value_heads": 64, "max_position_embeddings": 8192,
+    "layer_norm_eps": 1e-05, "logit_scale": 0.0625, "rope_theta": 8000000.0, "attention_bias": False,
+    "use_qk_norm": False, "vocab_size": 256000, "bos_token_id": 5, "eos_token_id": 255001, "pad_token_id": 0,
+    "hidden_act": "silu", "torch_dtype": "float16",
+}
+COMMAND_R7B = {
+    "architectures": ["Cohere2ForCausalLM"], "model_type": "cohere2", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 8192, "layer_norm_eps": 1e-05, "logit_scale": 0.25, "rope_theta": 50000,
+    "rope_scaling": None, "sliding_window": 4096, "sliding_window_pattern": 4, "attention_bias": False,
+    "order_of_interleaved_layers": "local_attn_first", "position_embedding_type": "rope_gptj", "rotary_pct": 1.0,
+    "use_parallel_block": True, "use_gated_activation": True, "use_embedding_sharing": True, "vocab_size": 256000,
+    "bos_token_id": 5, "eos_token_id": 255001, "pad_token_id": 0, "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+STABLELM2_1_6B = {
+    "architectures": ["StableLmForCausalLM"], "model_type": "stablelm", "hidden_size": 2048, "intermediate_size": 5632,
+    "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
+    "layer_norm_eps": 1e-05, "partial_rotary_factor": 0.25, "rope_theta": 10000, "rope_scaling": None,
+    "use_qkv_bias": True, "tie_word_embeddings": False, "vocab_size": 100352, "bos_token_id": 100257,
+    "eos_token_id": 100257, "hidden_act": "silu", "torch_dtype": "bfloat16",
 }
 GEMMA2_2B = {
     "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216,
@@ -200,3 +225,24 @@ def test_glm4_9b_rotates_half_of_each_head_in_neighbouring_pairs():
     assert (c.rotary_dim, c.head_dim, c.rope_interleaved, c.fused_checkpoint) == (64, 128, True, ("gate_up_proj",))
     assert c.qkv_bias and not c.o_bias and c.sandwich_norms and c.pre_norms and not c.qk_norm
     assert c.eos_token_ids == (151329, 151336, 151338) and c.rms_norm_eps == 1e-5
+
+
+def test_command_r_norms_by_layernorm_and_runs_attention_and_the_mlp_in_parallel():
+    c = DecoderConfig.from_dict(COMMAND_R)
+    assert c.layer_norm and not c.norm_bias and c.parallel_residual and c.rope_interleaved and c.tie_word_embeddings
+    assert c.logits_divisor == 16.0 and c.rope_theta == 8e6 and c.rms_norm_eps == 1e-5
+    assert not c.qkv_bias and not c.o_bias and c.layer_windows == () and c.nope_layers == ()
+
+
+def test_command_r7b_slides_three_layers_of_four_and_leaves_the_fourth_unrotated():
+    c = DecoderConfig.from_dict(COMMAND_R7B)
+    assert c.layer_windows == tuple(None if (i + 1) % 4 == 0 else 4096 for i in range(32))
+    assert c.nope_layers == tuple(range(3, 32, 4))
+    assert c.layer_norm and c.parallel_residual and c.logits_divisor == 4.0 and c.rope_theta == 50000.0
+
+
+def test_stablelm2_1_6b_rotates_a_quarter_of_each_head_under_layernorms_with_biases():
+    c = DecoderConfig.from_dict(STABLELM2_1_6B)
+    assert (c.rotary_dim, c.head_dim, c.rope_interleaved) == (16, 64, False)
+    assert c.layer_norm and c.norm_bias and not c.parallel_residual and c.qkv_bias and not c.o_bias
+    assert not c.tie_word_embeddings and c.eos_token_ids == (100257,)

@@ -42,6 +42,9 @@ FAMILIES = {
     # EXAONE 4: output norms only, per-head q/k norms, the global layer NoPE.
     "exaone4": {"architectures": ["Exaone4ForCausalLM"], "head_dim": 16,
                 "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    # Cohere 2: parallel layers with LayerNorms, the sliding ones rotating, the global one NoPE.
+    "cohere2": {"architectures": ["Cohere2ForCausalLM"], "head_dim": 16,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
 }
 
 

@@ -66,8 +66,9 @@ class Trio:
         self.loop.close()
 
 
-# smollm3: a NoPE layer skips the fused prologue; olmo2: its q/k norms keep the prologue off
-@pytest.fixture(params=["llama", "qwen3", "smollm3", "olmo2"])
+# smollm3: a NoPE layer skips the fused prologue; olmo2: its q/k norms keep the prologue off;
+# cohere: LayerNorms and parallel attention and MLP around the prologue
+@pytest.fixture(params=["llama", "qwen3", "smollm3", "olmo2", "cohere"])
 def trio(request):
     t = Trio(request.param)
     yield t

@@ -2,7 +2,8 @@
 and Qwen2; the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral; the sliding-window
 Mistral, Gemma 2 (soft-capped attention scores), Gemma 3 and Phi-3 (whose checkpoint fuses
 q/k/v and gate/up); Phi-4-mini's rope; Granite's multipliers; Gemma (1); SmolLM3's NoPE layers;
-OLMo 2's norms; OLMo 3's windows and YaRN; EXAONE 4's NoPE global layers; GLM-4's interleaved half rotation and renamed norms; Ministral's sliding and global layers; Helium's interleaved rotation; Seed-OSS's biases."""
+OLMo 2's norms; OLMo 3's windows and YaRN; EXAONE 4's NoPE global layers; GLM-4's interleaved half rotation and renamed norms; Ministral's sliding and global layers; Helium's interleaved rotation; Seed-OSS's biases; Cohere's
+and Cohere 2's LayerNorms and parallel layers; StableLM's LayerNorms with biases."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def build(family: str, out_dir: Path, **save_kwargs):
 
 
 SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8, "phi3": 9, "phi4_mini": 10,
-         "granite": 11, "gemma2": 12, "gemma": 13, "smollm3": 14, "olmo2": 15, "olmo3": 16, "exaone4": 17, "glm4": 18, "ministral": 19, "helium": 20, "seed_oss": 21}
+         "granite": 11, "gemma2": 12, "gemma": 13, "smollm3": 14, "olmo2": 15, "olmo3": 16, "exaone4": 17, "glm4": 18, "ministral": 19, "helium": 20, "seed_oss": 21,
+         "cohere": 22, "cohere2": 23, "stablelm": 24}
 # phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
 LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
@@ -162,4 +164,20 @@ def _new_family(tf, family: str, common: dict):
         # Seed-OSS: q/k/v biases, o_proj's switched by attention_out_bias.
         return tf.SeedOssForCausalLM(tf.SeedOssConfig(**common, head_dim=16, attention_bias=True,
                                                       attention_out_bias=True))
+    if family == "cohere":
+        # Command-R: LayerNorms without a bias, attention and the MLP in parallel on one norm's
+        # output, rotary pairs interleaved, the logits scaled; biases on attention.
+        return tf.CohereForCausalLM(tf.CohereConfig(**common, logit_scale=0.25, attention_bias=True,
+                                                    pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    if family == "cohere2":
+        # Command R7B: Cohere's layer, three of every four sliding and rotating, the fourth
+        # global and NoPE.
+        return tf.Cohere2ForCausalLM(tf.Cohere2Config(**dict(common, num_hidden_layers=4), sliding_window=WINDOW,
+                                                      logit_scale=0.5, pad_token_id=0, bos_token_id=1,
+                                                      eos_token_id=2))
+    if family == "stablelm":
+        # StableLM 2: LayerNorms with biases, a quarter of each head rotating, q/k/v biases,
+        # attention and the MLP in sequence (use_parallel_residual is a config case).
+        return tf.StableLmForCausalLM(tf.StableLmConfig(**common, use_qkv_bias=True, pad_token_id=0,
+                                                        bos_token_id=1, eos_token_id=2))
     raise ValueError(family)
