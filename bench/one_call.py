@@ -7,8 +7,9 @@ executors with their own pools, the module switch fused_decode.FUSED_DECODE flip
 between their calls, alternating rounds, median in-process, ARGMAX) for layer shapes the
 one call took on only recently: Gemma 2 (capped scores, norms around attention's and the
 MLP's outputs), Gemma 3 (its sliding layers' own rotary table), OLMo 2 (no input norms,
-q/k norms over every head) and SmolLM3 (NoPE layers); Llama beside them as the
-reference point. Each line gives both times, their ratio, and the weights' bytes per
+q/k norms over every head), SmolLM3 (NoPE layers), Cohere (LayerNorms, attention and the MLP
+in parallel), StableLM (LayerNorms with biases, a quarter of each head rotating) and
+StarCoder2 (an ungated MLP, biases everywhere); Llama beside them as the reference point. Each line gives both times, their ratio, and the weights' bytes per
 one-call step over its time (the rate its matmuls read them at).
 """
 
@@ -36,6 +37,9 @@ FAMILIES = {
                "num_key_value_heads": 2, "query_pre_attn_scalar": 256},
     "olmo2": {"architectures": ["Olmo2ForCausalLM"]},
     "smollm3": {"architectures": ["SmolLM3ForCausalLM"]},
+    "cohere": {"architectures": ["CohereForCausalLM"]},
+    "stablelm": {"architectures": ["StableLmForCausalLM"], "use_qkv_bias": True},
+    "starcoder2": {"architectures": ["Starcoder2ForCausalLM"], "hidden_act": "gelu_pytorch_tanh"},
 }
 
 
@@ -48,7 +52,7 @@ def model(family: str, args) -> DecoderLM:
     offset = m.config.norm_offset
     with torch.no_grad():
         for name, p in m.named_parameters():
-            p.fill_(1.0 - offset) if "norm" in name else p.normal_(0, 0.02)
+            p.fill_(1.0 - offset) if "norm" in name and name.endswith("weight") else p.normal_(0, 0.02)
     return m.eval()
 
 

@@ -19,6 +19,7 @@ MODULE_PARENTS = {
     "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
     "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
     "qkv_proj": "self_attn", "gate_up_proj": "mlp",  # Phi-3's fused projections (GLM-4's gate_up_proj)
+    "c_fc": "mlp", "c_proj": "mlp",  # StarCoder2's ungated MLP: the decoder's up_proj and down_proj
 }
 QKV = ("q_proj", "k_proj", "v_proj")
 
@@ -30,7 +31,8 @@ class LoraTargets:
     num_layers: int
     shapes: dict[str, tuple[int, int]]  # "q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"
     # Phi-3: a fused projection (qkv_proj, gate_up_proj) -> the decoder's projections in its
-    # output rows, as (module, first row, end row). An adapter on it is cut into theirs.
+    # output rows, as (module, first row, end row). An adapter on it is cut into theirs; one
+    # part of all the rows is a rename (StarCoder2's c_fc and c_proj).
     splits: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
     # Partial rotary embeddings: q's and k's rows in the order the loader served them
     # (served row -> checkpoint row, partial_rotary.py); B's rows follow it.
@@ -54,6 +56,9 @@ class LoraTargets:
                 shapes = {"qkv_proj": (hidden, q + 2 * kv), **{k: v for k, v in shapes.items() if k not in QKV}}
                 splits["qkv_proj"] = (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv))
             return cls(config.num_layers, shapes, splits, orders, scales)
+        if not config.mlp_gated:  # StarCoder2: PEFT's names for its MLP, renamed as the loader renames them
+            return cls(config.num_layers, {**attention, "c_fc": (hidden, inter), "c_proj": (inter, hidden)},
+                       {"c_fc": (("up_proj", 0, inter),), "c_proj": (("down_proj", 0, hidden),)}, orders, scales)
         if config.moe is not None:  # a mixture of experts: adapters on attention only
             return cls(config.num_layers, attention, row_orders=orders, output_scales=scales)
         return cls(config.num_layers, {

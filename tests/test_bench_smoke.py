@@ -234,8 +234,8 @@ def test_the_one_call_bench_times_both_paths(capsys):
 
     if cpu_kernels() is None:
         pytest.skip("the CPU kernels do not build here: there is no one-call step to time")
-    assert one_call.main(["--families", "gemma2,olmo2", "--batches", "1,3", "--context", "9", "--rounds", "1",
-                          "--hidden", "256", "--layers", "2", "--vocab", "300"]) == 0
+    assert one_call.main(["--families", "gemma2,olmo2,cohere,starcoder2", "--batches", "1,3", "--context", "9",
+                          "--rounds", "1", "--hidden", "256", "--layers", "2", "--vocab", "300"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if "one call" in line]
-    assert len(lines) == 4 and all("op by op" in line and "GB/s" in line for line in lines)
-    assert [line.split()[0] for line in lines] == ["gemma2", "gemma2", "olmo2", "olmo2"]
+    assert len(lines) == 8 and all("op by op" in line and "GB/s" in line for line in lines)
+    assert [line.split()[0] for line in lines] == [f for f in ("gemma2", "olmo2", "cohere", "starcoder2") for _ in "ab"]

@@ -39,7 +39,11 @@ typedef struct {
     int32_t qk_norm_across;      /* 1: q_norm and k_norm span every head of a row (OLMo 2 and 3) */
     int32_t norm_kind;           /* the layers' and the final norm: NORM_RMS, or LayerNorms (Cohere, StableLM) */
     int32_t parallel;            /* 1: the MLP reads the input norm's output, x + attn(h) + mlp(h) (Cohere) */
+    int32_t ungated;             /* 1: W_GATE_UP is up alone, [inter, hidden]: down(act(up(h))) (StarCoder2) */
 } me_decoder;
+
+/* The rows of a layer's W_GATE_UP: gate's and up's, or up's alone. */
+static inline int64_t gate_up_rows(const me_decoder *m) { return m->ungated ? m->inter : 2 * m->inter; }
 
 /* NORM_LAYER_BIAS: each norm's address holds its n weights, then its n biases. */
 enum { NORM_RMS = 0, NORM_LAYER = 1, NORM_LAYER_BIAS = 2 };
@@ -85,7 +89,7 @@ static next_matmul next_of(const me_decoder *m, int64_t l, int f) {
     const int64_t hq = m->heads * m->head_dim, width = hq + 2 * m->kv_heads * m->head_dim;
     switch (f) {
     case W_QKV: return (next_matmul){field(m, l, W_O), m->hidden, hq};
-    case W_O: return (next_matmul){field(m, l, W_GATE_UP), 2 * m->inter, m->hidden};
+    case W_O: return (next_matmul){field(m, l, W_GATE_UP), gate_up_rows(m), m->hidden};
     case W_GATE_UP: return (next_matmul){field(m, l, W_DOWN), m->hidden, m->inter};
     default: return l + 1 < m->layers ? (next_matmul){field(m, l + 1, W_QKV), width, m->hidden} : (next_matmul){0};
     }
@@ -167,17 +171,19 @@ static void rotate_and_store(const me_decoder *m, const me_step *s, int64_t l, i
  * where the activations are. */
 static const float *step_glu(const me_decoder *m, const me_step *s, int64_t l, const float *h,
                              const step_scratch *sc, float *own) {
-    const int64_t rows = s->rows, inter = m->inter;
-    step_linear(m, l, W_GATE_UP, W_GATE_UP_SCALES, h, rows, m->hidden, 2 * inter, field(m, l, W_GATE_UP_BIAS),
+    const int64_t rows = s->rows, inter = m->inter, width = gate_up_rows(m);
+    step_linear(m, l, W_GATE_UP, W_GATE_UP_SCALES, h, rows, m->hidden, width, field(m, l, W_GATE_UP_BIAS),
                 NULL, s->gu, sc);
     if (own) {
         for (int64_t r = 0; r < rows; r++)
-            glu_row(s->gu + r * 2 * inter, s->gu + r * 2 * inter + inter, inter, m->activation, own + r * inter);
+            glu_row(s->gu + r * width, m->ungated ? NULL : s->gu + r * width + inter, inter, m->activation,
+                    own + r * inter);
         return own;
     }
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++)
-        glu_row(s->gu + r * 2 * inter, s->gu + r * 2 * inter + inter, inter, m->activation, s->act + r * inter);
+        glu_row(s->gu + r * width, m->ungated ? NULL : s->gu + r * width + inter, inter, m->activation,
+                s->act + r * inter);
     return s->act;
 }
 
@@ -204,7 +210,7 @@ static void fetch_o_while_attending(const me_decoder *m, int64_t l, int64_t rows
 static void step_mlp(const me_decoder *m, const me_step *s, int64_t l, const float *h, const step_scratch *sc,
                      float *own, const float *residual, float *y) {
     const int64_t rows = s->rows, inter = m->inter, hidden = m->hidden;
-    if (!own && !field(m, l, W_DOWN_SCALES)) {
+    if (!own && !field(m, l, W_DOWN_SCALES) && !m->ungated) {  /* (packing computes act(gate) * up only) */
         step_linear(m, l, W_GATE_UP, W_GATE_UP_SCALES, h, rows, hidden, 2 * inter, field(m, l, W_GATE_UP_BIAS),
                     NULL, s->gu, sc);
         weight_rows_team(s->gu, s->gu + inter, m->activation, rows, 2 * inter, field(m, l, W_DOWN), hidden, inter,

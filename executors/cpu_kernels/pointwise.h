@@ -79,9 +79,15 @@ static inline float act1(float x, int activation) {
                                   : 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
 
-/* A gated MLP's activation over one row: out[j] = act(g[j]) * u[j] for j < inter. */
+/* A gated MLP's activation over one row: out[j] = act(g[j]) * u[j] for j < inter; an ungated
+ * one's (u NULL, StarCoder2): out[j] = act(g[j]). */
 static inline void glu_row(const float *g, const float *u, int64_t inter, int activation, float *out) {
     int64_t j = 0;
+    if (!u) {
+        for (; j + 8 <= inter; j += 8) _mm256_storeu_ps(out + j, act8(_mm256_loadu_ps(g + j), activation));
+        for (; j < inter; j++) out[j] = act1(g[j], activation);
+        return;
+    }
     for (; j + 8 <= inter; j += 8)
         _mm256_storeu_ps(out + j, _mm256_mul_ps(act8(_mm256_loadu_ps(g + j), activation), _mm256_loadu_ps(u + j)));
     for (; j < inter; j++) out[j] = act1(g[j], activation) * u[j];

@@ -28,7 +28,7 @@ class DecoderSpec(ctypes.Structure):
                 ("eps", ctypes.c_float), ("activation", ctypes.c_int32), ("weights", _P), ("windows", _P),
                 ("scales", _P), ("final_norm", _P), ("cos", _P), ("signed_sin", _P), ("max_positions", _I), ("rotary", _P),
                 ("local_cos", _P), ("local_sin", _P), ("softcaps", _P), ("qk_norm_across", ctypes.c_int32),
-                ("norm_kind", ctypes.c_int32), ("parallel", ctypes.c_int32)]
+                ("norm_kind", ctypes.c_int32), ("parallel", ctypes.c_int32), ("ungated", ctypes.c_int32)]
 
 
 class StepSpec(ctypes.Structure):

@@ -6,7 +6,8 @@ latter. The decoder keeps one set of parameter names for every family (tensor pa
 LoRA and the weights digest all go by them), so the loader cuts such a tensor into its row
 ranges as it reads it; the fast forward fuses q/k/v and gate/up again anyway
 (fused_weights.py). A tensor whose one part is all of it is a rename: GLM-4's norms around
-attention and the MLP, whose names mean other norms in the decoder's (Gemma's) layout.
+attention and the MLP, whose names mean other norms in the decoder's (Gemma's) layout, and
+StarCoder2's ungated MLP (c_fc, c_proj: the decoder's up_proj and down_proj), with their biases.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from executors.models.config import DecoderConfig
 
 # checkpoint tensor -> ((parameter, first row, end row), ...)
 Sections = dict[str, tuple[tuple[str, int, int], ...]]
-# GLM-4's norm names -> the decoder's: of attention's output, before the MLP, of its output.
-RENAMED_NORMS = {"glm4": {"post_self_attn_layernorm": "post_attention_layernorm",
-                          "post_attention_layernorm": "pre_feedforward_layernorm",
-                          "post_mlp_layernorm": "post_feedforward_layernorm"}}
+# A family's module names -> the decoder's. GLM-4's norms: of attention's output, before the
+# MLP, of its output; StarCoder2's MLP.
+RENAMED = {"glm4": {"post_self_attn_layernorm": "post_attention_layernorm",
+                    "post_attention_layernorm": "pre_feedforward_layernorm",
+                    "post_mlp_layernorm": "post_feedforward_layernorm"},
+           "starcoder2": {"mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}}
 
 
 def fused_sections(config: DecoderConfig) -> Sections:
@@ -38,8 +41,11 @@ def fused_sections(config: DecoderConfig) -> Sections:
         if "gate_up_proj" in config.fused_checkpoint:
             sections[f"{mlp}gate_up_proj.weight"] = ((f"{mlp}gate_proj.weight", 0, inter),
                                                      (f"{mlp}up_proj.weight", inter, 2 * inter))
-        for theirs, ours in RENAMED_NORMS.get(config.family, {}).items():
-            sections[f"{prefix}{theirs}.weight"] = ((f"{prefix}{ours}.weight", 0, hidden),)
+        for theirs, ours in RENAMED.get(config.family, {}).items():
+            rows = inter if ours.endswith("up_proj") else hidden
+            biased = config.norm_bias if "norm" in ours else config.mlp_bias
+            for kind in ("weight", "bias") if biased else ("weight",):
+                sections[f"{prefix}{theirs}.{kind}"] = ((f"{prefix}{ours}.{kind}", 0, rows),)
     return sections
 
 

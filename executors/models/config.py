@@ -54,6 +54,7 @@ ARCHITECTURES = {
     "CohereForCausalLM": ("cohere", False),
     "Cohere2ForCausalLM": ("cohere2", False),
     "StableLmForCausalLM": ("stablelm", False),
+    "Starcoder2ForCausalLM": ("starcoder2", False),
 }
 # The projections each family's checkpoints store fused: Phi-3's q/k/v as one qkv_proj and
 # gate/up as one gate_up_proj, GLM-4's gate/up.
@@ -66,7 +67,7 @@ SANDWICH_FAMILIES = ("gemma2", "gemma3")  # and norms around attention's and the
 POST_NORM_FAMILIES = ("olmo2", "olmo3", "exaone4")
 OLMO_FAMILIES = ("olmo2", "olmo3")
 # LayerNorms (the mean subtracted) in place of RMSNorms; StableLM's with a bias.
-LAYER_NORM_FAMILIES = ("cohere", "cohere2", "stablelm")
+LAYER_NORM_FAMILIES = ("cohere", "cohere2", "stablelm", "starcoder2")
 COHERE_FAMILIES = ("cohere", "cohere2")  # parallel attention and MLP, logits scaled, pairs interleaved
 
 
@@ -140,6 +141,9 @@ class DecoderConfig:
     # Cohere, Cohere 2, StableLM with use_parallel_residual: attention and the MLP both read
     # the input norm's output, and both add to the residual: x + attn(h) + mlp(h), no second norm.
     parallel_residual: bool = False
+    # StarCoder2: an ungated MLP, down(act(up(x))) (c_fc and c_proj in its checkpoints); gate_up
+    # is then up's weight alone ([I, hidden]).
+    mlp_gated: bool = True
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def window(self, layer: int) -> int | None:
@@ -188,7 +192,7 @@ class DecoderConfig:
         act = cfg.get(defaults.activation_key, defaults.activation)
         if family == "gemma" and act == "gelu":  # GemmaConfig: the official files' legacy name for GELU-tanh
             act = "gelu_pytorch_tanh"
-        if act not in (GELU_TANH if family in GEMMA_FAMILIES else ("silu",)):
+        if act not in (GELU_TANH if family in (*GEMMA_FAMILIES, "starcoder2") else ("silu",)):
             raise UnsupportedModel(f"activation {act!r} ({defaults.activation_key}) is not supported for {arch}")
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         # A missing key here falls back to the checkpoint's own shape, not transformers' class
@@ -236,7 +240,7 @@ class DecoderConfig:
             qkv_bias=attention_bias,
             o_bias=(bool(cfg.get(defaults.o_proj_bias_key, False)) if defaults.o_proj_bias_key
                     else attention_bias and defaults.o_proj_bias),
-            mlp_bias=bool(cfg.get(defaults.mlp_bias_key, False)) if defaults.mlp_bias_key else False,
+            mlp_bias=bool(cfg.get(defaults.mlp_bias_key, defaults.mlp_bias)) if defaults.mlp_bias_key else False,
             qk_norm=qk_norm,
             rope_scaling=scaling,
             rotary_dim=rotary_dim,
@@ -249,7 +253,7 @@ class DecoderConfig:
             nope_layers=tuple(i for i, rotates in enumerate(rotation) if not rotates),
             norm_offset=1.0 if gemma else 0.0,
             embed_scale=hidden ** 0.5 if gemma else granite("embedding_multiplier"),
-            hidden_act="gelu_tanh" if gemma else "silu",
+            hidden_act="gelu_tanh" if gemma or family == "starcoder2" else "silu",
             sandwich_norms=sandwich or family in POST_NORM_FAMILIES or family == "glm4",
             pre_norms=family not in POST_NORM_FAMILIES,
             qk_norm_across_heads=family in OLMO_FAMILIES,
@@ -265,9 +269,10 @@ class DecoderConfig:
             logits_divisor=(1 / positive_number(cfg, "logit_scale", defaults.logit_scale) if family in COHERE_FAMILIES
                             else granite("logits_scaling")),
             layer_norm=family in LAYER_NORM_FAMILIES,
-            norm_bias=family == "stablelm",
+            norm_bias=family in ("stablelm", "starcoder2"),
             parallel_residual=family in COHERE_FAMILIES or bool(family == "stablelm"
                                                                 and cfg.get("use_parallel_residual")),
+            mlp_gated=family != "starcoder2",
             raw=cfg,
         )
 

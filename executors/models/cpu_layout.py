@@ -106,7 +106,7 @@ def apply(model: DecoderLM, speedups: dict[str, float]) -> list[str]:
             _reparent([a.q_proj, a.k_proj, a.v_proj], changes["qkv"])
         if "gate_up" in chosen_here:
             changes["gate_up"] = column_major(w.gate_up)
-            _reparent([mlp.gate_proj, mlp.up_proj], changes["gate_up"])
+            _reparent([getattr(mlp, name) for name in mlp.gate_up_names], changes["gate_up"])
         if "o" in chosen_here:
             changes["o"] = column_major(w.o)
             _reparent([a.o_proj], changes["o"])

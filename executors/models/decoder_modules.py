@@ -134,10 +134,14 @@ class DecoderLayer(nn.Module):
 
 def _mlp_with_lora(mlp: MLP, x: torch.Tensor, lora: LoraBatch, layer: int) -> torch.Tensor:
     """MLP.forward with each projection's adapter deltas added to its output."""
-    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-    lora.apply(layer, "gate_proj", x, gate)
+    up = mlp.up_proj(x)
     lora.apply(layer, "up_proj", x, up)
-    act = mlp.act(gate) * up
+    if mlp.gated:
+        gate = mlp.gate_proj(x)
+        lora.apply(layer, "gate_proj", x, gate)
+        act = mlp.act(gate) * up
+    else:
+        act = mlp.act(up)
     out = mlp.down_proj(act)
     lora.apply(layer, "down_proj", act, out)
     return out

@@ -52,7 +52,7 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
             return out
     layers, linear, residual_linear, norm, rotate, glu, glu_down = step_ops.for_step(
         positions, model.fused, model.fused_fp32_packed, model.cpu_kernels, model.rope, model.rope_local, x.dtype,
-        c.hidden_act, c.layer_norm)
+        c.hidden_act, c.layer_norm, c.mlp_gated)
     if model.cpu_kernels is not None and model.cpu_kernels.attention_accepts(heads, kv_heads, d):
         ctx.cpu = model.cpu_kernels
     # Attention through the Triton kernels: q/k norm, rotation and the K/V store as one kernel,
@@ -62,7 +62,7 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
     if few_rows:  # a decode graph's: each shape's faster matmul over the plain weights (not
         # oneDNN's packed copies, which only a CPU test run would have)
         layers, linear, residual_linear = model.fused, ctx.matmuls.linear, ctx.matmuls.residual_linear
-    fused_glu = ctx.backend == "triton" and ctx.glu is not None
+    fused_glu = ctx.backend == "triton" and ctx.glu is not None and c.mlp_gated
     if fused_glu:
         glu = ctx.glu
     if few_rows or fused_glu:
@@ -128,8 +128,11 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
             continue
         gu = linear(h, w.gate_up, w.gate_up_bias)
         if lora is not None:  # before the SiLU
-            lora.apply(i, "gate_proj", h, gu[:, :inter])
-            lora.apply(i, "up_proj", h, gu[:, inter:])
+            if c.mlp_gated:
+                lora.apply(i, "gate_proj", h, gu[:, :inter])
+                lora.apply(i, "up_proj", h, gu[:, inter:])
+            else:  # StarCoder2: gu is up's output alone
+                lora.apply(i, "up_proj", h, gu)
         elif w.post_ff_norm is None and reduce is None:
             x = glu_down(x, gu, w.down, w.down_bias)
             continue

@@ -10,7 +10,7 @@ the kernel takes a window, a score scale and cap (Gemma 2), a rotary table or no
 3's sliding layers' own, SmolLM3's NoPE layers), q/k norms per head or over every head
 (OLMo 2 and 3), and norms of attention's and the MLP's outputs with or without input norms
 (Gemma 2 and 3, GLM-4; OLMo 2 and 3, EXAONE 4), LayerNorms with or without biases and
-parallel attention and MLP (Cohere, StableLM); what does not (experts, odd head sizes) keeps the
+parallel attention and MLP (Cohere, StableLM), ungated MLPs (StarCoder2); what does not (experts, odd head sizes) keeps the
 op-by-op path of decoder.py, as does any step the kernel refuses (a position, slot or block
 out of range: nothing is written then, and the op-by-op path raises its usual error). A
 refusal is counted (FusedDecode.refused) and the first one of a model logged with the step's
@@ -88,7 +88,7 @@ class FusedDecode:
             softcaps=self.softcaps.data_ptr() if self.softcaps is not None else None,
             qk_norm_across=int(c.qk_norm_across_heads),
             norm_kind=NORM_RMS if not c.layer_norm else NORM_LAYER_BIAS if c.norm_bias else NORM_LAYER,
-            parallel=int(c.parallel_residual))
+            parallel=int(c.parallel_residual), ungated=int(not c.mlp_gated))
 
     @classmethod
     def build(cls, model: DecoderLM) -> FusedDecode | None:

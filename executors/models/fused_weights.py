@@ -35,7 +35,7 @@ class FusedLayer(NamedTuple):
     # Gemma 2 and 3, OLMo 2 (post_ff_norm set): of attention's output; else before the MLP;
     # None in a parallel layer (Cohere), whose MLP reads the input norm's output.
     post_norm: torch.Tensor | None
-    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a sparse layer
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden] (ungated: up's [intermediate, hidden]); None: sparse
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor | None
     down_bias: torch.Tensor | None
@@ -67,7 +67,8 @@ def fuse_layers(model: DecoderModel, config: DecoderConfig) -> list[FusedLayer]:
         qkv, qkv_bias = _fuse([a.q_proj, a.k_proj, a.v_proj], c.qkv_bias)
         dense = {"gate_up": None, "gate_up_bias": None, "down": None, "down_bias": None}
         if not layer.sparse:
-            gate_up, gate_up_bias = _fuse([ffn.gate_proj, ffn.up_proj], c.mlp_bias)
+            # An ungated MLP (StarCoder2): up alone, in gate_up's place.
+            gate_up, gate_up_bias = _fuse([getattr(ffn, name) for name in ffn.gate_up_names], c.mlp_bias)
             dense = {"gate_up": gate_up, "gate_up_bias": gate_up_bias, "down": ffn.down_proj.weight.detach(),
                      "down_bias": ffn.down_proj.bias.detach() if c.mlp_bias else None}
         pre, post = hasattr(layer, "pre_feedforward_layernorm"), hasattr(layer, "post_feedforward_layernorm")

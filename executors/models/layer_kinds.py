@@ -1,5 +1,5 @@
 """What kind of attention each layer has, read from a config.json as transformers reads it:
-its sliding window (Mistral, Mixtral and Phi-3 every layer; Gemma 2 and 3, SmolLM3, OLMo 3,
+its sliding window (Mistral, Mixtral, Phi-3 and StarCoder2 every layer; Gemma 2 and 3, SmolLM3, OLMo 3,
 EXAONE 4, Ministral and Cohere 2 by `layer_types`) and whether it rotates q and k at all (SmolLM3's
 NoPE layers, EXAONE 4's and Cohere 2's global ones)."""
 
@@ -11,7 +11,7 @@ from executors.models.errors import UnsupportedModel
 from executors.models.family_defaults import FamilyDefaults
 
 # Families whose every layer sees the same `sliding_window` (when the config sets one).
-WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3")
+WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3", "starcoder2")
 # Families whose layers slide or not by `layer_types` (or the older keys that stand for it).
 LAYER_TYPE_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo3", "exaone4", "ministral", "cohere2")
 LAYER_TYPES = ("sliding_attention", "full_attention")

@@ -213,14 +213,28 @@ def activation(name: str):
 
 
 class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)); StarCoder2's ungated one down(act(up(x))), without a gate."""
+
     def __init__(self, config: DecoderConfig, intermediate_size: int | None = None, bias: bool | None = None) -> None:
         super().__init__()
         h, i = config.hidden_size, intermediate_size or config.intermediate_size
         bias = config.mlp_bias if bias is None else bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
+        if config.mlp_gated:
+            self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
         self.act = activation(config.hidden_act)
 
+    @property
+    def gated(self) -> bool:
+        return hasattr(self, "gate_proj")
+
+    @property
+    def gate_up_names(self) -> list[str]:
+        """The projections the fast forward's gate_up matrix holds, in its row order."""
+        return ["gate_proj", "up_proj"] if self.gated else ["up_proj"]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.down_proj(self.act(self.up_proj(x)))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

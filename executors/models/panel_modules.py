@@ -163,7 +163,7 @@ def pack_model(model: DecoderLM, quantized: bool = False) -> None:
         changes = dict(qkv=_replace(a, ["q_proj", "k_proj", "v_proj"], arena.pack(w.qkv)),
                        o=_replace(a, ["o_proj"], arena.pack(w.o)))
         if w.gate_up is not None:
-            changes.update(gate_up=_replace(ffn, ["gate_proj", "up_proj"], arena.pack(w.gate_up)),
+            changes.update(gate_up=_replace(ffn, ffn.gate_up_names, arena.pack(w.gate_up)),
                            down=_replace(ffn, ["down_proj"], arena.pack(w.down)))
         if w.moe is not None:
             changes.update(moe=_pack_experts(ffn, w.moe, arena, model))

@@ -63,8 +63,9 @@ class StepOps(NamedTuple):
 
 def for_step(positions: torch.Tensor, fused: list[FusedLayer], packed: list[FusedLayer] | None,
              kernels: CpuKernels | None, rope: RotaryEmbedding, rope_local: RotaryEmbedding | None,
-             dtype: torch.dtype, activation: str, layer_norm: bool = False) -> StepOps:
-    """`layer_norm`: the model's norms are LayerNorms (Cohere, StableLM), which torch computes."""
+             dtype: torch.dtype, activation: str, layer_norm: bool = False, gated: bool = True) -> StepOps:
+    """`layer_norm`: the model's norms are LayerNorms (Cohere, StableLM), which torch computes;
+    `gated` False: an ungated MLP (StarCoder2), whose "glu" is the activation alone, in torch."""
     rows = positions.shape[0]
     # The kernels' rotation reads the tables at the given positions unchecked: check once here.
     # Only with the (CPU) kernels: on a GPU the min/max would synchronize every step, and a
@@ -85,6 +86,8 @@ def for_step(positions: torch.Tensor, fused: list[FusedLayer], packed: list[Fuse
         glu_down = None
     if layer_norm:
         norm = torch_layer_norm
+    if not gated:
+        glu, glu_down = layers.activation(activation), None
     if kernels is not None:  # the weights are panels (panel_modules.py): every step through the kernels
         return StepOps(fused, kernels.linear, kernels.residual_linear, norm, rotate, glu,
                        glu_down or glu_then(kernels.residual_linear, glu))

@@ -210,6 +210,12 @@ CASES = {
         "rope_parameters": DEL, "partial_rotary_factor": 0.5, "rope_theta": 3e3}, 40, None),
     "stablelm_parallel": ("stablelm", {"use_parallel_residual": True}, {}, 40, None),
     "stablelm_qk_layernorm": ("stablelm", {"qk_layernorm": True}, {}, 20, "qk_layernorm: true"),
+    # 21. StarCoder2: its defaults (biases everywhere, LayerNorm eps 1e-5, no window), without
+    # biases, with a window over every layer; an activation other than GELU-tanh refused.
+    "starcoder2_defaults": ("starcoder2", {}, {"use_bias": DEL, "norm_epsilon": DEL, "sliding_window": DEL,
+                                               "rope_parameters": DEL}, 40, None),
+    "starcoder2_no_bias_window": ("starcoder2", {"use_bias": False, "sliding_window": 8}, {}, 40, None),
+    "starcoder2_gelu": ("starcoder2", {}, {"hidden_act": "gelu"}, 20, "activation 'gelu'"),
 }
 
 MODELS = {
@@ -225,6 +231,7 @@ MODELS = {
     "helium": ("HeliumForCausalLM", "HeliumConfig"), "seed_oss": ("SeedOssForCausalLM", "SeedOssConfig"),
     "cohere": ("CohereForCausalLM", "CohereConfig"), "cohere2": ("Cohere2ForCausalLM", "Cohere2Config"),
     "stablelm": ("StableLmForCausalLM", "StableLmConfig"),
+    "starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config"),
 }
 
 
@@ -233,7 +240,8 @@ def save_tiny(family: str, kwargs: dict, edits: dict, out):
     model_cls, config_cls = (getattr(tf, n) for n in MODELS[family])
     torch.manual_seed(0)
     model = model_cls(config_cls(**{**{"gemma2": GEMMA2, "gemma3": GEMMA, "phi3": PHI3, "smollm3": SMOLLM3, "glm4": PHI3, "helium": PHI3,
-                                     "cohere": SMOLLM3, "cohere2": SMOLLM3, "stablelm": SMOLLM3}.get(
+                                     "cohere": SMOLLM3, "cohere2": SMOLLM3, "stablelm": SMOLLM3,
+                                     "starcoder2": SMOLLM3}.get(
         family, COMMON), **kwargs}))
     with torch.no_grad():  # random init leaves biases at zero and norms at one: make them count
         for name, p in model.named_parameters():
@@ -361,6 +369,8 @@ def test_family_defaults_match_transformers_config_classes():
             "attn_logit_softcapping": fields.get("attn_logit_softcapping") if family == "gemma2" else None}
         if ours.attention_bias_key is not None:
             expected["attention_bias"] = fields[ours.attention_bias_key]
+        if ours.mlp_bias_key is not None:
+            expected["mlp_bias"] = fields[ours.mlp_bias_key]
         got = {k: getattr(ours, k) for k in expected}
         assert got == expected, family
         # The one activation key the family reads: the other is not a field of its class.

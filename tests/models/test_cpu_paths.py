@@ -48,6 +48,8 @@ FAMILIES = {
     # StableLM: LayerNorms with biases, a quarter of each head rotating; in sequence and in parallel.
     "stablelm": {"architectures": ["StableLmForCausalLM"], "use_qkv_bias": True},
     "stablelm_parallel": {"architectures": ["StableLmForCausalLM"], "use_parallel_residual": True},
+    # StarCoder2: LayerNorms with biases, an ungated MLP, biases everywhere (no window here).
+    "starcoder2": {"architectures": ["Starcoder2ForCausalLM"], "use_bias": True, "hidden_act": "gelu_pytorch_tanh"},
 }
 POLICIES = {
     "default": {},  # decode steps of up to 64 rows in one kernel call, other steps op by op

@@ -117,8 +117,10 @@ class Pair:
 
 @pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "op-by-op"])
 # gemma2 and olmo2: the one-call step's output norms (and OLMo's q/k norms across heads) over int8
-# matrices; stablelm_parallel: LayerNorms with biases, attention and the MLP in parallel.
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "olmo2", "stablelm_parallel"])
+# matrices; stablelm_parallel: LayerNorms with biases, attention and the MLP in parallel; starcoder2:
+# an ungated MLP.
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "olmo2", "stablelm_parallel",
+                                    "starcoder2"])
 def test_int8_fast_path_matches_the_reference_over_the_same_weights(family, one_call, isa, monkeypatch):
     monkeypatch.setattr(fused_decode, "FUSED_DECODE", one_call)
     p = Pair(family)

@@ -1,4 +1,5 @@
-"""LoRA on Phi-3's fused projections (qkv_proj, gate_up_proj) and GLM-4's (gate_up_proj) against
+"""LoRA on Phi-3's fused projections (qkv_proj, gate_up_proj), GLM-4's (gate_up_proj) and
+StarCoder2's renamed ones (c_fc, c_proj: the decoder's up_proj and down_proj) against
 transformers + PEFT.
 
 Phi-4-mini's partial rotary embeddings and GLM-4's interleaved ones reorder q's and k's rows as
@@ -26,7 +27,8 @@ ADAPTERS = {
     "narrow": {"r": 4, "lora_alpha": 12, "use_rslora": True, "layers_to_transform": [0, 2]},
 }
 # Per family: the narrow adapter's targets; the modules PEFT resolves all-linear to.
-NARROW = {"phi3": ["qkv_proj", "down_proj"], "phi4_mini": ["qkv_proj", "down_proj"], "glm4": ["k_proj", "gate_up_proj"]}
+NARROW = {"phi3": ["qkv_proj", "down_proj"], "phi4_mini": ["qkv_proj", "down_proj"], "glm4": ["k_proj", "gate_up_proj"],
+          "starcoder2": ["v_proj", "c_fc"]}
 ALL_LINEAR = {"phi3": {"down_proj", "gate_up_proj", "o_proj", "qkv_proj"},
               "glm4": {"down_proj", "gate_up_proj", "o_proj", "q_proj", "k_proj", "v_proj"}}
 MIXED = [("all", 9), (None, 6), ("narrow", 14), ("all", 12), ("narrow", 1)]
@@ -94,8 +96,7 @@ def test_peft_names_the_fused_modules_and_the_adapter_reports_them(phi3):
     assert sorted(narrow.weights) == [(layer, m) for layer in (0, 2) for m in parts]
 
 
-@pytest.mark.parametrize("reference", [False, True], ids=["fast", "reference"])
-def test_a_mixed_batch_matches_peft(phi3, reference):
+def mixed_batch_matches_peft(phi3: Phi3, reference: bool) -> None:
     batch = [(phi3.adapters.get(name), p) for (name, _), p in zip(MIXED, phi3.prompts, strict=True)]
     outs, lora = forward(phi3.model, batch, reference)
     for (name, _), p, (_, logits) in zip(MIXED, phi3.prompts, outs, strict=True):
@@ -104,6 +105,35 @@ def test_a_mixed_batch_matches_peft(phi3, reference):
         if name is not None:  # the adapter matters
             assert max_diff(logits, phi3.oracle(None, p)) > 100 * TOL, name
     assert lora.applications == len(phi3.adapters["all"].weights) + len(phi3.adapters["narrow"].weights)
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["fast", "reference"])
+def test_a_mixed_batch_matches_peft(phi3, reference):
+    mixed_batch_matches_peft(phi3, reference)
+
+
+@pytest.fixture(scope="module")
+def starcoder2(tmp_path_factory) -> Phi3:
+    return Phi3("starcoder2", tmp_path_factory.mktemp("starcoder2"))
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["fast", "reference"])
+def test_starcoder2s_ungated_mlp_takes_peft_adapters_by_its_own_names(starcoder2, reference):
+    """PEFT adapts c_fc and c_proj (all-linear resolves to them); the decoder's up_proj and
+    down_proj take their pairs whole, on an MLP without a gate."""
+    config, tensors = starcoder2.saved["all"]
+    assert {t.rsplit(".", 1)[-1] for t in config["target_modules"]} == {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                                           "c_fc", "c_proj"}
+    adapter = starcoder2.adapters["all"]
+    assert adapter.target_modules == ("c_fc", "c_proj", "k_proj", "o_proj", "q_proj", "v_proj")
+    assert {m for _, m in adapter.weights} == {"q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"}
+    assert sorted(starcoder2.adapters["narrow"].weights) == [(layer, m) for layer in (0, 2) for m in ("up_proj", "v_proj")]
+    mixed_batch_matches_peft(starcoder2, reference)
+    renamed = {name.replace("c_fc", "up_proj"): t for name, t in tensors.items()}
+    with pytest.raises(LoraAdapterError, match="target module 'up_proj' is not one this executor can adapt; "
+                                               "supported: q_proj, k_proj, v_proj, o_proj, c_fc, c_proj"):
+        build_adapter("renamed", "renamed@1", {**config, "target_modules": ["up_proj"]}, renamed,
+                      starcoder2.targets, dtype=torch.float32, device="cpu", max_rank=16, source="test")
 
 
 def test_the_split_projections_are_refused_by_their_own_names(phi3):

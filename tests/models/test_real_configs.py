@@ -5,7 +5,7 @@ microsoft/Phi-3-mini-4k-instruct, microsoft/Phi-4-mini-instruct, google/gemma-2-
 ibm-granite/granite-3.1-2b-instruct, google/gemma-2b, HuggingFaceTB/SmolLM3-3B,
 allenai/OLMo-2-1124-7B, allenai/Olmo-3-1025-7B LGAI-EXAONE/EXAONE-4.0-32B, THUDM/GLM-4-9B-0414,
 CohereForAI/c4ai-command-r-v01, CohereForAI/c4ai-command-r7b-12-2024 (with its keys transformers
-does not read), stabilityai/stablelm-2-1_6b and Qwen/Qwen3-8B with the YaRN setting its
+does not read), stabilityai/stablelm-2-1_6b, bigcode/starcoder2-3b and Qwen/Qwen3-8B with the YaRN setting its
 model card gives for 131072 tokens (transformers 4's
 layout: top-level rope_theta, no layer_types; the LongRoPE factor lists stand in for the published
 48 numbers: their count and place are what is read here). The tiny random models of the
@@ -116,6 +116,14 @@ STABLELM2_1_6B = {
     "layer_norm_eps": 1e-05, "partial_rotary_factor": 0.25, "rope_theta": 10000, "rope_scaling": None,
     "use_qkv_bias": True, "tie_word_embeddings": False, "vocab_size": 100352, "bos_token_id": 100257,
     "eos_token_id": 100257, "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+STARCODER2_3B = {
+    "architectures": ["Starcoder2ForCausalLM"], "model_type": "starcoder2", "hidden_size": 3072,
+    "intermediate_size": 12288, "num_hidden_layers": 30, "num_attention_heads": 24, "num_key_value_heads": 2,
+    "max_position_embeddings": 16384, "norm_epsilon": 1e-05, "norm_type": "layer_norm", "mlp_type": "default",
+    "rope_theta": 999999.4420358813, "sliding_window": 4096, "use_bias": True, "hidden_act": "gelu_pytorch_tanh",
+    "attention_dropout": 0.1, "residual_dropout": 0.1, "embedding_dropout": 0.1, "vocab_size": 49152,
+    "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "bfloat16",
 }
 GEMMA2_2B = {
     "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216,
@@ -246,3 +254,10 @@ def test_stablelm2_1_6b_rotates_a_quarter_of_each_head_under_layernorms_with_bia
     assert (c.rotary_dim, c.head_dim, c.rope_interleaved) == (16, 64, False)
     assert c.layer_norm and c.norm_bias and not c.parallel_residual and c.qkv_bias and not c.o_bias
     assert not c.tie_word_embeddings and c.eos_token_ids == (100257,)
+
+
+def test_starcoder2_3b_has_an_ungated_mlp_biases_everywhere_and_a_window_on_every_layer():
+    c = DecoderConfig.from_dict(STARCODER2_3B)
+    assert not c.mlp_gated and c.hidden_act == "gelu_tanh" and c.qkv_bias and c.o_bias and c.mlp_bias
+    assert c.layer_norm and c.norm_bias and not c.parallel_residual and c.tie_word_embeddings
+    assert c.layer_windows == (4096,) * 30 and c.rope_theta == 999999.4420358813 and c.max_position_embeddings == 16384

@@ -67,8 +67,9 @@ class Trio:
 
 
 # smollm3: a NoPE layer skips the fused prologue; olmo2: its q/k norms keep the prologue off;
-# cohere: LayerNorms and parallel attention and MLP around the prologue
-@pytest.fixture(params=["llama", "qwen3", "smollm3", "olmo2", "cohere"])
+# cohere: LayerNorms and parallel attention and MLP around the prologue; starcoder2: an ungated
+# MLP, which the fused GLU kernel does not take
+@pytest.fixture(params=["llama", "qwen3", "smollm3", "olmo2", "cohere", "starcoder2"])
 def trio(request):
     t = Trio(request.param)
     yield t

@@ -3,7 +3,8 @@ and Qwen2; the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral; the sliding
 Mistral, Gemma 2 (soft-capped attention scores), Gemma 3 and Phi-3 (whose checkpoint fuses
 q/k/v and gate/up); Phi-4-mini's rope; Granite's multipliers; Gemma (1); SmolLM3's NoPE layers;
 OLMo 2's norms; OLMo 3's windows and YaRN; EXAONE 4's NoPE global layers; GLM-4's interleaved half rotation and renamed norms; Ministral's sliding and global layers; Helium's interleaved rotation; Seed-OSS's biases; Cohere's
-and Cohere 2's LayerNorms and parallel layers; StableLM's LayerNorms with biases."""
+and Cohere 2's LayerNorms and parallel layers; StableLM's LayerNorms with biases; StarCoder2's
+ungated MLP."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def build(family: str, out_dir: Path, **save_kwargs):
 
 SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8, "phi3": 9, "phi4_mini": 10,
          "granite": 11, "gemma2": 12, "gemma": 13, "smollm3": 14, "olmo2": 15, "olmo3": 16, "exaone4": 17, "glm4": 18, "ministral": 19, "helium": 20, "seed_oss": 21,
-         "cohere": 22, "cohere2": 23, "stablelm": 24}
+         "cohere": 22, "cohere2": 23, "stablelm": 24, "starcoder2": 25}
 # phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
 LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
@@ -180,4 +181,9 @@ def _new_family(tf, family: str, common: dict):
         # attention and the MLP in sequence (use_parallel_residual is a config case).
         return tf.StableLmForCausalLM(tf.StableLmConfig(**common, use_qkv_bias=True, pad_token_id=0,
                                                         bos_token_id=1, eos_token_id=2))
+    if family == "starcoder2":
+        # StarCoder2: LayerNorms with biases, an ungated GELU-tanh MLP (c_fc, c_proj), biases on
+        # every projection, a window over every layer.
+        return tf.Starcoder2ForCausalLM(tf.Starcoder2Config(**common, sliding_window=WINDOW, use_bias=True,
+                                                            pad_token_id=0, bos_token_id=1, eos_token_id=2))
     raise ValueError(family)
