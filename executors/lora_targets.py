@@ -20,7 +20,11 @@ MODULE_PARENTS = {
     "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
     "qkv_proj": "self_attn", "gate_up_proj": "mlp",  # Phi-3's fused projections (GLM-4's gate_up_proj)
     "c_fc": "mlp", "c_proj": "mlp",  # StarCoder2's ungated MLP: the decoder's up_proj and down_proj
+    "dense": "self_attn", "fc1": "mlp", "fc2": "mlp",  # Phi's o_proj, up_proj and down_proj
 }
+# Families whose transformers modules (so PEFT's targets) have other names than the decoder's.
+PEFT_NAMES = {"starcoder2": {"c_fc": "up_proj", "c_proj": "down_proj"},
+              "phi": {"dense": "o_proj", "fc1": "up_proj", "fc2": "down_proj"}}
 QKV = ("q_proj", "k_proj", "v_proj")
 
 
@@ -56,9 +60,12 @@ class LoraTargets:
                 shapes = {"qkv_proj": (hidden, q + 2 * kv), **{k: v for k, v in shapes.items() if k not in QKV}}
                 splits["qkv_proj"] = (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv))
             return cls(config.num_layers, shapes, splits, orders, scales)
-        if not config.mlp_gated:  # StarCoder2: PEFT's names for its MLP, renamed as the loader renames them
-            return cls(config.num_layers, {**attention, "c_fc": (hidden, inter), "c_proj": (inter, hidden)},
-                       {"c_fc": (("up_proj", 0, inter),), "c_proj": (("down_proj", 0, hidden),)}, orders, scales)
+        if config.family in PEFT_NAMES:  # PEFT's names, renamed as the loader renames the weights
+            peft_name = {mine: theirs for theirs, mine in PEFT_NAMES[config.family].items()}
+            ours = {**attention, "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+            shapes = {peft_name.get(name, name): shape for name, shape in ours.items()}
+            splits = {theirs: ((mine, 0, ours[mine][1]),) for mine, theirs in peft_name.items()}
+            return cls(config.num_layers, shapes, splits, orders, scales)
         if config.moe is not None:  # a mixture of experts: adapters on attention only
             return cls(config.num_layers, attention, row_orders=orders, output_scales=scales)
         return cls(config.num_layers, {

@@ -7,7 +7,8 @@ LoRA and the weights digest all go by them), so the loader cuts such a tensor in
 ranges as it reads it; the fast forward fuses q/k/v and gate/up again anyway
 (fused_weights.py). A tensor whose one part is all of it is a rename: GLM-4's norms around
 attention and the MLP, whose names mean other norms in the decoder's (Gemma's) layout, and
-StarCoder2's ungated MLP (c_fc, c_proj: the decoder's up_proj and down_proj), with their biases.
+StarCoder2's ungated MLP (c_fc, c_proj: the decoder's up_proj and down_proj) and Phi's
+(fc1, fc2), its attention output (dense) and final norm, with their biases.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ Sections = dict[str, tuple[tuple[str, int, int], ...]]
 RENAMED = {"glm4": {"post_self_attn_layernorm": "post_attention_layernorm",
                     "post_attention_layernorm": "pre_feedforward_layernorm",
                     "post_mlp_layernorm": "post_feedforward_layernorm"},
-           "starcoder2": {"mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}}
+           "starcoder2": {"mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"},
+           "phi": {"self_attn.dense": "self_attn.o_proj", "mlp.fc1": "mlp.up_proj", "mlp.fc2": "mlp.down_proj"}}
+# And outside the layers: Phi's final norm.
+RENAMED_TOP = {"phi": {"model.final_layernorm": "model.norm"}}
 
 
 def fused_sections(config: DecoderConfig) -> Sections:
@@ -29,7 +33,7 @@ def fused_sections(config: DecoderConfig) -> Sections:
     parameter in it (empty for families that store every parameter under its own name)."""
     q = config.num_heads * config.head_dim
     kv = config.num_kv_heads * config.head_dim
-    inter, hidden = config.intermediate_size, config.hidden_size
+    inter = config.intermediate_size
     sections: Sections = {}
     for layer in range(config.num_layers):
         prefix = f"model.layers.{layer}."
@@ -42,11 +46,18 @@ def fused_sections(config: DecoderConfig) -> Sections:
             sections[f"{mlp}gate_up_proj.weight"] = ((f"{mlp}gate_proj.weight", 0, inter),
                                                      (f"{mlp}up_proj.weight", inter, 2 * inter))
         for theirs, ours in RENAMED.get(config.family, {}).items():
-            rows = inter if ours.endswith("up_proj") else hidden
-            biased = config.norm_bias if "norm" in ours else config.mlp_bias
-            for kind in ("weight", "bias") if biased else ("weight",):
-                sections[f"{prefix}{theirs}.{kind}"] = ((f"{prefix}{ours}.{kind}", 0, rows),)
+            _rename(sections, config, f"{prefix}{theirs}", f"{prefix}{ours}")
+    for theirs, ours in RENAMED_TOP.get(config.family, {}).items():
+        _rename(sections, config, theirs, ours)
     return sections
+
+
+def _rename(sections: Sections, config: DecoderConfig, theirs: str, ours: str) -> None:
+    """A module's weight, and its bias where the decoder's module has one, under another name."""
+    rows = config.intermediate_size if ours.endswith("up_proj") else config.hidden_size
+    biased = config.norm_bias if "norm" in ours else config.o_bias if ours.endswith("o_proj") else config.mlp_bias
+    for kind in ("weight", "bias") if biased else ("weight",):
+        sections[f"{theirs}.{kind}"] = ((f"{ours}.{kind}", 0, rows),)
 
 
 class RowWindow:

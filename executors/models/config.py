@@ -55,6 +55,8 @@ ARCHITECTURES = {
     "Cohere2ForCausalLM": ("cohere2", False),
     "StableLmForCausalLM": ("stablelm", False),
     "Starcoder2ForCausalLM": ("starcoder2", False),
+    "OlmoeForCausalLM": ("olmoe", True),
+    "PhiForCausalLM": ("phi", False),
 }
 # The projections each family's checkpoints store fused: Phi-3's q/k/v as one qkv_proj and
 # gate/up as one gate_up_proj, GLM-4's gate/up.
@@ -65,9 +67,10 @@ SANDWICH_FAMILIES = ("gemma2", "gemma3")  # and norms around attention's and the
 # Families that norm attention's and the MLP's outputs only, no inputs (EXAONE 4's q/k norms
 # are per head, OLMo's span every head).
 POST_NORM_FAMILIES = ("olmo2", "olmo3", "exaone4")
-OLMO_FAMILIES = ("olmo2", "olmo3")
+OLMO_FAMILIES = ("olmo2", "olmo3", "olmoe")  # q/k norms over every head (OLMoE's with pre-norms)
 # LayerNorms (the mean subtracted) in place of RMSNorms; StableLM's with a bias.
-LAYER_NORM_FAMILIES = ("cohere", "cohere2", "stablelm", "starcoder2")
+LAYER_NORM_FAMILIES = ("cohere", "cohere2", "stablelm", "starcoder2", "phi")
+UNGATED_FAMILIES = ("starcoder2", "phi")  # down(act(up(x))), GELU-tanh (Phi's gelu_new)
 COHERE_FAMILIES = ("cohere", "cohere2")  # parallel attention and MLP, logits scaled, pairs interleaved
 
 
@@ -141,9 +144,10 @@ class DecoderConfig:
     # Cohere, Cohere 2, StableLM with use_parallel_residual: attention and the MLP both read
     # the input norm's output, and both add to the residual: x + attn(h) + mlp(h), no second norm.
     parallel_residual: bool = False
-    # StarCoder2: an ungated MLP, down(act(up(x))) (c_fc and c_proj in its checkpoints); gate_up
-    # is then up's weight alone ([I, hidden]).
+    # StarCoder2, Phi: an ungated MLP, down(act(up(x))) (c_fc and c_proj, fc1 and fc2 in their
+    # checkpoints); gate_up is then up's weight alone ([I, hidden]).
     mlp_gated: bool = True
+    lm_head_bias: bool = False  # Phi: the logits plus a bias per token
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def window(self, layer: int) -> int | None:
@@ -192,7 +196,9 @@ class DecoderConfig:
         act = cfg.get(defaults.activation_key, defaults.activation)
         if family == "gemma" and act == "gelu":  # GemmaConfig: the official files' legacy name for GELU-tanh
             act = "gelu_pytorch_tanh"
-        if act not in (GELU_TANH if family in (*GEMMA_FAMILIES, "starcoder2") else ("silu",)):
+        allowed = (*GELU_TANH, "gelu_new") if family == "phi" else GELU_TANH if family in (
+            *GEMMA_FAMILIES, "starcoder2") else ("silu",)
+        if act not in allowed:
             raise UnsupportedModel(f"activation {act!r} ({defaults.activation_key}) is not supported for {arch}")
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
         # A missing key here falls back to the checkpoint's own shape, not transformers' class
@@ -240,7 +246,8 @@ class DecoderConfig:
             qkv_bias=attention_bias,
             o_bias=(bool(cfg.get(defaults.o_proj_bias_key, False)) if defaults.o_proj_bias_key
                     else attention_bias and defaults.o_proj_bias),
-            mlp_bias=bool(cfg.get(defaults.mlp_bias_key, defaults.mlp_bias)) if defaults.mlp_bias_key else False,
+            mlp_bias=(bool(cfg.get(defaults.mlp_bias_key, defaults.mlp_bias)) if defaults.mlp_bias_key
+                      else defaults.mlp_bias),
             qk_norm=qk_norm,
             rope_scaling=scaling,
             rotary_dim=rotary_dim,
@@ -253,7 +260,7 @@ class DecoderConfig:
             nope_layers=tuple(i for i, rotates in enumerate(rotation) if not rotates),
             norm_offset=1.0 if gemma else 0.0,
             embed_scale=hidden ** 0.5 if gemma else granite("embedding_multiplier"),
-            hidden_act="gelu_tanh" if gemma or family == "starcoder2" else "silu",
+            hidden_act="gelu_tanh" if gemma or family in UNGATED_FAMILIES else "silu",
             sandwich_norms=sandwich or family in POST_NORM_FAMILIES or family == "glm4",
             pre_norms=family not in POST_NORM_FAMILIES,
             qk_norm_across_heads=family in OLMO_FAMILIES,
@@ -269,20 +276,26 @@ class DecoderConfig:
             logits_divisor=(1 / positive_number(cfg, "logit_scale", defaults.logit_scale) if family in COHERE_FAMILIES
                             else granite("logits_scaling")),
             layer_norm=family in LAYER_NORM_FAMILIES,
-            norm_bias=family in ("stablelm", "starcoder2"),
-            parallel_residual=family in COHERE_FAMILIES or bool(family == "stablelm"
-                                                                and cfg.get("use_parallel_residual")),
-            mlp_gated=family != "starcoder2",
+            norm_bias=family in ("stablelm", "starcoder2", "phi"),
+            parallel_residual=family in (*COHERE_FAMILIES, "phi") or bool(family == "stablelm"
+                                                                          and cfg.get("use_parallel_residual")),
+            mlp_gated=family not in UNGATED_FAMILIES,
+            lm_head_bias=family == "phi",
             raw=cfg,
         )
 
 
 def _refuse_unserved_options(cfg: dict[str, Any], family: str) -> None:
-    """Options of the LayerNorm families that change the layer in ways the decoder does not
-    compute: q/k LayerNorms with a weight per head (Command R+, StableLM 2 12B)."""
-    for key, fam in (("use_qk_norm", "cohere"), ("qk_layernorm", "stablelm")):
+    """Options that change the layer in ways the decoder does not
+    compute: q/k LayerNorms with a weight per head (Command R+, StableLM 2 12B), OLMoE's clipped
+    q/k/v."""
+    for key, fam in (("use_qk_norm", "cohere"), ("qk_layernorm", "stablelm"), ("qk_layernorm", "phi")):
         if family == fam and cfg.get(key):
             raise UnsupportedModel(f"{key}: true (q/k LayerNorms with a weight per head) is not supported")
+    if family == "phi" and cfg.get("tie_word_embeddings"):  # its lm_head's bias would have no module
+        raise UnsupportedModel("tie_word_embeddings: true is not supported for PhiForCausalLM (its lm_head has a bias)")
+    if family == "olmoe" and cfg.get("clip_qkv") is not None:
+        raise UnsupportedModel(f"clip_qkv: {cfg['clip_qkv']!r} (q, k and v clamped) is not supported; null is")
 
 
 def _positive(cfg: dict[str, Any], key: str, default: float | None = None) -> float | None:

@@ -76,7 +76,7 @@ class DecoderLM(nn.Module):
         self.act = activation(config.hidden_act)
         if not config.tie_word_embeddings:
             rows = config.vocab_size if head_rows is None else head_rows[1] - head_rows[0]
-            self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, rows, bias=config.lm_head_bias)
         self.fused: list[FusedLayer] | None = None
         self.packed_head: torch.Tensor | None = None
         self.fused_fp32_packed: list[FusedLayer] | None = None  # float32: for PACKED_FP32_ROWS-row steps
@@ -234,6 +234,8 @@ class DecoderLM(nn.Module):
             out = step_ops.linear(hidden.contiguous(), self.packed_head_fp32, None)
         else:
             out = torch.nn.functional.linear(hidden, self.head_weight()).float()
+        if self.config.lm_head_bias:  # Phi's (on the lm_head module, or its PanelLinear)
+            out = out + self.lm_head.bias.float()
         if self.config.logits_divisor is not None:  # Granite's logits_scaling
             out = out / self.config.logits_divisor
         cap = self.config.final_softcap

@@ -27,7 +27,7 @@ class FamilyDefaults:
     o_proj_bias: bool = False  # o_proj carries the bias whenever q/k/v do
     o_proj_bias_key: str | None = None  # Seed-OSS: o_proj's bias switched by a key of its own
     mlp_bias_key: str | None = None  # None: the MLP never has a bias
-    mlp_bias: bool = False  # where the file omits mlp_bias_key (StarCoder2's use_bias: on)
+    mlp_bias: bool = False  # where the file omits mlp_bias_key (StarCoder2's use_bias: on), or always (Phi)
     # Gemma only (and OLMo 3's sliding_window_pattern).
     local_rope_theta: float | None = None  # Gemma 3's sliding layers
     query_pre_attn_scalar: float | None = None
@@ -87,6 +87,11 @@ FAMILY_DEFAULTS = {
                                  tie_word_embeddings=True, activation="gelu_pytorch_tanh", attention_bias_key="use_bias",
                                  attention_bias=True, o_proj_bias=True, mlp_bias_key="use_bias", mlp_bias=True,
                                  norm_eps_key="norm_epsilon"),
+    "olmoe": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                            attention_bias_key="attention_bias", o_proj_bias=True),
+    "phi": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=2048,
+                          activation="gelu_new", attention_bias=True, o_proj_bias=True, mlp_bias=True,
+                          norm_eps_key="layer_norm_eps"),
     "gemma": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=8192,
                             tie_word_embeddings=True, activation="gelu_pytorch_tanh",
                             attention_bias_key="attention_bias", o_proj_bias=True),

@@ -1,6 +1,6 @@
 """MoeConfig: how a mixture-of-experts checkpoint routes, read from its config.json.
 
-Three layouts, all top-k routing over a softmax of one linear router:
+Four layouts, all top-k routing over a softmax of one linear router:
 
 - Qwen3-MoE (`Qwen3MoeForCausalLM`): `mlp.gate` and `mlp.experts.N.{gate,up,down}_proj`;
   `norm_topk_prob` renormalises the k weights to sum to 1; layers listed in
@@ -10,6 +10,8 @@ Three layouts, all top-k routing over a softmax of one linear router:
 - Mixtral (`MixtralForCausalLM`): `block_sparse_moe.gate` and
   `block_sparse_moe.experts.N.{w1,w3,w2}` (gate, up, down), weights always renormalised,
   every layer sparse, experts as wide as `intermediate_size`.
+- OLMoE (`OlmoeForCausalLM`): Qwen3-MoE's names, every layer sparse, experts as wide as
+  `intermediate_size`, `norm_topk_prob` off by default.
 
 Router options this decoder does not implement (grouped top-k, sigmoid scoring, scaling
 factors) are refused by name rather than served wrongly.
@@ -22,7 +24,7 @@ from typing import Any
 
 from executors.models.errors import UnsupportedModel
 
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 # Router options of other MoE families (DeepSeek, GLM, ...): a config that sets one to
 # something other than its plain-softmax value is refused.
 _PLAIN_ROUTER = {"scoring_func": (None, "softmax"), "topk_method": (None, "greedy"), "n_group": (None, 1), "topk_group": (None, 1),
@@ -58,7 +60,8 @@ class MoeConfig:
 def moe_from_dict(cfg: dict[str, Any], family: str, layers: int) -> MoeConfig | None:
     if family not in MOE_FAMILIES:
         return None
-    arch = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}.get(family, "MixtralForCausalLM")
+    arch = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "olmoe": "OlmoeForCausalLM"}.get(family, "MixtralForCausalLM")
     for key, allowed in _PLAIN_ROUTER.items():
         if cfg.get(key) not in allowed:
             raise UnsupportedModel(f"router option {key}={cfg[key]!r} is not supported for {arch} "
@@ -74,6 +77,8 @@ def moe_from_dict(cfg: dict[str, Any], family: str, layers: int) -> MoeConfig | 
         raise UnsupportedModel(f"norm_topk_prob must be true or false, got {norm!r}")
     if family == "mixtral":
         return MoeConfig(experts, top_k, int(cfg["intermediate_size"]), True, 0, (True,) * layers, "mixtral")
+    if family == "olmoe":
+        return MoeConfig(experts, top_k, int(cfg["intermediate_size"]), norm, 0, (True,) * layers, "qwen")
     if "moe_intermediate_size" not in cfg:
         raise UnsupportedModel(f"config.json lacks 'moe_intermediate_size', which {arch} needs")
     step = int(cfg.get("decoder_sparse_step", 1))

@@ -116,7 +116,7 @@ class ShardPlan:
         slice, or anything indexable the same way)."""
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
-        if name == "lm_head.weight":
+        if name in ("lm_head.weight", "lm_head.bias"):  # Phi's bias: the same vocabulary rows
             lo, hi = self.head_rows
             return tensor_slice[lo:hi]
         if module in ("q_norm", "k_norm") and self.full.qk_norm_across_heads:  # OLMo 2: by heads, as q/k

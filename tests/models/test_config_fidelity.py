@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from executors.models.checkpoint_sections import RENAMED
 from executors.models.config import DecoderConfig
 from executors.models.errors import UnsupportedModel
 from executors.models.family_defaults import FAMILY_DEFAULTS
@@ -216,6 +217,20 @@ CASES = {
                                                "rope_parameters": DEL}, 40, None),
     "starcoder2_no_bias_window": ("starcoder2", {"use_bias": False, "sliding_window": 8}, {}, 40, None),
     "starcoder2_gelu": ("starcoder2", {}, {"hidden_act": "gelu"}, 20, "activation 'gelu'"),
+    # 22. OLMoE: its defaults (weights not renormalised, eps 1e-5), renormalised; clip_qkv refused.
+    "olmoe_defaults": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32},
+                       {"norm_topk_prob": DEL, "rms_norm_eps": DEL, "rope_parameters": DEL}, 40, None),
+    "olmoe_renormalised": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 3, "intermediate_size": 32,
+                                     "norm_topk_prob": True}, {}, 40, None),
+    "olmoe_clip_qkv": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 8.0}, {}, 20,
+                       "clip_qkv: 8.0"),
+    # 23. Phi: half of each head rotating by default, or phi-2's top-level 0.4-style factor
+    # (a quarter here); gelu_new; q/k LayerNorms and a tied lm_head (whose bias has no module) refused.
+    "phi_defaults": ("phi", {}, {"rope_parameters": DEL, "layer_norm_eps": DEL, "rope_theta": 1e4}, 40, None),
+    "phi_top_level_quarter_rotary": ("phi", {}, {"rope_parameters": DEL, "partial_rotary_factor": 0.25,
+                                                 "rope_theta": 3e3}, 40, None),
+    "phi_qk_layernorm": ("phi", {"qk_layernorm": True}, {}, 20, "qk_layernorm: true"),
+    "phi_tied": ("phi", {}, {"tie_word_embeddings": True}, 20, "tie_word_embeddings: true is not supported"),
 }
 
 MODELS = {
@@ -231,7 +246,8 @@ MODELS = {
     "helium": ("HeliumForCausalLM", "HeliumConfig"), "seed_oss": ("SeedOssForCausalLM", "SeedOssConfig"),
     "cohere": ("CohereForCausalLM", "CohereConfig"), "cohere2": ("Cohere2ForCausalLM", "Cohere2Config"),
     "stablelm": ("StableLmForCausalLM", "StableLmConfig"),
-    "starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config"),
+    "starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config"), "olmoe": ("OlmoeForCausalLM", "OlmoeConfig"),
+    "phi": ("PhiForCausalLM", "PhiConfig"),
 }
 
 
@@ -241,7 +257,7 @@ def save_tiny(family: str, kwargs: dict, edits: dict, out):
     torch.manual_seed(0)
     model = model_cls(config_cls(**{**{"gemma2": GEMMA2, "gemma3": GEMMA, "phi3": PHI3, "smollm3": SMOLLM3, "glm4": PHI3, "helium": PHI3,
                                      "cohere": SMOLLM3, "cohere2": SMOLLM3, "stablelm": SMOLLM3,
-                                     "starcoder2": SMOLLM3}.get(
+                                     "starcoder2": SMOLLM3, "olmoe": SMOLLM3, "phi": SMOLLM3}.get(
         family, COMMON), **kwargs}))
     with torch.no_grad():  # random init leaves biases at zero and norms at one: make them count
         for name, p in model.named_parameters():
@@ -394,12 +410,14 @@ def test_family_bias_layout_matches_transformers_modeling(family):
                            **switches, **(moe if family in MOE_FAMILIES else {})})
     with torch.device("meta"):
         names = {n for n, _ in model_cls(config).named_parameters()}
+    renames = RENAMED.get(family, {})  # Phi's dense, fc1, fc2: read as the decoder's o_proj, up_proj, down_proj
+    names = {next((n.replace(t, o) for t, o in renames.items() if f".{t}." in n), n) for n in names}
     switchable = ours.attention_bias_key is not None
     q_bias = {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.qkv_proj.bias"} & names  # Phi-3: qkv
     assert bool(q_bias) == (switchable or ours.attention_bias), family
     assert ("model.layers.0.self_attn.o_proj.bias" in names) == (ours.o_proj_bias or bool(ours.o_proj_bias_key)), family
     mlp_biases = {n for n in names if n.endswith("bias") and ("mlp" in n or "sparse_moe" in n)}
-    assert bool(mlp_biases) == (ours.mlp_bias_key is not None), (family, mlp_biases)
+    assert bool(mlp_biases) == (ours.mlp_bias_key is not None or ours.mlp_bias), (family, mlp_biases)
 
 
 @pytest.mark.parametrize("family, extra", [*((f, {}) for f in FAMILY_DEFAULTS if f not in MOE_FAMILIES),

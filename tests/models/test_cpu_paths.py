@@ -50,6 +50,8 @@ FAMILIES = {
     "stablelm_parallel": {"architectures": ["StableLmForCausalLM"], "use_parallel_residual": True},
     # StarCoder2: LayerNorms with biases, an ungated MLP, biases everywhere (no window here).
     "starcoder2": {"architectures": ["Starcoder2ForCausalLM"], "use_bias": True, "hidden_act": "gelu_pytorch_tanh"},
+    # Phi: StarCoder2's MLP in parallel with attention, half of each head rotating, the lm_head's bias.
+    "phi": {"architectures": ["PhiForCausalLM"], "hidden_act": "gelu_new"},
 }
 POLICIES = {
     "default": {},  # decode steps of up to 64 rows in one kernel call, other steps op by op

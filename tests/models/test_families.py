@@ -23,7 +23,7 @@ from tests.models.test_llm_executor import Served, close, greedy, prompt
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "mistral", "gemma", "gemma2", "gemma3", "phi3", "granite", "smollm3", "olmo2",
             "olmo3", "exaone4", "glm4", "ministral",
-            "helium", "seed_oss", "cohere", "cohere2", "stablelm", "starcoder2"]
+            "helium", "seed_oss", "cohere", "cohere2", "stablelm", "starcoder2", "olmoe", "phi"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -136,7 +136,7 @@ def test_status_reports_expert_load_or_window_freeing(served):
 
 
 @pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "exaone4", "glm4",
-                                    "phi3", "granite", "cohere", "cohere2", "stablelm", "starcoder2"])
+                                    "phi3", "granite", "cohere", "cohere2", "stablelm", "starcoder2", "phi"])
 def test_every_dense_family_decodes_in_one_kernel_call(family, tmp_path):
     """A float32 CPU decode step of every dense family runs whole in the one-call kernel
     (test_fused_decode.py holds its logits to the reference's): none is left op by op."""

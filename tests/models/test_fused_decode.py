@@ -45,14 +45,14 @@ def calls(monkeypatch):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "smollm3", "gemma2", "gemma3", "olmo2",
                                     "olmo3", "exaone4", "cohere", "cohere2", "stablelm", "stablelm_parallel",
-                                    "starcoder2"])
+                                    "starcoder2", "phi"])
 def test_batches_of_every_size_then_gathers_on_the_same_caches(family, calls, monkeypatch):
     """Every dense family's layer: NoPE (SmolLM3), capped scores and output norms (Gemma 2),
     a second rotary table on sliding layers (Gemma 3), q/k norms across heads and no input
     norms (OLMo 2 and 3, OLMo 3 with windows and YaRN), per-head q/k norms without input norms
     and NoPE global layers (EXAONE 4), LayerNorms and parallel attention and MLP (Cohere,
     Cohere 2 with windows, StableLM with biases, in sequence and in parallel), an ungated MLP
-    (StarCoder2)."""
+    (StarCoder2; Phi's in parallel with attention)."""
     windowed = family in windows.FAMILIES
     pair = Pair(family, model=windows.tiny_model(family)) if windowed else Pair(family)
     try:

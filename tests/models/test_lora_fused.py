@@ -1,5 +1,6 @@
 """LoRA on Phi-3's fused projections (qkv_proj, gate_up_proj), GLM-4's (gate_up_proj) and
-StarCoder2's renamed ones (c_fc, c_proj: the decoder's up_proj and down_proj) against
+StarCoder2's and Phi's renamed ones (c_fc, c_proj; dense, fc1, fc2: the decoder's o_proj, up_proj
+and down_proj) against
 transformers + PEFT.
 
 Phi-4-mini's partial rotary embeddings and GLM-4's interleaved ones reorder q's and k's rows as
@@ -28,7 +29,7 @@ ADAPTERS = {
 }
 # Per family: the narrow adapter's targets; the modules PEFT resolves all-linear to.
 NARROW = {"phi3": ["qkv_proj", "down_proj"], "phi4_mini": ["qkv_proj", "down_proj"], "glm4": ["k_proj", "gate_up_proj"],
-          "starcoder2": ["v_proj", "c_fc"]}
+          "starcoder2": ["v_proj", "c_fc"], "phi": ["v_proj", "fc1"]}
 ALL_LINEAR = {"phi3": {"down_proj", "gate_up_proj", "o_proj", "qkv_proj"},
               "glm4": {"down_proj", "gate_up_proj", "o_proj", "q_proj", "k_proj", "v_proj"}}
 MIXED = [("all", 9), (None, 6), ("narrow", 14), ("all", 12), ("narrow", 1)]
@@ -112,28 +113,34 @@ def test_a_mixed_batch_matches_peft(phi3, reference):
     mixed_batch_matches_peft(phi3, reference)
 
 
-@pytest.fixture(scope="module")
-def starcoder2(tmp_path_factory) -> Phi3:
-    return Phi3("starcoder2", tmp_path_factory.mktemp("starcoder2"))
+# Per family: PEFT's names of o_proj, up_proj and down_proj.
+RENAMED = {"starcoder2": ("o_proj", "c_fc", "c_proj"), "phi": ("dense", "fc1", "fc2")}
+
+
+@pytest.fixture(scope="module", params=list(RENAMED))
+def renamed(request, tmp_path_factory) -> Phi3:
+    return Phi3(request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.mark.parametrize("reference", [False, True], ids=["fast", "reference"])
-def test_starcoder2s_ungated_mlp_takes_peft_adapters_by_its_own_names(starcoder2, reference):
-    """PEFT adapts c_fc and c_proj (all-linear resolves to them); the decoder's up_proj and
-    down_proj take their pairs whole, on an MLP without a gate."""
-    config, tensors = starcoder2.saved["all"]
-    assert {t.rsplit(".", 1)[-1] for t in config["target_modules"]} == {"q_proj", "k_proj", "v_proj", "o_proj",
-                                                                           "c_fc", "c_proj"}
-    adapter = starcoder2.adapters["all"]
-    assert adapter.target_modules == ("c_fc", "c_proj", "k_proj", "o_proj", "q_proj", "v_proj")
+def test_ungated_mlps_take_peft_adapters_by_their_own_names(renamed, reference):
+    """PEFT adapts StarCoder2's c_fc and c_proj, Phi's dense, fc1 and fc2 (all-linear resolves
+    to them); the decoder's o_proj, up_proj and down_proj take their pairs whole, on an MLP
+    without a gate (Phi's beside attention, on the same norm's output)."""
+    o, up, down = RENAMED[renamed.family]
+    config, tensors = renamed.saved["all"]
+    theirs = {"q_proj", "k_proj", "v_proj", o, up, down}
+    assert {t.rsplit(".", 1)[-1] for t in config["target_modules"]} == theirs
+    adapter = renamed.adapters["all"]
+    assert adapter.target_modules == tuple(sorted(theirs))
     assert {m for _, m in adapter.weights} == {"q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"}
-    assert sorted(starcoder2.adapters["narrow"].weights) == [(layer, m) for layer in (0, 2) for m in ("up_proj", "v_proj")]
-    mixed_batch_matches_peft(starcoder2, reference)
-    renamed = {name.replace("c_fc", "up_proj"): t for name, t in tensors.items()}
-    with pytest.raises(LoraAdapterError, match="target module 'up_proj' is not one this executor can adapt; "
-                                               "supported: q_proj, k_proj, v_proj, o_proj, c_fc, c_proj"):
-        build_adapter("renamed", "renamed@1", {**config, "target_modules": ["up_proj"]}, renamed,
-                      starcoder2.targets, dtype=torch.float32, device="cpu", max_rank=16, source="test")
+    assert sorted(renamed.adapters["narrow"].weights) == [(layer, m) for layer in (0, 2) for m in ("up_proj", "v_proj")]
+    mixed_batch_matches_peft(renamed, reference)
+    ours = {name.replace(f".{up}.", ".up_proj."): t for name, t in tensors.items()}
+    with pytest.raises(LoraAdapterError, match=f"target module 'up_proj' is not one this executor can adapt; "
+                                               f"supported: q_proj, k_proj, v_proj, {o}, {up}, {down}"):
+        build_adapter("renamed", "renamed@1", {**config, "target_modules": ["up_proj"]}, ours,
+                      renamed.targets, dtype=torch.float32, device="cpu", max_rank=16, source="test")
 
 
 def test_the_split_projections_are_refused_by_their_own_names(phi3):

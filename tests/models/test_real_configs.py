@@ -5,7 +5,7 @@ microsoft/Phi-3-mini-4k-instruct, microsoft/Phi-4-mini-instruct, google/gemma-2-
 ibm-granite/granite-3.1-2b-instruct, google/gemma-2b, HuggingFaceTB/SmolLM3-3B,
 allenai/OLMo-2-1124-7B, allenai/Olmo-3-1025-7B LGAI-EXAONE/EXAONE-4.0-32B, THUDM/GLM-4-9B-0414,
 CohereForAI/c4ai-command-r-v01, CohereForAI/c4ai-command-r7b-12-2024 (with its keys transformers
-does not read), stabilityai/stablelm-2-1_6b, bigcode/starcoder2-3b and Qwen/Qwen3-8B with the YaRN setting its
+does not read), stabilityai/stablelm-2-1_6b, bigcode/starcoder2-3b, allenai/OLMoE-1B-7B-0924, microsoft/phi-2 and Qwen/Qwen3-8B with the YaRN setting its
 model card gives for 131072 tokens (transformers 4's
 layout: top-level rope_theta, no layer_types; the LongRoPE factor lists stand in for the published
 48 numbers: their count and place are what is read here). The tiny random models of the
@@ -124,6 +124,21 @@ STARCODER2_3B = {
     "rope_theta": 999999.4420358813, "sliding_window": 4096, "use_bias": True, "hidden_act": "gelu_pytorch_tanh",
     "attention_dropout": 0.1, "residual_dropout": 0.1, "embedding_dropout": 0.1, "vocab_size": 49152,
     "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "bfloat16",
+}
+OLMOE_1B_7B = {
+    "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024,
+    "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 4096,
+    "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False, "clip_qkv": None, "rms_norm_eps": 1e-05,
+    "rope_scaling": None, "rope_theta": 10000.0, "attention_bias": False, "tie_word_embeddings": False,
+    "vocab_size": 50304, "eos_token_id": 50279, "pad_token_id": 1, "hidden_act": "silu", "torch_dtype": "float32",
+}
+PHI_2 = {
+    "architectures": ["PhiForCausalLM"], "model_type": "phi", "hidden_size": 2560, "intermediate_size": 10240,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 2048,
+    "partial_rotary_factor": 0.4, "qk_layernorm": False, "layer_norm_eps": 1e-05, "rope_scaling": None,
+    "rope_theta": 10000.0, "resid_pdrop": 0.1, "embd_pdrop": 0.0, "attention_dropout": 0.0, "hidden_act": "gelu_new",
+    "tie_word_embeddings": False, "vocab_size": 51200, "bos_token_id": 50256, "eos_token_id": 50256,
+    "torch_dtype": "float16",
 }
 GEMMA2_2B = {
     "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216,
@@ -261,3 +276,18 @@ def test_starcoder2_3b_has_an_ungated_mlp_biases_everywhere_and_a_window_on_ever
     assert not c.mlp_gated and c.hidden_act == "gelu_tanh" and c.qkv_bias and c.o_bias and c.mlp_bias
     assert c.layer_norm and c.norm_bias and not c.parallel_residual and c.tie_word_embeddings
     assert c.layer_windows == (4096,) * 30 and c.rope_theta == 999999.4420358813 and c.max_position_embeddings == 16384
+
+
+def test_olmoe_1b_7b_routes_every_layer_to_8_of_64_experts_under_olmos_qk_norms():
+    c = DecoderConfig.from_dict(OLMOE_1B_7B)
+    moe = c.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob) == (64, 8, 1024, False)
+    assert moe.sparse_layers == (True,) * 16 and moe.shared_intermediate_size == 0 and moe.style == "qwen"
+    assert c.qk_norm and c.qk_norm_across_heads and c.pre_norms and not c.sandwich_norms
+
+
+def test_phi_2_rotates_32_of_80_dimensions_and_biases_its_lm_head():
+    c = DecoderConfig.from_dict(PHI_2)
+    assert (c.rotary_dim, c.head_dim) == (32, 80) and c.hidden_act == "gelu_tanh"
+    assert c.layer_norm and c.norm_bias and c.parallel_residual and not c.mlp_gated and c.lm_head_bias
+    assert c.qkv_bias and c.o_bias and c.mlp_bias and not c.tie_word_embeddings

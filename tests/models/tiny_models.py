@@ -4,7 +4,8 @@ Mistral, Gemma 2 (soft-capped attention scores), Gemma 3 and Phi-3 (whose checkp
 q/k/v and gate/up); Phi-4-mini's rope; Granite's multipliers; Gemma (1); SmolLM3's NoPE layers;
 OLMo 2's norms; OLMo 3's windows and YaRN; EXAONE 4's NoPE global layers; GLM-4's interleaved half rotation and renamed norms; Ministral's sliding and global layers; Helium's interleaved rotation; Seed-OSS's biases; Cohere's
 and Cohere 2's LayerNorms and parallel layers; StableLM's LayerNorms with biases; StarCoder2's
-ungated MLP."""
+ungated MLP; OLMoE's experts under OLMo's q/k norms; Phi's parallel layers, ungated MLP and
+lm_head bias."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def build(family: str, out_dir: Path, **save_kwargs):
 
 SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8, "phi3": 9, "phi4_mini": 10,
          "granite": 11, "gemma2": 12, "gemma": 13, "smollm3": 14, "olmo2": 15, "olmo3": 16, "exaone4": 17, "glm4": 18, "ministral": 19, "helium": 20, "seed_oss": 21,
-         "cohere": 22, "cohere2": 23, "stablelm": 24, "starcoder2": 25}
+         "cohere": 22, "cohere2": 23, "stablelm": 24, "starcoder2": 25,
+         "olmoe": 26, "phi": 27}
 # phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
 LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
@@ -186,4 +188,15 @@ def _new_family(tf, family: str, common: dict):
         # every projection, a window over every layer.
         return tf.Starcoder2ForCausalLM(tf.Starcoder2Config(**common, sliding_window=WINDOW, use_bias=True,
                                                             pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    if family == "olmoe":
+        # OLMoE: Llama's pre-norms, OLMo's q/k norms over every head, 8 experts (top 2, weights
+        # not renormalised) in every layer; biases on attention.
+        return tf.OlmoeForCausalLM(tf.OlmoeConfig(**dict(common, intermediate_size=32), num_experts=8,
+                                                  num_experts_per_tok=2, attention_bias=True, pad_token_id=0,
+                                                  bos_token_id=1, eos_token_id=2))
+    if family == "phi":
+        # Phi-2: LayerNorms with biases, attention and an ungated MLP in parallel, 0.4 of each
+        # head rotating (4 of 16 dimensions here: 0.25), biases everywhere, the lm_head's too.
+        return tf.PhiForCausalLM(tf.PhiConfig(**common, partial_rotary_factor=0.25, pad_token_id=0,
+                                              bos_token_id=1, eos_token_id=2))
     raise ValueError(family)
