@@ -57,6 +57,7 @@ ARCHITECTURES = {
     "Starcoder2ForCausalLM": ("starcoder2", False),
     "OlmoeForCausalLM": ("olmoe", True),
     "PhiForCausalLM": ("phi", False),
+    "Glm4MoeForCausalLM": ("glm4_moe", False),  # per-head q/k norms where use_qk_norm says
 }
 # The projections each family's checkpoints store fused: Phi-3's q/k/v as one qkv_proj and
 # gate/up as one gate_up_proj, GLM-4's gate/up.
@@ -181,6 +182,7 @@ class DecoderConfig:
                 f"architecture {archs or cfg.get('model_type')!r} is not supported; "
                 f"supported: {', '.join(ARCHITECTURES)}")
         family, qk_norm = ARCHITECTURES[arch]
+        qk_norm = qk_norm or (family == "glm4_moe" and bool(cfg.get("use_qk_norm")))
 
         def need(key: str) -> Any:
             if key not in cfg:

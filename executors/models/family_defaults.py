@@ -92,6 +92,8 @@ FAMILY_DEFAULTS = {
     "phi": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=2048,
                           activation="gelu_new", attention_bias=True, o_proj_bias=True, mlp_bias=True,
                           norm_eps_key="layer_norm_eps"),
+    "glm4_moe": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                               attention_bias_key="attention_bias"),
     "gemma": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=8192,
                             tie_word_embeddings=True, activation="gelu_pytorch_tanh",
                             attention_bias_key="attention_bias", o_proj_bias=True),

@@ -30,6 +30,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Families whose checkpoints hold layers past num_hidden_layers that transformers does not
+# load either: GLM-4.5's multi-token-prediction layer(s) (num_nextn_predict_layers).
+EXTRA_LAYER_FAMILIES = ("glm4_moe",)
+# Parameters kept in float32 whatever the serving dtype, as transformers keeps them: GLM-4.5's
+# router correction, which decides between close scores.
+FLOAT32_SUFFIXES = ("e_score_correction_bias",)
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -121,7 +127,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                     continue
                 if name not in expected:
                     tied_head = name == "lm_head.weight" and config.tie_word_embeddings
-                    if not tied_head and not name.endswith(IGNORED_SUFFIXES):
+                    if not tied_head and not name.endswith(IGNORED_SUFFIXES) and not _extra_layer(name, config):
                         unexpected.append(name)
                     progress.add(sizes[path].get(name, 0))  # skipped: done with it too
                     continue
@@ -136,7 +142,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                         f"{path.name}: tensor {name} has shape {shape}, the config implies {expected_full[name]}")
                 if plan is not None:
                     tensor = plan.read(name, piece, shape)
-                state[name] = _converted(served(name, tensor, config), dtype, device)
+                state[name] = _converted(served(name, tensor, config),
+                                         torch.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype, device)
                 progress.add(sizes[path].get(name, 0))
     missing = sorted(set(expected) - set(state))
     if missing:
@@ -154,6 +161,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     model.fuse()  # the fast forward's fused q/k/v and gate/up weights; the parameters become views
     log.info("loaded %s (%s) in %.1f s", model_dir.name, config.architecture, time.perf_counter() - started)
     return model.eval()
+
+
+def _extra_layer(name: str, config: DecoderConfig) -> bool:
+    """A tensor of a layer past num_hidden_layers, in a family whose checkpoints have such layers."""
+    parts = name.split(".")
+    return (config.family in EXTRA_LAYER_FAMILIES and len(parts) > 2 and parts[:2] == ["model", "layers"]
+            and parts[2].isdigit() and int(parts[2]) >= config.num_layers)
 
 
 def _converted(tensor: torch.Tensor, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
@@ -201,5 +215,6 @@ def checkpoint_parameters(model_dir: str | Path, dtype: torch.dtype,
                 tensor = last_fused[1][lo:hi]
             else:
                 tensor = found[name].get_tensor(name)
-            tensor = served(name, tensor, config).to(dtype)  # as the loader: served, then the dtype
+            # as the loader: served, then the dtype
+            tensor = served(name, tensor, config).to(torch.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype)
             yield name, quantize(tensor).unpack() if name in int8 else tensor

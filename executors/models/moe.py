@@ -7,7 +7,8 @@ the experts' weights stacked into [E, 2I, hidden] (gate and up) and [E, hidden, 
 tensors whose slices the expert modules' parameters become (one copy, as decoder.py's
 fused q/k/v):
 
-1. the router's softmax and top-k pick k (expert, weight) pairs per row;
+1. the router's softmax and top-k pick k (expert, weight) pairs per row (GLM-4.5: its
+   sigmoid scores, corrected, within the best groups, `route`);
 2. the M*k pairs are sorted by expert (a stable sort), so each expert's rows are one
    contiguous slice of a gathered [M*k, hidden] matrix;
 3. every expert with rows runs one gate/up matmul and one down matmul over its slice
@@ -66,22 +67,53 @@ class Expert(nn.Module):
         return tuple(getattr(self, n) for n in self.names)
 
 
+class SigmoidRouting(NamedTuple):
+    """GLM-4.5's router (DeepSeek V3's), beside top_k and norm_topk_prob."""
+
+    correction: torch.Tensor  # [E] float32: added to the scores that choose, not to the weights
+    n_group: int
+    topk_group: int
+    scale: float  # routed_scaling_factor
+
+
+class Router(nn.Module):
+    """The router's weight ([E, hidden]) and, for sigmoid scoring, e_score_correction_bias ([E], float32)."""
+
+    def __init__(self, hidden: int, experts: int, corrected: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(experts, hidden))
+        if corrected:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(experts))
+
+
 class SparseMoe(nn.Module):
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
-        moe = config.moe
+        moe = self.config = config.moe
         self.top_k, self.norm_topk_prob, self.num_experts = moe.top_k, moe.norm_topk_prob, moe.num_experts
-        self.gate = nn.Linear(config.hidden_size, moe.num_experts, bias=False)  # the router
+        self.gate = Router(config.hidden_size, moe.num_experts, moe.scoring == "sigmoid")
         self.experts = nn.ModuleList(Expert(config.hidden_size, moe.intermediate_size, moe.expert_names)
                                      for _ in range(moe.num_experts))
-        if moe.shared_intermediate_size:
-            self.shared_expert = MLP(config, moe.shared_intermediate_size, bias=False)
-            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        if moe.shared_intermediate_size:  # Qwen2-MoE's shared_expert (gated), GLM-4.5's shared_experts
+            setattr(self, moe.shared_name, MLP(config, moe.shared_intermediate_size, bias=False))
+            if moe.shared_gated:
+                self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.act = activation(config.hidden_act)
+
+    @property
+    def shared(self) -> MLP | None:
+        return getattr(self, self.config.shared_name, None)
+
+    def sigmoid_routing(self) -> SigmoidRouting | None:
+        m = self.config
+        if m.scoring != "sigmoid":
+            return None
+        return SigmoidRouting(self.gate.e_score_correction_bias.detach(), m.n_group, m.topk_group,
+                              m.routed_scaling_factor)
 
     def forward(self, x: torch.Tensor, load: torch.Tensor | None = None) -> torch.Tensor:
         """The reference: each expert over the rows that picked it, in expert order."""
-        weights, experts = route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
+        weights, experts = route(x, self.gate.weight, self.top_k, self.norm_topk_prob, self.sigmoid_routing())
         if load is not None:
             load += expert_counts(experts, self.num_experts)
         out = torch.zeros_like(x)
@@ -92,8 +124,9 @@ class SparseMoe(nn.Module):
             gate, up, down = expert.projections()
             y = down(self.act(gate(x[rows])) * up(x[rows]))
             out.index_add_(0, rows, y * weights[rows, slot, None])
-        if hasattr(self, "shared_expert"):
-            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared is not None:
+            shared = self.shared(x)
+            out += torch.sigmoid(self.shared_expert_gate(x)) * shared if self.config.shared_gated else shared
         return out
 
 
@@ -105,7 +138,7 @@ class MoeWeights(NamedTuple):
     down: torch.Tensor | None  # [E, hidden, I]
     shared_gate_up: torch.Tensor | None  # [2S, hidden]
     shared_down: torch.Tensor | None  # [hidden, S]
-    shared_gate: torch.Tensor | None  # [1, hidden]
+    shared_gate: torch.Tensor | None  # [1, hidden]; None where the shared experts have no gate (GLM-4.5)
     top_k: int
     norm_topk_prob: bool
     # float32 on a CPU with the kernels (panel_modules.pack_model): each expert's (gate/up,
@@ -115,6 +148,7 @@ class MoeWeights(NamedTuple):
     shared_panels: tuple | None = None
     kernels: object | None = None
     glu: str = "silu"
+    sigmoid: SigmoidRouting | None = None  # GLM-4.5's router, else a softmax
 
     def matrices(self) -> list[torch.Tensor]:
         """The expert weights still held as tensors (each expert's gate/up and down, the shared
@@ -135,24 +169,48 @@ def stack(moe: SparseMoe) -> MoeWeights:
         u.weight = nn.Parameter(gate_up[i, inter:], requires_grad=False)
         d.weight = nn.Parameter(down[i], requires_grad=False)
     shared_gate_up = shared_down = shared_gate = None
-    if hasattr(moe, "shared_expert"):
-        s = moe.shared_expert
+    if moe.shared is not None:
+        s = moe.shared
         shared_gate_up = torch.cat([s.gate_proj.weight.detach(), s.up_proj.weight.detach()])
         n = s.gate_proj.weight.shape[0]
         s.gate_proj.weight = nn.Parameter(shared_gate_up[:n], requires_grad=False)
         s.up_proj.weight = nn.Parameter(shared_gate_up[n:], requires_grad=False)
-        shared_down, shared_gate = s.down_proj.weight.detach(), moe.shared_expert_gate.weight.detach()
+        shared_down = s.down_proj.weight.detach()
+        shared_gate = moe.shared_expert_gate.weight.detach() if moe.config.shared_gated else None
     return MoeWeights(moe.gate.weight.detach(), gate_up, down, shared_gate_up, shared_down, shared_gate,
-                      moe.top_k, moe.norm_topk_prob)
+                      moe.top_k, moe.norm_topk_prob, sigmoid=moe.sigmoid_routing())
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool,
+          sigmoid: SigmoidRouting | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the experts in float32, the top k per row: (weights [M, k] in x's dtype, experts [M, k])."""
+    if sigmoid is not None:
+        return _route_sigmoid(x, router, top_k, renorm, sigmoid)
     probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renorm:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(x.dtype), experts
+
+
+def _route_sigmoid(x: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool,
+                   r: SigmoidRouting) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-4.5's routing, in float32 as Glm4MoeTopkRouter: sigmoid scores; each group scored by
+    its two best corrected scores, the topk_group best groups kept; the top k corrected scores
+    among their experts choose, the uncorrected ones weigh (renormalised, then scaled)."""
+    scores = F.linear(x.float(), router.float()).sigmoid()
+    choice = scores + r.correction
+    if r.n_group > 1:
+        m, experts = choice.shape
+        grouped = choice.view(m, r.n_group, experts // r.n_group)
+        best = grouped.topk(2, dim=-1)[0].sum(dim=-1).topk(r.topk_group, dim=-1)[1]  # [m, topk_group]
+        keep = torch.zeros(m, r.n_group, dtype=torch.bool, device=x.device).scatter_(1, best, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(m, experts)
+    chosen = torch.topk(choice, top_k, dim=-1)[1]
+    weights = scores.gather(1, chosen)
+    if renorm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return (weights * r.scale).to(x.dtype), chosen
 
 
 def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -164,7 +222,7 @@ def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 def moe_forward(x: torch.Tensor, w: MoeWeights, act: Callable, load: torch.Tensor | None = None) -> torch.Tensor:
     """[M, hidden] -> [M, hidden]: routed experts grouped by expert (module docstring), plus the shared expert."""
-    weights, experts = route(x, w.router, w.top_k, w.norm_topk_prob)
+    weights, experts = route(x, w.router, w.top_k, w.norm_topk_prob, w.sigmoid)
     flat = experts.flatten()
     counts = expert_counts(flat, w.router.shape[0])
     if load is not None:
@@ -180,13 +238,15 @@ def moe_forward(x: torch.Tensor, w: MoeWeights, act: Callable, load: torch.Tenso
     if w.shared_panels is not None:
         gate_up, down = w.shared_panels
         shared = w.kernels.linear(w.kernels.linear(x, gate_up), down, glu=w.glu)
-        out.addcmul_(torch.sigmoid(F.linear(x, w.shared_gate)), shared)
     elif w.shared_gate_up is not None:
         s = w.shared_down.shape[1]
         gu = F.linear(x, w.shared_gate_up)
         shared = F.linear(act(gu[:, :s]).mul_(gu[:, s:]), w.shared_down)
-        out.addcmul_(torch.sigmoid(F.linear(x, w.shared_gate)), shared)
-    return out
+    else:
+        return out
+    if w.shared_gate is None:  # GLM-4.5's shared experts: no gate
+        return out.add_(shared)
+    return out.addcmul_(torch.sigmoid(F.linear(x, w.shared_gate)), shared)
 
 
 def grouped_swiglu(xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,

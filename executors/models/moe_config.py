@@ -1,6 +1,6 @@
 """MoeConfig: how a mixture-of-experts checkpoint routes, read from its config.json.
 
-Four layouts, all top-k routing over a softmax of one linear router:
+Five layouts, all top-k routing over the scores of one linear router:
 
 - Qwen3-MoE (`Qwen3MoeForCausalLM`): `mlp.gate` and `mlp.experts.N.{gate,up,down}_proj`;
   `norm_topk_prob` renormalises the k weights to sum to 1; layers listed in
@@ -12,9 +12,14 @@ Four layouts, all top-k routing over a softmax of one linear router:
   every layer sparse, experts as wide as `intermediate_size`.
 - OLMoE (`OlmoeForCausalLM`): Qwen3-MoE's names, every layer sparse, experts as wide as
   `intermediate_size`, `norm_topk_prob` off by default.
+- GLM-4.5 (`Glm4MoeForCausalLM`; DeepSeek V3's router): sigmoid scores, the experts chosen
+  by score plus `mlp.gate.e_score_correction_bias` among the `topk_group` best of `n_group`
+  groups (a group scored by its two best), their scores renormalised and times
+  `routed_scaling_factor`; `mlp.shared_experts` (`n_shared_experts` experts wide, no gate)
+  beside them; the first `first_k_dense_replace` layers dense.
 
-Router options this decoder does not implement (grouped top-k, sigmoid scoring, scaling
-factors) are refused by name rather than served wrongly.
+Router options a family's transformers model does not read (grouped top-k, sigmoid scoring,
+scaling factors on the softmax families) are refused by name rather than served wrongly.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 
 from executors.models.errors import UnsupportedModel
 
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe")
 # Router options of other MoE families (DeepSeek, GLM, ...): a config that sets one to
 # something other than its plain-softmax value is refused.
 _PLAIN_ROUTER = {"scoring_func": (None, "softmax"), "topk_method": (None, "greedy"), "n_group": (None, 1), "topk_group": (None, 1),
@@ -41,6 +46,13 @@ class MoeConfig:
     shared_intermediate_size: int  # Qwen2-MoE's shared expert (0: none)
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
     style: str  # "qwen" (mlp.experts.N.gate_proj) or "mixtral" (block_sparse_moe.experts.N.w1)
+    # GLM-4.5: sigmoid scores (else a softmax), the groups top-k picks from, the chosen
+    # weights' factor; its shared experts have no gate (Qwen2-MoE's one is behind a sigmoid).
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_gated: bool = True
 
     @property
     def module_name(self) -> str:
@@ -53,6 +65,11 @@ class MoeConfig:
         return ("w1", "w3", "w2") if self.style == "mixtral" else ("gate_proj", "up_proj", "down_proj")
 
     @property
+    def shared_name(self) -> str:
+        """The sparse layer's attribute holding the shared expert(s), as the checkpoint names it."""
+        return "shared_expert" if self.shared_gated else "shared_experts"
+
+    @property
     def num_sparse_layers(self) -> int:
         return sum(self.sparse_layers)
 
@@ -60,6 +77,8 @@ class MoeConfig:
 def moe_from_dict(cfg: dict[str, Any], family: str, layers: int) -> MoeConfig | None:
     if family not in MOE_FAMILIES:
         return None
+    if family == "glm4_moe":
+        return _glm4_moe(cfg, layers)
     arch = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
             "olmoe": "OlmoeForCausalLM"}.get(family, "MixtralForCausalLM")
     for key, allowed in _PLAIN_ROUTER.items():
@@ -90,3 +109,33 @@ def moe_from_dict(cfg: dict[str, Any], family: str, layers: int) -> MoeConfig | 
     sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
     shared = int(cfg.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
     return MoeConfig(experts, top_k, int(cfg["moe_intermediate_size"]), norm, shared, sparse, "qwen")
+
+
+def _glm4_moe(cfg: dict[str, Any], layers: int) -> MoeConfig:
+    """Glm4MoeConfig's reading (its defaults where the file omits a key)."""
+    def count(key: str, default: int, least: int = 1) -> int:
+        value = cfg.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise UnsupportedModel(f"{key} must be an integer >= {least}, got {value!r}")
+        return value
+
+    experts, top_k = count("n_routed_experts", 128), count("num_experts_per_tok", 8)
+    groups, chosen = count("n_group", 1), count("topk_group", 1)
+    if experts % groups or experts // groups < 2:
+        raise UnsupportedModel(f"n_group {groups} must divide n_routed_experts {experts} into groups of 2 or more")
+    if chosen > groups or top_k > chosen * (experts // groups):
+        raise UnsupportedModel(f"num_experts_per_tok {top_k} from topk_group {chosen} of n_group {groups} groups of "
+                               f"{experts // groups} experts cannot be chosen")
+    scale = cfg.get("routed_scaling_factor", 1.0)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0:
+        raise UnsupportedModel(f"routed_scaling_factor must be a positive number, got {scale!r}")
+    norm = cfg.get("norm_topk_prob", True)
+    if not isinstance(norm, bool):
+        raise UnsupportedModel(f"norm_topk_prob must be true or false, got {norm!r}")
+    inter = count("moe_intermediate_size", 1408)
+    dense = count("first_k_dense_replace", 1, least=0)
+    # (0 would make transformers' shared experts zero-width matrices, which its files then hold)
+    shared = count("n_shared_experts", 1) * inter
+    return MoeConfig(experts, top_k, inter, norm, shared, tuple(i >= dense for i in range(layers)), "qwen",
+                     scoring="sigmoid", n_group=groups, topk_group=chosen, routed_scaling_factor=float(scale),
+                     shared_gated=False)

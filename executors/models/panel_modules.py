@@ -199,7 +199,7 @@ def _pack_experts(moe: nn.Module, w: MoeWeights, arena: _Arena, model: DecoderLM
                        _replace(expert, [down], arena.pack(w.down[i]))))
     shared = None
     if w.shared_gate_up is not None:
-        s = moe.shared_expert
+        s = moe.shared
         shared = (_replace(s, ["gate_proj", "up_proj"], arena.pack(w.shared_gate_up)),
                   _replace(s, ["down_proj"], arena.pack(w.shared_down)))
     return w._replace(gate_up=None, down=None, shared_gate_up=None, shared_down=None, expert_panels=tuple(panels),

@@ -20,7 +20,10 @@ import torch
 
 from executors.models.config import DecoderConfig
 
-ROTATED = ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias")
+# The tensors whose rows are q's or k's head dimensions: the projections, and the q/k norms'
+# weights (GLM-4.5's per-head ones norm the dimensions before they rotate, in the served order).
+ROTATED = ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias",
+           "self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
 def head_order(head_dim: int, rotary_dim: int, interleaved: bool = False) -> list[int]:

@@ -14,7 +14,7 @@ from executors.models.family_defaults import FamilyDefaults
 
 LAYER_TYPE_KEYS = ("full_attention", "sliding_attention")
 PER_LAYER_TYPE_FAMILIES = ("gemma3", "olmo3")  # rope_parameters per layer type
-PARTIAL_ROTARY_DEFAULTS = {"phi3": 1.0, "glm4": 0.5, "stablelm": 0.25, "phi": 0.5}  # families reading partial_rotary_factor, its default
+PARTIAL_ROTARY_DEFAULTS = {"phi3": 1.0, "glm4": 0.5, "stablelm": 0.25, "phi": 0.5, "glm4_moe": 0.5}  # families reading partial_rotary_factor, its default
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +89,8 @@ def _phi3_rope(rope: dict[str, Any], where: str) -> dict[str, Any]:
 
 def rotary_dim_of(cfg: dict[str, Any], family: str, head_dim: int) -> int | None:
     """How many dimensions of a head rotate, where the family reads partial_rotary_factor
-    (Phi-3, GLM-4, StableLM, Phi: from rope_parameters, else the top level, else the family's
-    default: 1, 0.5, 0.25, 0.5); None: all
+    (Phi-3, GLM-4, StableLM, Phi, GLM-4.5: from rope_parameters, else the top level, else the
+    family's default: 1, 0.5, 0.25, 0.5, 0.5); None: all
     of them."""
     if family not in PARTIAL_ROTARY_DEFAULTS:
         return None

@@ -3,8 +3,8 @@ the one decoder computes another way: the loader, each tensor-parallel rank and 
 digest (loader.checkpoint_parameters) all pass every tensor through `served`, so that they
 agree on what is served.
 
-- Partial rotary embeddings (Phi-4-mini): q's and k's head dimensions reordered
-  (partial_rotary.py).
+- Partial rotary embeddings (Phi-4-mini, GLM-4.5): q's and k's head dimensions reordered
+  (partial_rotary.py), their norms' weights with them.
 - Granite's residual_multiplier: the attention and MLP outputs are scaled before each
   residual add, which is o_proj's and down_proj's weights and biases scaled (in float32,
   then rounded once to the serving dtype), and costs nothing per step.

@@ -47,6 +47,8 @@ L3_NO_ORIGINAL_MAX = {k: v for k, v in L3.items() if k != "original_max_position
 GEMMA_PER_TYPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
 QWEN3_MOE = {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+GLM4_MOE = {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "use_qk_norm": True, "attention_bias": True}
 
 # name: (family, config class kwargs, config.json edits, tokens, None or the refusal's text)
 CASES = {
@@ -231,6 +233,16 @@ CASES = {
                                                  "rope_theta": 3e3}, 40, None),
     "phi_qk_layernorm": ("phi", {"qk_layernorm": True}, {}, 20, "qk_layernorm: true"),
     "phi_tied": ("phi", {}, {"tie_word_embeddings": True}, 20, "tie_word_embeddings: true is not supported"),
+    # 24. GLM-4.5: its router's defaults (one group, weights renormalised, factor 1, one shared
+    # expert, layer 0 dense) without those keys; two dense layers, two experts' width of shared
+    # expert, weights as scored, no q/k norms; a group split that cannot be served refused.
+    "glm4_moe_defaults": ("glm4_moe", GLM4_MOE, {"n_group": DEL, "topk_group": DEL, "norm_topk_prob": DEL,
+                                                 "routed_scaling_factor": DEL, "n_shared_experts": DEL,
+                                                 "first_k_dense_replace": DEL, "rope_parameters": DEL}, 40, None),
+    "glm4_moe_variant": ("glm4_moe", {**GLM4_MOE, "num_hidden_layers": 3, "first_k_dense_replace": 2,
+                                      "n_shared_experts": 2, "norm_topk_prob": False, "n_group": 2, "topk_group": 1,
+                                      "use_qk_norm": False, "routed_scaling_factor": 1.5}, {}, 40, None),
+    "glm4_moe_bad_groups": ("glm4_moe", GLM4_MOE, {"n_group": 3}, 20, "n_group 3 must divide n_routed_experts 8"),
 }
 
 MODELS = {
@@ -247,7 +259,7 @@ MODELS = {
     "cohere": ("CohereForCausalLM", "CohereConfig"), "cohere2": ("Cohere2ForCausalLM", "Cohere2Config"),
     "stablelm": ("StableLmForCausalLM", "StableLmConfig"),
     "starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config"), "olmoe": ("OlmoeForCausalLM", "OlmoeConfig"),
-    "phi": ("PhiForCausalLM", "PhiConfig"),
+    "phi": ("PhiForCausalLM", "PhiConfig"), "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig"),
 }
 
 
@@ -257,7 +269,8 @@ def save_tiny(family: str, kwargs: dict, edits: dict, out):
     torch.manual_seed(0)
     model = model_cls(config_cls(**{**{"gemma2": GEMMA2, "gemma3": GEMMA, "phi3": PHI3, "smollm3": SMOLLM3, "glm4": PHI3, "helium": PHI3,
                                      "cohere": SMOLLM3, "cohere2": SMOLLM3, "stablelm": SMOLLM3,
-                                     "starcoder2": SMOLLM3, "olmoe": SMOLLM3, "phi": SMOLLM3}.get(
+                                     "starcoder2": SMOLLM3, "olmoe": SMOLLM3, "phi": SMOLLM3,
+                                     "glm4_moe": SMOLLM3}.get(
         family, COMMON), **kwargs}))
     with torch.no_grad():  # random init leaves biases at zero and norms at one: make them count
         for name, p in model.named_parameters():

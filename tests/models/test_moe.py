@@ -173,3 +173,53 @@ def test_sharded_moe_checkpoint_loads_and_reports_expert_load(tmp_path):
         assert load.sparse_layers == (0, 2) and sum(load.tokens_per_expert) == 2 * TOP_K * len(tokens)
     finally:
         ex.worker.close()
+
+
+def test_glm4_moe_loads_past_its_prediction_layer_and_keeps_its_router_correction_in_float32(tmp_path):
+    """GLM-4.5's checkpoints hold a multi-token-prediction layer after the last one, which
+    transformers does not load: neither does the loader (another family's extra layer is still
+    refused). The router's e_score_correction_bias stays float32 in a bfloat16 model, as
+    transformers keeps it: it decides between sigmoid scores closer than bfloat16 resolves."""
+    from safetensors.torch import load_file, save_file
+
+    build("glm4_moe", tmp_path / "glm")
+    weights = load_file(tmp_path / "glm" / "model.safetensors")
+    layers = json.loads((tmp_path / "glm" / "config.json").read_text())["num_hidden_layers"]
+    weights[f"model.layers.{layers}.eh_proj.weight"] = torch.zeros(4, 4)
+    weights[f"model.layers.{layers}.mlp.gate.weight"] = torch.zeros(8, 64)
+    save_file(weights, tmp_path / "glm" / "model.safetensors", metadata={"format": "pt"})
+    ex = LlmExecutor(LlmExecutorConfig(model_dir=str(tmp_path / "glm"), num_blocks=16, dtype="bfloat16"))
+    try:
+        correction = ex.model.model.layers[1].mlp.gate.e_score_correction_bias
+        assert correction.dtype == torch.float32 and correction.abs().max() > 0
+        assert ex.model.model.layers[1].mlp.gate.weight.dtype == torch.bfloat16
+    finally:
+        ex.worker.close()
+    build("qwen3_moe", tmp_path / "qwen")
+    weights = load_file(tmp_path / "qwen" / "model.safetensors")
+    weights["model.layers.4.eh_proj.weight"] = torch.zeros(4, 4)
+    save_file(weights, tmp_path / "qwen" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModel, match="does not expect: model.layers.4.eh_proj.weight"):
+        LlmExecutor(LlmExecutorConfig(model_dir=str(tmp_path / "qwen"), num_blocks=16))
+
+
+def test_glm4_moe_router_and_shared_experts_match_transformers_block(tmp_path):
+    """GLM-4.5's sparse block (sigmoid scores, the correction, 2 of 4 groups, renormalised
+    and scaled weights, ungated shared expert): the reference and the grouped path against
+    transformers' Glm4MoeMoE on the same rows, and the same experts chosen."""
+    from executors.models.loader import load_model
+
+    theirs = build("glm4_moe", tmp_path).model.layers[1].mlp
+    ours = load_model(tmp_path, torch.float32, "cpu")
+    block, weights = ours.model.layers[1].mlp, ours.fused[1].moe
+    x = torch.randn(23, 64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = theirs(x[None])[0]
+        _, their_weights, their_experts = theirs.gate(x)
+        got_weights, got_experts = moe.route(x, block.gate.weight, block.top_k, block.norm_topk_prob,
+                                             block.sigmoid_routing())
+        torch.testing.assert_close(block(x), want, atol=TOL, rtol=0)
+        torch.testing.assert_close(moe.moe_forward(x, weights, ours.act), want, atol=TOL, rtol=0)
+    order, got_order = their_experts.sort(-1), got_experts.sort(-1)
+    assert torch.equal(order.values, got_order.values)
+    torch.testing.assert_close(got_weights.gather(1, got_order.indices), their_weights.gather(1, order.indices))

@@ -5,7 +5,7 @@ microsoft/Phi-3-mini-4k-instruct, microsoft/Phi-4-mini-instruct, google/gemma-2-
 ibm-granite/granite-3.1-2b-instruct, google/gemma-2b, HuggingFaceTB/SmolLM3-3B,
 allenai/OLMo-2-1124-7B, allenai/Olmo-3-1025-7B LGAI-EXAONE/EXAONE-4.0-32B, THUDM/GLM-4-9B-0414,
 CohereForAI/c4ai-command-r-v01, CohereForAI/c4ai-command-r7b-12-2024 (with its keys transformers
-does not read), stabilityai/stablelm-2-1_6b, bigcode/starcoder2-3b, allenai/OLMoE-1B-7B-0924, microsoft/phi-2 and Qwen/Qwen3-8B with the YaRN setting its
+does not read), stabilityai/stablelm-2-1_6b, bigcode/starcoder2-3b, allenai/OLMoE-1B-7B-0924, microsoft/phi-2, zai-org/GLM-4.5-Air and Qwen/Qwen3-8B with the YaRN setting its
 model card gives for 131072 tokens (transformers 4's
 layout: top-level rope_theta, no layer_types; the LongRoPE factor lists stand in for the published
 48 numbers: their count and place are what is read here). The tiny random models of the
@@ -139,6 +139,16 @@ PHI_2 = {
     "rope_theta": 10000.0, "resid_pdrop": 0.1, "embd_pdrop": 0.0, "attention_dropout": 0.0, "hidden_act": "gelu_new",
     "tie_word_embeddings": False, "vocab_size": 51200, "bos_token_id": 50256, "eos_token_id": 50256,
     "torch_dtype": "float16",
+}
+GLM45_AIR = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 4096, "intermediate_size": 10944,
+    "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 131072, "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": False,
+    "moe_intermediate_size": 1408, "n_routed_experts": 128, "num_experts_per_tok": 8, "n_shared_experts": 1,
+    "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True, "first_k_dense_replace": 1,
+    "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+    "tie_word_embeddings": False, "vocab_size": 151552, "pad_token_id": 151329,
+    "eos_token_id": [151329, 151336, 151338], "hidden_act": "silu", "torch_dtype": "bfloat16",
 }
 GEMMA2_2B = {
     "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216,
@@ -291,3 +301,13 @@ def test_phi_2_rotates_32_of_80_dimensions_and_biases_its_lm_head():
     assert (c.rotary_dim, c.head_dim) == (32, 80) and c.hidden_act == "gelu_tanh"
     assert c.layer_norm and c.norm_bias and c.parallel_residual and not c.mlp_gated and c.lm_head_bias
     assert c.qkv_bias and c.o_bias and c.mlp_bias and not c.tie_word_embeddings
+
+
+def test_glm45_air_routes_by_sigmoid_scores_beside_a_shared_expert_after_one_dense_layer():
+    c = DecoderConfig.from_dict(GLM45_AIR)
+    moe = c.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_intermediate_size) == (128, 8, 1408, 1408)
+    assert (moe.scoring, moe.n_group, moe.topk_group, moe.routed_scaling_factor) == ("sigmoid", 1, 1, 1.0)
+    assert moe.sparse_layers == (False,) + (True,) * 45 and not moe.shared_gated and moe.norm_topk_prob
+    assert (c.rotary_dim, c.head_dim, c.rope_interleaved, c.qk_norm) == (64, 128, False, False)
+    assert c.qkv_bias and not c.o_bias and c.intermediate_size == 10944 and c.rope_theta == 1e6

@@ -5,7 +5,7 @@ q/k/v and gate/up); Phi-4-mini's rope; Granite's multipliers; Gemma (1); SmolLM3
 OLMo 2's norms; OLMo 3's windows and YaRN; EXAONE 4's NoPE global layers; GLM-4's interleaved half rotation and renamed norms; Ministral's sliding and global layers; Helium's interleaved rotation; Seed-OSS's biases; Cohere's
 and Cohere 2's LayerNorms and parallel layers; StableLM's LayerNorms with biases; StarCoder2's
 ungated MLP; OLMoE's experts under OLMo's q/k norms; Phi's parallel layers, ungated MLP and
-lm_head bias."""
+lm_head bias; GLM-4.5's grouped sigmoid router and shared experts."""
 
 from __future__ import annotations
 
@@ -43,6 +43,9 @@ def build(family: str, out_dir: Path, **save_kwargs):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():  # GLM-4.5's router correction (a buffer there): make it choose
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
     model.eval()
     model.save_pretrained(out_dir, **save_kwargs)
     return model
@@ -51,7 +54,7 @@ def build(family: str, out_dir: Path, **save_kwargs):
 SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8, "phi3": 9, "phi4_mini": 10,
          "granite": 11, "gemma2": 12, "gemma": 13, "smollm3": 14, "olmo2": 15, "olmo3": 16, "exaone4": 17, "glm4": 18, "ministral": 19, "helium": 20, "seed_oss": 21,
          "cohere": 22, "cohere2": 23, "stablelm": 24, "starcoder2": 25,
-         "olmoe": 26, "phi": 27}
+         "olmoe": 26, "phi": 27, "glm4_moe": 28}
 # phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
 LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
@@ -199,4 +202,12 @@ def _new_family(tf, family: str, common: dict):
         # head rotating (4 of 16 dimensions here: 0.25), biases everywhere, the lm_head's too.
         return tf.PhiForCausalLM(tf.PhiConfig(**common, partial_rotary_factor=0.25, pad_token_id=0,
                                               bos_token_id=1, eos_token_id=2))
+    if family == "glm4_moe":
+        # GLM-4.5: 8 experts in 4 groups of 2, the 3 best chosen from the 2 best groups by
+        # sigmoid scores plus a correction, weighed renormalised and times 2.5; one shared expert;
+        # layer 0 dense; half of each head rotating (NeoX pairs), q/k/v biases, per-head q/k norms.
+        return tf.Glm4MoeForCausalLM(tf.Glm4MoeConfig(
+            **common, head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+            topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1,
+            attention_bias=True, use_qk_norm=True, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     raise ValueError(family)
