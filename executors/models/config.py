@@ -22,58 +22,25 @@ from pathlib import Path
 from typing import Any
 
 from executors.models.errors import UnsupportedModel
+from executors.models.families import (
+    ARCHITECTURES,
+    COHERE_FAMILIES,
+    FUSED_CHECKPOINT,
+    GELU_TANH,
+    GEMMA_FAMILIES,
+    LAYER_NORM_FAMILIES,
+    OLMO_FAMILIES,
+    POST_NORM_FAMILIES,
+    SANDWICH_FAMILIES,
+    UNGATED_FAMILIES,
+    refuse_unserved_options,
+)
 from executors.models.family_defaults import FAMILY_DEFAULTS
 from executors.models.layer_kinds import layer_kinds
 from executors.models.moe_config import MoeConfig, moe_from_dict
 from executors.models.rope_config import RopeScaling, positive_number, read_rope, rotary_dim_of
 
-__all__ = ["DecoderConfig", "MoeConfig", "RopeScaling", "UnsupportedModel"]
-
-# architecture -> (family, per-head q/k RMSNorm); biases and defaults: family_defaults.py
-ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", False),
-    "Qwen2ForCausalLM": ("qwen2", False),
-    "Qwen3ForCausalLM": ("qwen3", True),
-    "MistralForCausalLM": ("mistral", False),
-    "MixtralForCausalLM": ("mixtral", False),
-    "Qwen2MoeForCausalLM": ("qwen2_moe", False),
-    "Qwen3MoeForCausalLM": ("qwen3_moe", True),
-    "Gemma2ForCausalLM": ("gemma2", False),
-    "Gemma3ForCausalLM": ("gemma3", True),
-    "Phi3ForCausalLM": ("phi3", False),
-    "GraniteForCausalLM": ("granite", False),
-    "GemmaForCausalLM": ("gemma", False),
-    "SmolLM3ForCausalLM": ("smollm3", False),
-    "Olmo2ForCausalLM": ("olmo2", True),
-    "Olmo3ForCausalLM": ("olmo3", True),
-    "Exaone4ForCausalLM": ("exaone4", True),
-    "Glm4ForCausalLM": ("glm4", False),
-    "MinistralForCausalLM": ("ministral", False),
-    "HeliumForCausalLM": ("helium", False),
-    "SeedOssForCausalLM": ("seed_oss", False),
-    "CohereForCausalLM": ("cohere", False),
-    "Cohere2ForCausalLM": ("cohere2", False),
-    "StableLmForCausalLM": ("stablelm", False),
-    "Starcoder2ForCausalLM": ("starcoder2", False),
-    "OlmoeForCausalLM": ("olmoe", True),
-    "PhiForCausalLM": ("phi", False),
-    "Glm4MoeForCausalLM": ("glm4_moe", False),  # per-head q/k norms where use_qk_norm says
-}
-# The projections each family's checkpoints store fused: Phi-3's q/k/v as one qkv_proj and
-# gate/up as one gate_up_proj, GLM-4's gate/up.
-FUSED_CHECKPOINT = {"phi3": ("qkv_proj", "gate_up_proj"), "glm4": ("gate_up_proj",)}
-GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
-GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")  # (1 + w) norms, scaled embeddings, GELU-tanh
-SANDWICH_FAMILIES = ("gemma2", "gemma3")  # and norms around attention's and the MLP's outputs, a query scalar, caps
-# Families that norm attention's and the MLP's outputs only, no inputs (EXAONE 4's q/k norms
-# are per head, OLMo's span every head).
-POST_NORM_FAMILIES = ("olmo2", "olmo3", "exaone4")
-OLMO_FAMILIES = ("olmo2", "olmo3", "olmoe")  # q/k norms over every head (OLMoE's with pre-norms)
-# LayerNorms (the mean subtracted) in place of RMSNorms; StableLM's with a bias.
-LAYER_NORM_FAMILIES = ("cohere", "cohere2", "stablelm", "starcoder2", "phi")
-UNGATED_FAMILIES = ("starcoder2", "phi")  # down(act(up(x))), GELU-tanh (Phi's gelu_new)
-COHERE_FAMILIES = ("cohere", "cohere2")  # parallel attention and MLP, logits scaled, pairs interleaved
-
+__all__ = ["ARCHITECTURES", "DecoderConfig", "MoeConfig", "RopeScaling", "UnsupportedModel"]
 
 @dataclass(frozen=True, slots=True)
 class DecoderConfig:
@@ -228,7 +195,7 @@ class DecoderConfig:
             """Granite's multipliers (1.0 when absent, as GraniteConfig has them); None elsewhere."""
             return positive_number(cfg, key, 1.0) if family == "granite" else None
 
-        _refuse_unserved_options(cfg, family)
+        refuse_unserved_options(cfg, family)
         layers = int(need("num_hidden_layers"))
         windows, rotation = layer_kinds(cfg, family, defaults, layers, max_positions)
         return cls(
@@ -285,19 +252,6 @@ class DecoderConfig:
             lm_head_bias=family == "phi",
             raw=cfg,
         )
-
-
-def _refuse_unserved_options(cfg: dict[str, Any], family: str) -> None:
-    """Options that change the layer in ways the decoder does not
-    compute: q/k LayerNorms with a weight per head (Command R+, StableLM 2 12B), OLMoE's clipped
-    q/k/v."""
-    for key, fam in (("use_qk_norm", "cohere"), ("qk_layernorm", "stablelm"), ("qk_layernorm", "phi")):
-        if family == fam and cfg.get(key):
-            raise UnsupportedModel(f"{key}: true (q/k LayerNorms with a weight per head) is not supported")
-    if family == "phi" and cfg.get("tie_word_embeddings"):  # its lm_head's bias would have no module
-        raise UnsupportedModel("tie_word_embeddings: true is not supported for PhiForCausalLM (its lm_head has a bias)")
-    if family == "olmoe" and cfg.get("clip_qkv") is not None:
-        raise UnsupportedModel(f"clip_qkv: {cfg['clip_qkv']!r} (q, k and v clamped) is not supported; null is")
 
 
 def _positive(cfg: dict[str, Any], key: str, default: float | None = None) -> float | None:

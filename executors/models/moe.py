@@ -43,6 +43,7 @@ from torch import nn
 from executors.descriptions import ExpertLoad
 from executors.models.config import DecoderConfig
 from executors.models.layers import MLP, activation
+from executors.models.moe_routing import SigmoidRouting, expert_counts, route
 from executors.models.step_ops import add_rows_
 
 # Grouped GEMM implementation on CUDA: "torch" (torch._grouped_mm), "triton"
@@ -65,15 +66,6 @@ class Expert(nn.Module):
 
     def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
         return tuple(getattr(self, n) for n in self.names)
-
-
-class SigmoidRouting(NamedTuple):
-    """GLM-4.5's router (DeepSeek V3's), beside top_k and norm_topk_prob."""
-
-    correction: torch.Tensor  # [E] float32: added to the scores that choose, not to the weights
-    n_group: int
-    topk_group: int
-    scale: float  # routed_scaling_factor
 
 
 class Router(nn.Module):
@@ -179,45 +171,6 @@ def stack(moe: SparseMoe) -> MoeWeights:
         shared_gate = moe.shared_expert_gate.weight.detach() if moe.config.shared_gated else None
     return MoeWeights(moe.gate.weight.detach(), gate_up, down, shared_gate_up, shared_down, shared_gate,
                       moe.top_k, moe.norm_topk_prob, sigmoid=moe.sigmoid_routing())
-
-
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool,
-          sigmoid: SigmoidRouting | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the experts in float32, the top k per row: (weights [M, k] in x's dtype, experts [M, k])."""
-    if sigmoid is not None:
-        return _route_sigmoid(x, router, top_k, renorm, sigmoid)
-    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if renorm:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(x.dtype), experts
-
-
-def _route_sigmoid(x: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool,
-                   r: SigmoidRouting) -> tuple[torch.Tensor, torch.Tensor]:
-    """GLM-4.5's routing, in float32 as Glm4MoeTopkRouter: sigmoid scores; each group scored by
-    its two best corrected scores, the topk_group best groups kept; the top k corrected scores
-    among their experts choose, the uncorrected ones weigh (renormalised, then scaled)."""
-    scores = F.linear(x.float(), router.float()).sigmoid()
-    choice = scores + r.correction
-    if r.n_group > 1:
-        m, experts = choice.shape
-        grouped = choice.view(m, r.n_group, experts // r.n_group)
-        best = grouped.topk(2, dim=-1)[0].sum(dim=-1).topk(r.topk_group, dim=-1)[1]  # [m, topk_group]
-        keep = torch.zeros(m, r.n_group, dtype=torch.bool, device=x.device).scatter_(1, best, True)
-        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(m, experts)
-    chosen = torch.topk(choice, top_k, dim=-1)[1]
-    weights = scores.gather(1, chosen)
-    if renorm:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return (weights * r.scale).to(x.dtype), chosen
-
-
-def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Rows per expert ([E] int64). A scatter-add, not bincount, which reads the largest id
-    back to the host: a CUDA graph can capture this."""
-    flat = experts.flatten()
-    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def moe_forward(x: torch.Tensor, w: MoeWeights, act: Callable, load: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,63 @@
+"""A sparse layer's routing: which k experts each row goes to, and with what weights.
+
+A softmax over the router's logits and its top k (Qwen-MoE, Mixtral, OLMoE; renormalised
+where norm_topk_prob says), or GLM-4.5's router, which is DeepSeek V3's: sigmoid scores, a
+correction added to choose but not to weigh, the choice made within the best groups of
+experts. moe.py runs the chosen experts; `expert_counts` is the load GetStatus reports.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class SigmoidRouting(NamedTuple):
+    """GLM-4.5's router (DeepSeek V3's), beside top_k and norm_topk_prob."""
+
+    correction: torch.Tensor  # [E] float32: added to the scores that choose, not to the weights
+    n_group: int
+    topk_group: int
+    scale: float  # routed_scaling_factor
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool,
+          sigmoid: SigmoidRouting | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts in float32, the top k per row (or GLM-4.5's sigmoid routing,
+    `sigmoid` set): (weights [M, k] in x's dtype, experts [M, k])."""
+    if sigmoid is not None:
+        return _route_sigmoid(x, router, top_k, renorm, sigmoid)
+    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renorm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), experts
+
+
+def _route_sigmoid(x: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool,
+                   r: SigmoidRouting) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-4.5's routing, in float32 as Glm4MoeTopkRouter: sigmoid scores; each group scored by
+    its two best corrected scores, the topk_group best groups kept; the top k corrected scores
+    among their experts choose, the uncorrected ones weigh (renormalised, then scaled)."""
+    scores = F.linear(x.float(), router.float()).sigmoid()
+    choice = scores + r.correction
+    if r.n_group > 1:
+        m, experts = choice.shape
+        grouped = choice.view(m, r.n_group, experts // r.n_group)
+        best = grouped.topk(2, dim=-1)[0].sum(dim=-1).topk(r.topk_group, dim=-1)[1]  # [m, topk_group]
+        keep = torch.zeros(m, r.n_group, dtype=torch.bool, device=x.device).scatter_(1, best, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(m, experts)
+    chosen = torch.topk(choice, top_k, dim=-1)[1]
+    weights = scores.gather(1, chosen)
+    if renorm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return (weights * r.scale).to(x.dtype), chosen
+
+
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Rows per expert ([E] int64). A scatter-add, not bincount, which reads the largest id
+    back to the host: a CUDA graph can capture this."""
+    flat = experts.flatten()
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
