@@ -39,7 +39,10 @@ Refuse = Callable[[str], LoraAdapterError]  # a problem -> the error that names 
 
 
 TENSOR_PREFIX = "base_model.model."  # PeftModel wrapping the CausalLM, as save_pretrained names tensors
-_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight")
+# A multimodal model's text layers are language_model.model.layers (transformers 4) or
+# model.language_model.layers (5): PEFT names an adapter's tensors by those module paths.
+_LAYER_TENSOR = re.compile(r"(?:model|language_model\.model|model\.language_model)\.layers\.(\d+)\.(\w+)\.(\w+)"
+                           r"\.lora_([AB])\.weight")
 CONFIG_FILE, WEIGHTS_FILE, PICKLE_FILE = "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"
 
 # Options under which PEFT computes something other than the plain delta on the seven
@@ -182,8 +185,8 @@ def _supported(targets: LoraTargets) -> str:
     return ", ".join(targets.shapes)
 
 
-def _module_path(layer: int, module: str) -> str:
-    return f"model.layers.{layer}.{MODULE_PARENTS[module]}.{module}"
+def _module_path(layer: int, module: str, prefix: str = "model") -> str:
+    return f"{prefix}.layers.{layer}.{MODULE_PARENTS[module]}.{module}"
 
 
 def _tensor_name(layer: int, module: str, half: str) -> str:
@@ -198,7 +201,7 @@ def _where(pairs: list[tuple[int, str]]) -> str:
 def _targeted(config: dict, targets: LoraTargets, refuse: Refuse) -> set[tuple[int, str]]:
     """The (layer, module) pairs the config targets, resolved against the model's module paths
     the way PEFT's check_target_module_exists resolves them against the base model's."""
-    paths = {_module_path(layer, module): (layer, module)
+    paths = {_module_path(layer, module, prefix): (layer, module) for prefix in targets.module_prefixes
              for layer in range(targets.num_layers) for module in targets.shapes}
     declared = config.get("target_modules")
     if isinstance(declared, str):
@@ -211,7 +214,8 @@ def _targeted(config: dict, targets: LoraTargets, refuse: Refuse) -> set[tuple[i
                 raise refuse(f"target_modules {declared[:200]!r} {e}") from None
             if not chosen:
                 raise refuse(f"target_modules regex {declared!r} matches none of the model's projections "
-                             f"(module paths like {_module_path(0, 'q_proj')}; supported: {_supported(targets)})")
+                             f"(module paths like {_module_path(0, 'q_proj', targets.module_prefixes[0])}; "
+                             f"supported: {_supported(targets)})")
         # PEFT ignores layers_to_transform when target_modules is a regex: the regex says it all.
     elif isinstance(declared, list | tuple) and declared and all(isinstance(t, str) for t in declared):
         chosen = set()

@@ -6,6 +6,7 @@ multiplier scales the outputs they add to. Reading and checking adapters is lora
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -44,9 +45,20 @@ class LoraTargets:
     # Granite: the outputs of o_proj and down_proj are scaled before the residual add, their
     # adapters' deltas with them (folded into B, as the loader folds it into the weights).
     output_scales: dict[str, float] = field(default_factory=dict)
+    # Where the layers are in the transformers model PEFT adapted (its regex target_modules
+    # match the module paths there): a multimodal checkpoint's text model's under transformers
+    # 5's name or 4's.
+    module_prefixes: tuple[str, ...] = ("model",)
 
     @classmethod
     def from_config(cls, config: DecoderConfig) -> LoraTargets:
+        targets = cls._for_text_model(config)
+        if config.multimodal:
+            return dataclasses.replace(targets, module_prefixes=("model.language_model", "language_model.model"))
+        return targets
+
+    @classmethod
+    def _for_text_model(cls, config: DecoderConfig) -> LoraTargets:
         hidden, inter = config.hidden_size, config.intermediate_size
         q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         orders = {"q_proj": row_order(q, config), "k_proj": row_order(kv, config)} if reorders(config) else {}

@@ -8,7 +8,8 @@ ranges as it reads it; the fast forward fuses q/k/v and gate/up again anyway
 (fused_weights.py). A tensor whose one part is all of it is a rename: GLM-4's norms around
 attention and the MLP, whose names mean other norms in the decoder's (Gemma's) layout, and
 StarCoder2's ungated MLP (c_fc, c_proj: the decoder's up_proj and down_proj) and Phi's
-(fc1, fc2), its attention output (dense) and final norm, with their biases.
+(fc1, fc2), its attention output (dense) and final norm, with their biases. A multimodal
+checkpoint's text model is read under the decoder's names, its other towers skipped.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from executors.models.config import DecoderConfig
 
 # checkpoint tensor -> ((parameter, first row, end row), ...)
 Sections = dict[str, tuple[tuple[str, int, int], ...]]
+# A multimodal checkpoint's text model under the decoder's names (transformers 4's layout, and
+# 5's), and the prefixes of what else it holds (the vision tower, the projector): not served.
+TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                 ("language_model.lm_head.", "lm_head."))
+OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 # A family's module names -> the decoder's. GLM-4's norms: of attention's output, before the
 # MLP, of its output; StarCoder2's MLP.
 RENAMED = {"glm4": {"post_self_attn_layernorm": "post_attention_layernorm",
@@ -79,3 +85,16 @@ class RowWindow:
 def fused_shape(parts: tuple[tuple[str, int, int], ...], expected: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
     """The shape the fused tensor must have: its parts' rows stacked, their columns."""
     return (parts[-1][2], *expected[parts[0][0]][1:])
+
+
+def text_tensor_name(stored: str, config: DecoderConfig) -> str | None:
+    """A checkpoint tensor's name as the decoder's (or its sections') names read it: a multimodal
+    checkpoint's text model without its prefix, its other towers None; other names as stored."""
+    if not config.multimodal:
+        return stored
+    if stored.startswith(OTHER_TOWERS):
+        return None
+    for theirs, ours in TEXT_PREFIXES:
+        if stored.startswith(theirs):
+            return ours + stored[len(theirs):]
+    return stored

@@ -29,11 +29,13 @@ from executors.models.families import (
     GELU_TANH,
     GEMMA_FAMILIES,
     LAYER_NORM_FAMILIES,
+    MULTIMODAL_TEXT,
     OLMO_FAMILIES,
     POST_NORM_FAMILIES,
     SANDWICH_FAMILIES,
     UNGATED_FAMILIES,
     refuse_unserved_options,
+    text_config,
 )
 from executors.models.family_defaults import FAMILY_DEFAULTS
 from executors.models.layer_kinds import layer_kinds
@@ -116,6 +118,9 @@ class DecoderConfig:
     # checkpoints); gate_up is then up's weight alone ([I, hidden]).
     mlp_gated: bool = True
     lm_head_bias: bool = False  # Phi: the logits plus a bias per token
+    # The text model of a multimodal checkpoint (`architecture` names the whole; the loader
+    # reads language_model.* under the decoder's names and skips the vision tower).
+    multimodal: bool = False
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def window(self, layer: int) -> int | None:
@@ -143,11 +148,15 @@ class DecoderConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> DecoderConfig:
         archs = cfg.get("architectures") or []
+        wrapper = next((a for a in archs if a in MULTIMODAL_TEXT), None)
+        if wrapper is not None:  # Gemma 3 4B-27B, Mistral Small 3.1: their text model
+            cfg = text_config(cfg, wrapper)
+            archs = cfg["architectures"]
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModel(
                 f"architecture {archs or cfg.get('model_type')!r} is not supported; "
-                f"supported: {', '.join(ARCHITECTURES)}")
+                f"supported: {', '.join([*ARCHITECTURES, *MULTIMODAL_TEXT])}")
         family, qk_norm = ARCHITECTURES[arch]
         qk_norm = qk_norm or (family == "glm4_moe" and bool(cfg.get("use_qk_norm")))
 
@@ -199,7 +208,7 @@ class DecoderConfig:
         layers = int(need("num_hidden_layers"))
         windows, rotation = layer_kinds(cfg, family, defaults, layers, max_positions)
         return cls(
-            architecture=arch,
+            architecture=wrapper or arch,
             family=family,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
@@ -250,6 +259,7 @@ class DecoderConfig:
                                                                           and cfg.get("use_parallel_residual")),
             mlp_gated=family not in UNGATED_FAMILIES,
             lm_head_bias=family == "phi",
+            multimodal=wrapper is not None,
             raw=cfg,
         )
 

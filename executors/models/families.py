@@ -39,6 +39,22 @@ ARCHITECTURES = {
     "PhiForCausalLM": ("phi", False),
     "Glm4MoeForCausalLM": ("glm4_moe", False),  # per-head q/k norms where use_qk_norm says
 }
+# Multimodal architectures whose text model the decoder serves, and that model's architecture
+# (its config in text_config; its weights under language_model.*, its other towers skipped).
+MULTIMODAL_TEXT = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+                   "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
+# Their config class's tie_word_embeddings: the whole model's, which transformers 5 ties by
+# (over text_config's) where the file's top level has none.
+MULTIMODAL_TIED = {"Gemma3ForConditionalGeneration": True, "Mistral3ForConditionalGeneration": True}
+# Their text config class's shape, which the published files' text_config leaves out in part
+# (gemma-3-4b-it lists 6 keys): Gemma3TextConfig's and MistralConfig's defaults.
+MULTIMODAL_TEXT_SHAPES = {
+    "Gemma3ForConditionalGeneration": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                                       "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                                       "head_dim": 256},
+    "Mistral3ForConditionalGeneration": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                                         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8},
+}
 # The projections each family's checkpoints store fused: Phi-3's q/k/v as one qkv_proj and
 # gate/up as one gate_up_proj, GLM-4's gate/up.
 FUSED_CHECKPOINT = {"phi3": ("qkv_proj", "gate_up_proj"), "glm4": ("gate_up_proj",)}
@@ -53,6 +69,19 @@ OLMO_FAMILIES = ("olmo2", "olmo3", "olmoe")  # q/k norms over every head (OLMoE'
 LAYER_NORM_FAMILIES = ("cohere", "cohere2", "stablelm", "starcoder2", "phi")
 UNGATED_FAMILIES = ("starcoder2", "phi")  # down(act(up(x))), GELU-tanh (Phi's gelu_new)
 COHERE_FAMILIES = ("cohere", "cohere2")  # parallel attention and MLP, logits scaled, pairs interleaved
+
+
+def text_config(cfg: dict[str, Any], wrapper: str) -> dict[str, Any]:
+    """A multimodal config.json's text model as a config of its own: its text_config over its
+    class's shape, the text architecture, the top level's dtype and token ids where text_config
+    has none (gemma-3-4b-it's end of turn is there), and the whole model's tie_word_embeddings,
+    as transformers ties the lm_head."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise UnsupportedModel(f"{wrapper}'s config.json has no text_config object, which its text model needs")
+    top = {k: cfg[k] for k in ("dtype", "torch_dtype", "bos_token_id", "eos_token_id") if k in cfg and k not in text}
+    return {**MULTIMODAL_TEXT_SHAPES[wrapper], **top, **text, "tie_word_embeddings": cfg.get("tie_word_embeddings", MULTIMODAL_TIED[wrapper]),
+            "architectures": [MULTIMODAL_TEXT[wrapper]]}
 
 
 def refuse_unserved_options(cfg: dict[str, Any], family: str) -> None:

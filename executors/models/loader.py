@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from executors.cpu_kernels.qpanels import QGROUP, quantize
-from executors.models.checkpoint_sections import RowWindow, fused_sections, fused_shape
+from executors.models.checkpoint_sections import RowWindow, fused_sections, fused_shape, text_tensor_name
 from executors.models.config import DecoderConfig, UnsupportedModel
 from executors.models.decoder import DecoderLM
 from executors.models.served_tensors import served
@@ -110,41 +110,45 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     sections = fused_sections(config)  # Phi-3's qkv_proj, GLM-4's gate_up_proj and norms: cut or renamed
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = text_tensor_name(stored, config)  # a multimodal checkpoint's text model by our names
+                if name is None:  # its vision tower or projector: not served
+                    progress.add(sizes[path].get(stored, 0))
+                    continue
                 if name in sections:
                     parts = sections[name]
                     # One process reads the whole tensor; a rank only its rows of each part.
-                    fused = f.get_tensor(name) if plan is None else f.get_slice(name)
+                    fused = f.get_tensor(stored) if plan is None else f.get_slice(stored)
                     shape = tuple(fused.shape) if plan is None else tuple(fused.get_shape())
                     want = fused_shape(parts, expected_full)
                     if shape != want:
-                        raise UnsupportedModel(f"{path.name}: tensor {name} has shape {shape}, the config implies {want}")
+                        raise UnsupportedModel(f"{path.name}: tensor {stored} has shape {shape}, the config implies {want}")
                     for part, lo, hi in parts:
                         mine = fused[lo:hi] if plan is None else plan.read(part, RowWindow(fused, lo, hi),
                                                                           (hi - lo, *shape[1:]))
                         state[part] = _converted(served(part, mine, config), dtype, device)
-                    progress.add(sizes[path].get(name, 0))
+                    progress.add(sizes[path].get(stored, 0))
                     continue
                 if name not in expected:
                     tied_head = name == "lm_head.weight" and config.tie_word_embeddings
                     if not tied_head and not name.endswith(IGNORED_SUFFIXES) and not _extra_layer(name, config):
-                        unexpected.append(name)
-                    progress.add(sizes[path].get(name, 0))  # skipped: done with it too
+                        unexpected.append(stored)
+                    progress.add(sizes[path].get(stored, 0))  # skipped: done with it too
                     continue
                 if plan is None:
-                    tensor = f.get_tensor(name)
+                    tensor = f.get_tensor(stored)
                     shape = tuple(tensor.shape)
                 else:
-                    piece = f.get_slice(name)
+                    piece = f.get_slice(stored)
                     shape = tuple(piece.get_shape())
                 if shape != expected_full[name]:
                     raise UnsupportedModel(
-                        f"{path.name}: tensor {name} has shape {shape}, the config implies {expected_full[name]}")
+                        f"{path.name}: tensor {stored} has shape {shape}, the config implies {expected_full[name]}")
                 if plan is not None:
                     tensor = plan.read(name, piece, shape)
                 state[name] = _converted(served(name, tensor, config),
                                          torch.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype, device)
-                progress.add(sizes[path].get(name, 0))
+                progress.add(sizes[path].get(stored, 0))
     missing = sorted(set(expected) - set(state))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -200,9 +204,13 @@ def checkpoint_parameters(model_dir: str | Path, dtype: torch.dtype,
     sections = {part: (fused, lo, hi) for fused, parts in fused_sections(config).items() for part, lo, hi in parts}
     with contextlib.ExitStack() as files:  # each file opened once, for every tensor it holds
         found = {}
+        stored_as = {}  # our name -> the file's (a multimodal checkpoint's text model)
         for path in weight_files(model_dir):
             f = files.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            found.update((name, f) for name in f.keys())
+            for stored in f.keys():
+                name = text_tensor_name(stored, config)
+                if name is not None:
+                    found[name], stored_as[name] = f, stored
         missing = [name for name in names if sections.get(name, (name,))[0] not in found]
         if missing:
             raise UnsupportedModel(f"{model_dir}: missing tensors: {', '.join(missing[:5])}")
@@ -211,10 +219,10 @@ def checkpoint_parameters(model_dir: str | Path, dtype: torch.dtype,
             if name in sections:
                 fused, lo, hi = sections[name]
                 if last_fused is None or last_fused[0] != fused:
-                    last_fused = (fused, found[fused].get_tensor(fused))
+                    last_fused = (fused, found[fused].get_tensor(stored_as[fused]))
                 tensor = last_fused[1][lo:hi]
             else:
-                tensor = found[name].get_tensor(name)
+                tensor = found[name].get_tensor(stored_as[name])
             # as the loader: served, then the dtype
             tensor = served(name, tensor, config).to(torch.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype)
             yield name, quantize(tensor).unpack() if name in int8 else tensor

@@ -455,6 +455,22 @@ def test_parameter_names_match_transformers_modeling(family, extra):
     assert {part for n in theirs for part, _, _ in sections.get(n, ((n, 0, 0),))} == mine, family
 
 
+def test_multimodal_text_defaults_match_transformers_config_classes():
+    """The text model's shape where a multimodal file's text_config leaves it out, and the
+    whole model's tie_word_embeddings where its top level does: their classes' defaults."""
+    from executors.models.families import MULTIMODAL_TEXT, MULTIMODAL_TEXT_SHAPES, MULTIMODAL_TIED
+
+    text_classes = {"Gemma3ForConditionalGeneration": tf.Gemma3TextConfig,
+                    "Mistral3ForConditionalGeneration": tf.MistralConfig}
+    for wrapper in MULTIMODAL_TEXT:
+        fields = {f.name: f.default for f in dataclasses.fields(text_classes[wrapper])}
+        assert MULTIMODAL_TEXT_SHAPES[wrapper] == {k: fields[k] for k in MULTIMODAL_TEXT_SHAPES[wrapper]}, wrapper
+        assert "head_dim" in MULTIMODAL_TEXT_SHAPES[wrapper] or fields["head_dim"] is None, wrapper
+        whole = {f.name: f.default for f in dataclasses.fields(getattr(tf, wrapper.replace("ForConditionalGeneration",
+                                                                                            "Config")))}
+        assert MULTIMODAL_TIED[wrapper] == whole["tie_word_embeddings"], wrapper
+
+
 def test_every_family_has_a_model_type():
     from executors.llm import FAMILY_TYPES
     from executors.models.config import ARCHITECTURES

@@ -311,3 +311,25 @@ def test_glm45_air_routes_by_sigmoid_scores_beside_a_shared_expert_after_one_den
     assert moe.sparse_layers == (False,) + (True,) * 45 and not moe.shared_gated and moe.norm_topk_prob
     assert (c.rotary_dim, c.head_dim, c.rope_interleaved, c.qk_norm) == (64, 128, False, False)
     assert c.qkv_bias and not c.o_bias and c.intermediate_size == 10944 and c.rope_theta == 1e6
+
+
+GEMMA3_4B_IT = {  # the whole file but the vision_config, whose keys the text model does not read
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "boi_token_index": 255999,
+    "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02,
+    "mm_tokens_per_image": 256, "torch_dtype": "bfloat16", "vision_config": {"model_type": "siglip_vision_model"},
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+}
+
+
+def test_gemma3_4b_it_serves_its_text_model_with_gemma3_text_configs_defaults():
+    """Its text_config lists six keys: the rest are Gemma3TextConfig's (8 heads of 256 over 4 KV
+    heads, a 262208-token vocabulary, five sliding layers of every six, the 1e6 and 1e4 bases)."""
+    c = DecoderConfig.from_dict(GEMMA3_4B_IT)
+    assert c.architecture == "Gemma3ForConditionalGeneration" and c.family == "gemma3" and c.multimodal
+    assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (
+        2560, 34, 8, 4, 256, 262208)
+    assert c.layer_windows == tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(34))
+    assert (c.rope_theta, c.local_rope_theta, c.rope_scaling.kind, c.rope_scaling.factor) == (1e6, 1e4, "linear", 8.0)
+    assert c.tie_word_embeddings and c.eos_token_ids == (1, 106) and c.dtype == "bfloat16"

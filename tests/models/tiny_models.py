@@ -5,7 +5,8 @@ q/k/v and gate/up); Phi-4-mini's rope; Granite's multipliers; Gemma (1); SmolLM3
 OLMo 2's norms; OLMo 3's windows and YaRN; EXAONE 4's NoPE global layers; GLM-4's interleaved half rotation and renamed norms; Ministral's sliding and global layers; Helium's interleaved rotation; Seed-OSS's biases; Cohere's
 and Cohere 2's LayerNorms and parallel layers; StableLM's LayerNorms with biases; StarCoder2's
 ungated MLP; OLMoE's experts under OLMo's q/k norms; Phi's parallel layers, ungated MLP and
-lm_head bias; GLM-4.5's grouped sigmoid router and shared experts."""
+lm_head bias; GLM-4.5's grouped sigmoid router and shared experts; the text models of Gemma 3's and
+Mistral Small 3.1's multimodal checkpoints (a tiny vision tower beside them)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def build(family: str, out_dir: Path, **save_kwargs):
 SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8, "phi3": 9, "phi4_mini": 10,
          "granite": 11, "gemma2": 12, "gemma": 13, "smollm3": 14, "olmo2": 15, "olmo3": 16, "exaone4": 17, "glm4": 18, "ministral": 19, "helium": 20, "seed_oss": 21,
          "cohere": 22, "cohere2": 23, "stablelm": 24, "starcoder2": 25,
-         "olmoe": 26, "phi": 27, "glm4_moe": 28}
+         "olmoe": 26, "phi": 27, "glm4_moe": 28,
+         "gemma3_multimodal": 29, "mistral3": 30}
 # phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
 LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
@@ -210,4 +212,25 @@ def _new_family(tf, family: str, common: dict):
             **common, head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
             topk_group=2, routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1,
             attention_bias=True, use_qk_norm=True, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    if family == "gemma3_multimodal":
+        # Gemma 3 4B-27B's layout: Gemma3ForConditionalGeneration, the text model's config in
+        # text_config, its weights under language_model.*, a vision tower and projector beside.
+        text = dict(common, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=28, patch_size=14)
+        config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+        config.text_config._attn_implementation = "eager"
+        return tf.Gemma3ForConditionalGeneration(config)
+    if family == "mistral3":
+        # Mistral Small 3.1's layout: Mistral3ForConditionalGeneration over a Mistral text model
+        # (a window here; the lm_head untied by the whole model's key, under language_model.lm_head),
+        # a Pixtral tower beside.
+        text = dict(common, head_dim=16, sliding_window=WINDOW, tie_word_embeddings=False, model_type="mistral")
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=28, patch_size=14, head_dim=16)
+        return tf.Mistral3ForConditionalGeneration(tf.Mistral3Config(text_config=text, vision_config=vision,
+                                                                     tie_word_embeddings=False))
     raise ValueError(family)
