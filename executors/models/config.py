@@ -23,6 +23,7 @@ from typing import Any
 
 from executors.models.errors import UnsupportedModel
 from executors.models.families import (
+    ACROSS_HEADS_QK_NORM_FAMILIES,
     ARCHITECTURES,
     COHERE_FAMILIES,
     FUSED_CHECKPOINT,
@@ -30,7 +31,6 @@ from executors.models.families import (
     GEMMA_FAMILIES,
     LAYER_NORM_FAMILIES,
     MULTIMODAL_TEXT,
-    OLMO_FAMILIES,
     POST_NORM_FAMILIES,
     SANDWICH_FAMILIES,
     UNGATED_FAMILIES,
@@ -241,7 +241,7 @@ class DecoderConfig:
             hidden_act="gelu_tanh" if gemma or family in UNGATED_FAMILIES else "silu",
             sandwich_norms=sandwich or family in POST_NORM_FAMILIES or family == "glm4",
             pre_norms=family not in POST_NORM_FAMILIES,
-            qk_norm_across_heads=family in OLMO_FAMILIES,
+            qk_norm_across_heads=family in ACROSS_HEADS_QK_NORM_FAMILIES,
             attn_scale=(positive_number(cfg, "query_pre_attn_scalar", defaults.query_pre_attn_scalar) ** -0.5
                         if sandwich else granite("attention_multiplier")),
             final_softcap=(_positive(cfg, "final_logit_softcapping", defaults.final_logit_softcapping) if sandwich

@@ -38,6 +38,7 @@ ARCHITECTURES = {
     "OlmoeForCausalLM": ("olmoe", True),
     "PhiForCausalLM": ("phi", False),
     "Glm4MoeForCausalLM": ("glm4_moe", False),  # per-head q/k norms where use_qk_norm says
+    "MiniMaxM2ForCausalLM": ("minimax_m2", True),
 }
 # Multimodal architectures whose text model the decoder serves, and that model's architecture
 # (its config in text_config; its weights under language_model.*, its other towers skipped).
@@ -64,7 +65,8 @@ SANDWICH_FAMILIES = ("gemma2", "gemma3")  # and norms around attention's and the
 # Families that norm attention's and the MLP's outputs only, no inputs (EXAONE 4's q/k norms
 # are per head, OLMo's span every head).
 POST_NORM_FAMILIES = ("olmo2", "olmo3", "exaone4")
-OLMO_FAMILIES = ("olmo2", "olmo3", "olmoe")  # q/k norms over every head (OLMoE's with pre-norms)
+# q/k norms over every head at once (OLMoE's and MiniMax-M2's with pre-norms)
+ACROSS_HEADS_QK_NORM_FAMILIES = ("olmo2", "olmo3", "olmoe", "minimax_m2")
 # LayerNorms (the mean subtracted) in place of RMSNorms; StableLM's with a bias.
 LAYER_NORM_FAMILIES = ("cohere", "cohere2", "stablelm", "starcoder2", "phi")
 UNGATED_FAMILIES = ("starcoder2", "phi")  # down(act(up(x))), GELU-tanh (Phi's gelu_new)

@@ -94,6 +94,7 @@ FAMILY_DEFAULTS = {
                           norm_eps_key="layer_norm_eps"),
     "glm4_moe": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
                                attention_bias_key="attention_bias"),
+    "minimax_m2": FamilyDefaults(rope_theta=5000000.0, rms_norm_eps=1e-6, max_position_embeddings=196608),
     "gemma": FamilyDefaults(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=8192,
                             tie_word_embeddings=True, activation="gelu_pytorch_tanh",
                             attention_bias_key="attention_bias", o_proj_bias=True),

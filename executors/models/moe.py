@@ -83,7 +83,10 @@ class SparseMoe(nn.Module):
         super().__init__()
         moe = self.config = config.moe
         self.top_k, self.norm_topk_prob, self.num_experts = moe.top_k, moe.norm_topk_prob, moe.num_experts
-        self.gate = Router(config.hidden_size, moe.num_experts, moe.scoring == "sigmoid")
+        sigmoid = moe.scoring == "sigmoid"
+        self.gate = Router(config.hidden_size, moe.num_experts, sigmoid and not moe.correction_on_block)
+        if sigmoid and moe.correction_on_block:  # MiniMax-M2's: on the block, not its router
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts))
         self.experts = nn.ModuleList(Expert(config.hidden_size, moe.intermediate_size, moe.expert_names)
                                      for _ in range(moe.num_experts))
         if moe.shared_intermediate_size:  # Qwen2-MoE's shared_expert (gated), GLM-4.5's shared_experts
@@ -100,8 +103,8 @@ class SparseMoe(nn.Module):
         m = self.config
         if m.scoring != "sigmoid":
             return None
-        return SigmoidRouting(self.gate.e_score_correction_bias.detach(), m.n_group, m.topk_group,
-                              m.routed_scaling_factor)
+        owner = self if m.correction_on_block else self.gate
+        return SigmoidRouting(owner.e_score_correction_bias.detach(), m.n_group, m.topk_group, m.routed_scaling_factor)
 
     def forward(self, x: torch.Tensor, load: torch.Tensor | None = None) -> torch.Tensor:
         """The reference: each expert over the rows that picked it, in expert order."""

@@ -1,6 +1,6 @@
 """MoeConfig: how a mixture-of-experts checkpoint routes, read from its config.json.
 
-Five layouts, all top-k routing over the scores of one linear router:
+Six layouts, all top-k routing over the scores of one linear router:
 
 - Qwen3-MoE (`Qwen3MoeForCausalLM`): `mlp.gate` and `mlp.experts.N.{gate,up,down}_proj`;
   `norm_topk_prob` renormalises the k weights to sum to 1; layers listed in
@@ -12,6 +12,9 @@ Five layouts, all top-k routing over the scores of one linear router:
   every layer sparse, experts as wide as `intermediate_size`.
 - OLMoE (`OlmoeForCausalLM`): Qwen3-MoE's names, every layer sparse, experts as wide as
   `intermediate_size`, `norm_topk_prob` off by default.
+- MiniMax-M2 (`MiniMaxM2ForCausalLM`): Mixtral's names, every layer sparse, GLM-4.5's
+  sigmoid scores and correction (`block_sparse_moe.e_score_correction_bias`) without groups,
+  scaling or shared experts, the chosen weights renormalised.
 - GLM-4.5 (`Glm4MoeForCausalLM`; DeepSeek V3's router): sigmoid scores, the experts chosen
   by score plus `mlp.gate.e_score_correction_bias` among the `topk_group` best of `n_group`
   groups (a group scored by its two best), their scores renormalised and times
@@ -29,7 +32,7 @@ from typing import Any
 
 from executors.models.errors import UnsupportedModel
 
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2")
 # Router options of other MoE families (DeepSeek, GLM, ...): a config that sets one to
 # something other than its plain-softmax value is refused.
 _PLAIN_ROUTER = {"scoring_func": (None, "softmax"), "topk_method": (None, "greedy"), "n_group": (None, 1), "topk_group": (None, 1),
@@ -53,6 +56,9 @@ class MoeConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_gated: bool = True
+    # Where e_score_correction_bias sits: on the router (GLM-4.5's mlp.gate) or on the sparse
+    # block itself (MiniMax-M2's block_sparse_moe).
+    correction_on_block: bool = False
 
     @property
     def module_name(self) -> str:
@@ -79,6 +85,8 @@ def moe_from_dict(cfg: dict[str, Any], family: str, layers: int) -> MoeConfig | 
         return None
     if family == "glm4_moe":
         return _glm4_moe(cfg, layers)
+    if family == "minimax_m2":
+        return _minimax_m2(cfg, layers)
     arch = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
             "olmoe": "OlmoeForCausalLM"}.get(family, "MixtralForCausalLM")
     for key, allowed in _PLAIN_ROUTER.items():
@@ -139,3 +147,15 @@ def _glm4_moe(cfg: dict[str, Any], layers: int) -> MoeConfig:
     return MoeConfig(experts, top_k, inter, norm, shared, tuple(i >= dense for i in range(layers)), "qwen",
                      scoring="sigmoid", n_group=groups, topk_group=chosen, routed_scaling_factor=float(scale),
                      shared_gated=False)
+
+
+def _minimax_m2(cfg: dict[str, Any], layers: int) -> MoeConfig:
+    """MiniMaxM2Config's reading: its experts (num_local_experts, as wide as intermediate_size)
+    in every layer, their weights always renormalised."""
+    experts, top_k = cfg.get("num_local_experts", cfg.get("num_experts", 256)), cfg.get("num_experts_per_tok", 8)
+    if not isinstance(experts, int) or experts < 1:
+        raise UnsupportedModel(f"MiniMaxM2ForCausalLM needs num_local_experts >= 1, got {experts!r}")
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise UnsupportedModel(f"num_experts_per_tok must be between 1 and num_local_experts ({experts}), got {top_k!r}")
+    return MoeConfig(experts, top_k, int(cfg.get("intermediate_size", 1536)), True, 0, (True,) * layers, "mixtral",
+                     scoring="sigmoid", correction_on_block=True)

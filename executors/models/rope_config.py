@@ -14,7 +14,8 @@ from executors.models.family_defaults import FamilyDefaults
 
 LAYER_TYPE_KEYS = ("full_attention", "sliding_attention")
 PER_LAYER_TYPE_FAMILIES = ("gemma3", "olmo3")  # rope_parameters per layer type
-PARTIAL_ROTARY_DEFAULTS = {"phi3": 1.0, "glm4": 0.5, "stablelm": 0.25, "phi": 0.5, "glm4_moe": 0.5}  # families reading partial_rotary_factor, its default
+PARTIAL_ROTARY_DEFAULTS = {"phi3": 1.0, "glm4": 0.5, "stablelm": 0.25, "phi": 0.5, "glm4_moe": 0.5,
+                           "minimax_m2": 1.0}  # families reading partial_rotary_factor, its default
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,13 +90,17 @@ def _phi3_rope(rope: dict[str, Any], where: str) -> dict[str, Any]:
 
 def rotary_dim_of(cfg: dict[str, Any], family: str, head_dim: int) -> int | None:
     """How many dimensions of a head rotate, where the family reads partial_rotary_factor
-    (Phi-3, GLM-4, StableLM, Phi, GLM-4.5: from rope_parameters, else the top level, else the
-    family's default: 1, 0.5, 0.25, 0.5, 0.5); None: all
+    (Phi-3, GLM-4, StableLM, Phi, GLM-4.5, MiniMax-M2: from rope_parameters, else the top
+    level, else the family's default: 1, 0.5, 0.25, 0.5, 0.5, MiniMax-M2's rotary_dim / head_dim
+    or 1); None: all
     of them."""
     if family not in PARTIAL_ROTARY_DEFAULTS:
         return None
     _, rope = _rope_source(cfg)
-    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", PARTIAL_ROTARY_DEFAULTS[family]))
+    default = PARTIAL_ROTARY_DEFAULTS[family]
+    if family == "minimax_m2" and isinstance(cfg.get("rotary_dim"), int):  # MiniMax-M2's files' legacy key
+        default = cfg["rotary_dim"] / head_dim
+    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default))
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
         raise UnsupportedModel(f"partial_rotary_factor must be a number in (0, 1], got {factor!r}")
     rotary = int(head_dim * factor)

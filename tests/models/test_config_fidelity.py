@@ -47,6 +47,7 @@ L3_NO_ORIGINAL_MAX = {k: v for k, v in L3.items() if k != "original_max_position
 GEMMA_PER_TYPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
 QWEN3_MOE = {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+MINIMAX_M2 = {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}
 GLM4_MOE = {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
             "use_qk_norm": True, "attention_bias": True}
 
@@ -243,6 +244,10 @@ CASES = {
                                       "n_shared_experts": 2, "norm_topk_prob": False, "n_group": 2, "topk_group": 1,
                                       "use_qk_norm": False, "routed_scaling_factor": 1.5}, {}, 40, None),
     "glm4_moe_bad_groups": ("glm4_moe", GLM4_MOE, {"n_group": 3}, 20, "n_group 3 must divide n_routed_experts 8"),
+    # 25. MiniMax-M2: its files' legacy rotary_dim (a quarter of each head here) and its defaults.
+    "minimax_m2_rotary_dim": ("minimax_m2", MINIMAX_M2, {"rope_parameters": DEL, "rotary_dim": 4, "rope_theta": 3e3},
+                              40, None),
+    "minimax_m2_defaults": ("minimax_m2", MINIMAX_M2, {"rope_parameters": DEL, "rms_norm_eps": DEL}, 40, None),
 }
 
 MODELS = {
@@ -260,6 +265,7 @@ MODELS = {
     "stablelm": ("StableLmForCausalLM", "StableLmConfig"),
     "starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config"), "olmoe": ("OlmoeForCausalLM", "OlmoeConfig"),
     "phi": ("PhiForCausalLM", "PhiConfig"), "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig"),
+    "minimax_m2": ("MiniMaxM2ForCausalLM", "MiniMaxM2Config"),
 }
 
 
@@ -270,7 +276,7 @@ def save_tiny(family: str, kwargs: dict, edits: dict, out):
     model = model_cls(config_cls(**{**{"gemma2": GEMMA2, "gemma3": GEMMA, "phi3": PHI3, "smollm3": SMOLLM3, "glm4": PHI3, "helium": PHI3,
                                      "cohere": SMOLLM3, "cohere2": SMOLLM3, "stablelm": SMOLLM3,
                                      "starcoder2": SMOLLM3, "olmoe": SMOLLM3, "phi": SMOLLM3,
-                                     "glm4_moe": SMOLLM3}.get(
+                                     "glm4_moe": SMOLLM3, "minimax_m2": SMOLLM3}.get(
         family, COMMON), **kwargs}))
     with torch.no_grad():  # random init leaves biases at zero and norms at one: make them count
         for name, p in model.named_parameters():

@@ -333,3 +333,23 @@ def test_gemma3_4b_it_serves_its_text_model_with_gemma3_text_configs_defaults():
     assert c.layer_windows == tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(34))
     assert (c.rope_theta, c.local_rope_theta, c.rope_scaling.kind, c.rope_scaling.factor) == (1e6, 1e4, "linear", 8.0)
     assert c.tie_word_embeddings and c.eos_token_ids == (1, 106) and c.dtype == "bfloat16"
+
+
+MINIMAX_M2 = {  # the keys that matter, and those of its own transformers does not read
+    "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "hidden_size": 3072,
+    "intermediate_size": 1536, "num_hidden_layers": 62, "num_attention_heads": 48, "num_key_value_heads": 8,
+    "head_dim": 128, "rotary_dim": 64, "max_position_embeddings": 196608, "num_local_experts": 256,
+    "num_experts_per_tok": 8, "rms_norm_eps": 1e-06, "rope_theta": 5000000, "scoring_func": "sigmoid",
+    "use_qk_norm": True, "qk_norm_type": "per_layer", "use_routing_bias": True, "tie_word_embeddings": False,
+    "vocab_size": 200064, "bos_token_id": 200034, "eos_token_id": 200020, "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_minimax_m2_rotates_64_of_128_and_routes_by_corrected_sigmoid_scores():
+    c = DecoderConfig.from_dict(MINIMAX_M2)
+    moe = c.moe
+    assert (c.rotary_dim, c.head_dim, c.qk_norm, c.qk_norm_across_heads) == (64, 128, True, True)
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.scoring) == (256, 8, 1536, "sigmoid")
+    assert moe.correction_on_block and moe.norm_topk_prob and moe.n_group == 1 and moe.routed_scaling_factor == 1.0
+    assert moe.sparse_layers == (True,) * 62 and moe.style == "mixtral" and c.rope_theta == 5e6

@@ -6,7 +6,8 @@ OLMo 2's norms; OLMo 3's windows and YaRN; EXAONE 4's NoPE global layers; GLM-4'
 and Cohere 2's LayerNorms and parallel layers; StableLM's LayerNorms with biases; StarCoder2's
 ungated MLP; OLMoE's experts under OLMo's q/k norms; Phi's parallel layers, ungated MLP and
 lm_head bias; GLM-4.5's grouped sigmoid router and shared experts; the text models of Gemma 3's and
-Mistral Small 3.1's multimodal checkpoints (a tiny vision tower beside them)."""
+Mistral Small 3.1's multimodal checkpoints (a tiny vision tower beside them); MiniMax-M2's sigmoid
+router under q/k norms over every head."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def build(family: str, out_dir: Path, **save_kwargs):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-        for name, b in model.named_buffers():  # GLM-4.5's router correction (a buffer there): make it choose
+        for name, b in model.named_buffers():  # GLM-4.5's and MiniMax-M2's router correction (a buffer there)
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.1)
     model.eval()
@@ -56,7 +57,7 @@ SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8
          "granite": 11, "gemma2": 12, "gemma": 13, "smollm3": 14, "olmo2": 15, "olmo3": 16, "exaone4": 17, "glm4": 18, "ministral": 19, "helium": 20, "seed_oss": 21,
          "cohere": 22, "cohere2": 23, "stablelm": 24, "starcoder2": 25,
          "olmoe": 26, "phi": 27, "glm4_moe": 28,
-         "gemma3_multimodal": 29, "mistral3": 30}
+         "gemma3_multimodal": 29, "mistral3": 30, "minimax_m2": 31}
 # phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
 LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
@@ -233,4 +234,12 @@ def _new_family(tf, family: str, common: dict):
                       image_size=28, patch_size=14, head_dim=16)
         return tf.Mistral3ForConditionalGeneration(tf.Mistral3Config(text_config=text, vision_config=vision,
                                                                      tie_word_embeddings=False))
+    if family == "minimax_m2":
+        # MiniMax-M2: q/k norms over every head, half of each head rotating (its legacy rotary_dim
+        # is a config case), 8 experts in every layer chosen by sigmoid scores plus a correction
+        # on the block, top 3 renormalised.
+        return tf.MiniMaxM2ForCausalLM(tf.MiniMaxM2Config(
+            **dict(common, intermediate_size=32), head_dim=16, num_local_experts=8, num_experts_per_tok=3,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+            pad_token_id=0, bos_token_id=1, eos_token_id=2))
     raise ValueError(family)
