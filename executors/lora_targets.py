@@ -37,7 +37,7 @@ class LoraTargets:
     shapes: dict[str, tuple[int, int]]  # "q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj"
     # Phi-3: a fused projection (qkv_proj, gate_up_proj) -> the decoder's projections in its
     # output rows, as (module, first row, end row). An adapter on it is cut into theirs; one
-    # part of all the rows is a rename (StarCoder2's c_fc and c_proj).
+    # part of all the rows is a rename (StarCoder2's c_fc and c_proj, Phi's dense, fc1 and fc2).
     splits: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
     # Partial rotary embeddings: q's and k's rows in the order the loader served them
     # (served row -> checkpoint row, partial_rotary.py); B's rows follow it.

@@ -153,7 +153,7 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
                 if (!field(m, l, W_POST_FF_NORM)) {  /* x += attn @ o^T; the MLP */
                     step_linear(m, l, W_O, W_O_SCALES, s->attn, rows, hq, hidden, field(m, l, W_O_BIAS), s->x, s->x,
                                 &sc);
-                    /* a parallel layer's MLP reads h, the input norm's output: nothing since wrote it */
+                    /* a parallel layer's MLP reads h as the input norm left it: nothing has written it since */
                     if (!m->parallel) own_norm(m, s->x, rows, field(m, l, W_POST_NORM), h);
                     step_mlp(m, s, l, h, &sc, act, s->x, s->x);
                     continue;

@@ -24,7 +24,7 @@ TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", 
                  ("language_model.lm_head.", "lm_head."))
 OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 # A family's module names -> the decoder's. GLM-4's norms: of attention's output, before the
-# MLP, of its output; StarCoder2's MLP.
+# MLP, of its output; StarCoder2's MLP; Phi's MLP and attention output.
 RENAMED = {"glm4": {"post_self_attn_layernorm": "post_attention_layernorm",
                     "post_attention_layernorm": "pre_feedforward_layernorm",
                     "post_mlp_layernorm": "post_feedforward_layernorm"},

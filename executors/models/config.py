@@ -107,11 +107,12 @@ class DecoderConfig:
     # o_proj and down_proj as they load, served_tensors.py), the logits divided by this.
     residual_scale: float | None = None
     logits_divisor: float | None = None  # Cohere's logit_scale too, as its inverse
-    # Cohere, Cohere 2 and StableLM: LayerNorms (the mean subtracted, in float32) where the
-    # others have RMSNorms (rms_norm_eps is then their epsilon), with a bias on StableLM's.
+    # Cohere, Cohere 2, StableLM, StarCoder2 and Phi: LayerNorms (the mean subtracted, in
+    # float32) where the others have RMSNorms (rms_norm_eps is then their epsilon), with a bias
+    # on all but Cohere's.
     layer_norm: bool = False
     norm_bias: bool = False
-    # Cohere, Cohere 2, StableLM with use_parallel_residual: attention and the MLP both read
+    # Cohere, Cohere 2, Phi, StableLM with use_parallel_residual: attention and the MLP both read
     # the input norm's output, and both add to the residual: x + attn(h) + mlp(h), no second norm.
     parallel_residual: bool = False
     # StarCoder2, Phi: an ungated MLP, down(act(up(x))) (c_fc and c_proj, fc1 and fc2 in their

@@ -1,6 +1,6 @@
-"""DecoderLM: one decoder-only transformer for every family of config.py (Qwen, Llama/SmolLM,
-Mistral, Gemma, Phi-3, Granite and the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral),
-by config flags.
+"""DecoderLM: one decoder-only transformer for every family of families.py (Qwen, Llama/SmolLM,
+Mistral, Gemma, Phi, OLMo, GLM, Cohere, StarCoder2 and more, the mixtures of experts among
+them, the text models of Gemma 3's and Mistral 3's multimodal checkpoints), by config flags.
 
 Parameter names follow the Hugging Face checkpoints (model.layers.N.self_attn.q_proj...),
 so a safetensors state dict loads as it is. The forward takes a flat batch of tokens

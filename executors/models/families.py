@@ -67,7 +67,7 @@ SANDWICH_FAMILIES = ("gemma2", "gemma3")  # and norms around attention's and the
 POST_NORM_FAMILIES = ("olmo2", "olmo3", "exaone4")
 # q/k norms over every head at once (OLMoE's and MiniMax-M2's with pre-norms)
 ACROSS_HEADS_QK_NORM_FAMILIES = ("olmo2", "olmo3", "olmoe", "minimax_m2")
-# LayerNorms (the mean subtracted) in place of RMSNorms; StableLM's with a bias.
+# LayerNorms (the mean subtracted) in place of RMSNorms; all but Cohere's with a bias.
 LAYER_NORM_FAMILIES = ("cohere", "cohere2", "stablelm", "starcoder2", "phi")
 UNGATED_FAMILIES = ("starcoder2", "phi")  # down(act(up(x))), GELU-tanh (Phi's gelu_new)
 COHERE_FAMILIES = ("cohere", "cohere2")  # parallel attention and MLP, logits scaled, pairs interleaved
@@ -82,7 +82,8 @@ def text_config(cfg: dict[str, Any], wrapper: str) -> dict[str, Any]:
     if not isinstance(text, dict):
         raise UnsupportedModel(f"{wrapper}'s config.json has no text_config object, which its text model needs")
     top = {k: cfg[k] for k in ("dtype", "torch_dtype", "bos_token_id", "eos_token_id") if k in cfg and k not in text}
-    return {**MULTIMODAL_TEXT_SHAPES[wrapper], **top, **text, "tie_word_embeddings": cfg.get("tie_word_embeddings", MULTIMODAL_TIED[wrapper]),
+    tied = cfg.get("tie_word_embeddings", MULTIMODAL_TIED[wrapper])
+    return {**MULTIMODAL_TEXT_SHAPES[wrapper], **top, **text, "tie_word_embeddings": tied,
             "architectures": [MULTIMODAL_TEXT[wrapper]]}
 
 

@@ -9,9 +9,9 @@ table then holds each int8 matrix's scales too). Every dense family qualifies: p
 the kernel takes a window, a score scale and cap (Gemma 2), a rotary table or none (Gemma
 3's sliding layers' own, SmolLM3's NoPE layers), q/k norms per head or over every head
 (OLMo 2 and 3), and norms of attention's and the MLP's outputs with or without input norms
-(Gemma 2 and 3, GLM-4; OLMo 2 and 3, EXAONE 4), LayerNorms with or without biases and
-parallel attention and MLP (Cohere, StableLM), ungated MLPs (StarCoder2); what does not (experts, odd head sizes) keeps the
-op-by-op path of decoder.py, as does any step the kernel refuses (a position, slot or block
+(Gemma 2 and 3, GLM-4; OLMo 2 and 3, EXAONE 4), LayerNorms with or without biases, parallel
+attention and MLP (Cohere, StableLM, Phi) and ungated MLPs (StarCoder2, Phi); what does not
+(experts, odd head sizes) keeps the op-by-op path of decoder.py, as does any step the kernel refuses (a position, slot or block
 out of range: nothing is written then, and the op-by-op path raises its usual error). A
 refusal is counted (FusedDecode.refused) and the first one of a model logged with the step's
 positions, so that a step the op-by-op path serves without an error does not lose the one

@@ -1,4 +1,5 @@
-"""Small building blocks: RMSNorm and LayerNorm, rotary embedding (Llama 3 or linear scaling), gated MLP."""
+"""Small building blocks: RMSNorm and LayerNorm, rotary embedding (Llama 3, linear or YaRN
+scaling), the MLP (gated, or ungated)."""
 
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """Cohere's and StableLM's norm: the mean subtracted and the variance normalised, in
-    float32 whatever the weights' dtype (as CohereLayerNorm), times a weight, plus a bias
-    (StableLM's; Cohere's has none)."""
+    """Cohere's, StableLM's, StarCoder2's and Phi's norm: the mean subtracted and the variance
+    normalised, in float32 whatever the weights' dtype (as CohereLayerNorm), times a weight,
+    plus a bias (all but Cohere's)."""
 
     def __init__(self, dim: int, eps: float, bias: bool) -> None:
         super().__init__()
@@ -52,8 +53,8 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), bias, self.eps).to(x.dtype)
 
     def fused_weight(self) -> torch.Tensor:
-        """What the fast forward's norm op takes (step_ops.layer_norm): the weight, or the weight
-        and the bias stacked ([2, dim])."""
+        """What the fast forward's norm op takes (step_ops.torch_layer_norm, the one-call step's
+        NORM_LAYER_BIAS): the weight, or the weight and the bias stacked ([2, dim])."""
         w = self.weight.detach()
         return w if self.bias is None else torch.stack([w, self.bias.detach()])
 
@@ -213,7 +214,7 @@ def activation(name: str):
 
 
 class MLP(nn.Module):
-    """down(act(gate(x)) * up(x)); StarCoder2's ungated one down(act(up(x))), without a gate."""
+    """down(act(gate(x)) * up(x)); StarCoder2's and Phi's ungated one down(act(up(x))), without a gate."""
 
     def __init__(self, config: DecoderConfig, intermediate_size: int | None = None, bias: bool | None = None) -> None:
         super().__init__()
