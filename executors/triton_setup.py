@@ -70,6 +70,8 @@ def fused_ops(config: LlmExecutorConfig, model: DecoderLM) -> tuple[QkvPrologue 
     prologue = glu = None
     if c.qk_norm_across_heads:
         problem = "its q/k norms span every head (OLMo 2), where the kernel norms each head alone"
+    elif c.qk_norm and c.layer_norm:
+        problem = "its q/k norms are LayerNorms with a weight per head (Command R+), where the kernel's are RMSNorms"
     else:
         problem = triton_prologue.self_check(config.device, config.torch_dtype, c.num_heads, c.num_kv_heads,
                                              c.head_dim, qk_norm=any(w.q_norm is not None for w in model.fused))

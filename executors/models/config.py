@@ -159,7 +159,8 @@ class DecoderConfig:
                 f"architecture {archs or cfg.get('model_type')!r} is not supported; "
                 f"supported: {', '.join([*ARCHITECTURES, *MULTIMODAL_TEXT])}")
         family, qk_norm = ARCHITECTURES[arch]
-        qk_norm = qk_norm or (family == "glm4_moe" and bool(cfg.get("use_qk_norm")))
+        # GLM-4.5's per-head q/k RMSNorms, Command R+'s q/k LayerNorms (a weight row per head)
+        qk_norm = qk_norm or (family in ("glm4_moe", "cohere") and bool(cfg.get("use_qk_norm")))
 
         def need(key: str) -> Any:
             if key not in cfg:

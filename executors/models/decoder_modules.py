@@ -26,7 +26,7 @@ from executors.lora_batch import LoraBatch
 from executors.models.attention import StepContext
 from executors.models.attention_reference import attend_reference
 from executors.models.config import DecoderConfig
-from executors.models.layers import MLP, RMSNorm, RotaryEmbedding, norm, rms_norm_across_heads
+from executors.models.layers import MLP, HeadLayerNorm, RMSNorm, RotaryEmbedding, norm, rms_norm_across_heads
 from executors.models.moe import SparseMoe
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the tensor-parallel ranks, in place
@@ -43,7 +43,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         self.across_heads = c.qk_norm_across_heads  # OLMo 2
-        if c.qk_norm:
+        if c.qk_norm and c.layer_norm:  # Command R+: LayerNorms of each head, a weight row per head
+            self.q_norm = HeadLayerNorm(c.num_heads, c.head_dim, c.rms_norm_eps)
+            self.k_norm = HeadLayerNorm(c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+        elif c.qk_norm:
             q_width, k_width = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim) if self.across_heads else (
                 c.head_dim, c.head_dim)
             self.q_norm = RMSNorm(q_width, c.rms_norm_eps, c.norm_offset)

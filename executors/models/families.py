@@ -89,10 +89,9 @@ def text_config(cfg: dict[str, Any], wrapper: str) -> dict[str, Any]:
 
 def refuse_unserved_options(cfg: dict[str, Any], family: str) -> None:
     """Options that change the layer in ways the decoder does not compute: q/k LayerNorms
-    (Command R+'s and StableLM 2 12B's with a weight per head, Phi's), a tied lm_head beside
+    (StableLM 2 12B's, a LayerNorm module per head; Phi's), a tied lm_head beside
     Phi's lm_head bias, OLMoE's clipped q/k/v."""
-    for key, fam, what in (("use_qk_norm", "cohere", "q/k LayerNorms with a weight per head"),
-                           ("qk_layernorm", "stablelm", "q/k LayerNorms with a weight per head"),
+    for key, fam, what in (("qk_layernorm", "stablelm", "q/k LayerNorms with a weight per head"),
                            ("qk_layernorm", "phi", "q/k LayerNorms")):
         if family == fam and cfg.get(key):
             raise UnsupportedModel(f"{key}: true ({what}) is not supported")

@@ -25,7 +25,7 @@ import torch
 from executors.models import step_ops
 from executors.models.attention import StepContext, attend
 from executors.models.fused_weights import FusedLayer
-from executors.models.layers import rms_norm_across_heads
+from executors.models.layers import head_layer_norm, rms_norm_across_heads
 from executors.models.moe import moe_forward
 
 if TYPE_CHECKING:
@@ -92,9 +92,10 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
                 if rotates:  # not on a NoPE layer (SmolLM3, EXAONE 4)
                     qk = rotate(qk, sliding)
                 q, k = qk[:, :heads], qk[:, heads:]
-            else:
-                q = norm(qkv[:, :hq].view(m, heads, d), w.q_norm, eps)
-                k = norm(qkv[:, hq:hq + hk].view(m, kv_heads, d), w.k_norm, eps)
+            else:  # per head: RMSNorms (Qwen3, Gemma 3, GLM-4.5) or LayerNorms (Command R+)
+                qk_norm = head_layer_norm if c.layer_norm else norm
+                q = qk_norm(qkv[:, :hq].view(m, heads, d), w.q_norm, eps)
+                k = qk_norm(qkv[:, hq:hq + hk].view(m, kv_heads, d), w.k_norm, eps)
                 if rotates:
                     q, k = rotate(q, sliding), rotate(k, sliding)
             v = qkv[:, hq + hk:].view(m, kv_heads, d)

@@ -152,6 +152,8 @@ def unsupported(model: DecoderLM) -> str | None:
         return f"attention shape {c.num_heads} heads / {c.num_kv_heads} KV heads of {c.head_dim}"
     if model.head_rows is not None:
         return "a tensor-parallel shard"
+    if c.qk_norm and c.layer_norm:
+        return "q/k LayerNorms with a weight per head"
     for table in (model.rope, model.rope_local):
         if table is not None and (table.cos.dtype != torch.float32 or not table.cos.is_contiguous()
                                   or not table.signed_sin.is_contiguous() or table.cos.shape != model.rope.cos.shape):

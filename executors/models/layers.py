@@ -59,6 +59,28 @@ class LayerNorm(nn.Module):
         return w if self.bias is None else torch.stack([w, self.bias.detach()])
 
 
+class HeadLayerNorm(nn.Module):
+    """Command R+'s q/k norm: a LayerNorm of each head's dimensions, without a bias, in float32,
+    its weight a row per head ([heads, head_dim], as CohereLayerNorm((heads, head_dim)))."""
+
+    def __init__(self, heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(heads, head_dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, heads, head_dim]."""
+        return head_layer_norm(x, self.weight, self.eps)
+
+    def fused_weight(self) -> torch.Tensor:
+        return self.weight.detach()
+
+
+def head_layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [m, heads, D] normed over D (float32), times weight [heads, D]."""
+    return (F.layer_norm(x.float(), x.shape[-1:], eps=eps) * weight.float()).to(x.dtype)
+
+
 def norm(config: DecoderConfig, dim: int) -> RMSNorm | LayerNorm:
     """The family's norm over `dim` features."""
     if config.layer_norm:

@@ -23,7 +23,9 @@ RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.dow
 def served(name: str, tensor: torch.Tensor, config: DecoderConfig) -> torch.Tensor:
     """Checkpoint tensor `name` (or one rank's part of it: whole heads, any columns) as served."""
     if reorders(config) and name.endswith(ROTATED):
-        tensor = reorder_rows(tensor, config)
+        # Command R+'s q/k norm weights hold a row per head: reordered as one row of all heads
+        per_head = tensor.dim() == 2 and name.endswith("norm.weight")
+        tensor = reorder_rows(tensor.reshape(-1), config).view(tensor.shape) if per_head else reorder_rows(tensor, config)
     if config.residual_scale not in (None, 1.0) and name.endswith(RESIDUAL_OUTPUTS):
         tensor = tensor.float() * config.residual_scale
     return tensor

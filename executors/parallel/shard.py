@@ -122,6 +122,10 @@ class ShardPlan:
         if module in ("q_norm", "k_norm") and self.full.qk_norm_across_heads:  # OLMo 2: by heads, as q/k
             lo, hi = self.rows_of("q_proj" if module == "q_norm" else "k_proj", full_shape[0])
             return tensor_slice[lo:hi]
+        if module in ("q_norm", "k_norm") and len(full_shape) == 2:  # Command R+: a weight row per head
+            d = self.full.head_dim
+            lo, hi = self.rows_of("q_proj" if module == "q_norm" else "k_proj", full_shape[0] * d)
+            return tensor_slice[lo // d:hi // d]
         if module in COLUMN_PARALLEL and kind in ("weight", "bias") and not name.endswith(ROUTER_SUFFIXES):
             lo, hi = self.rows_of(module, full_shape[0])
             return tensor_slice[lo:hi]

@@ -200,13 +200,13 @@ CASES = {
     "seed_oss_no_biases": ("seed_oss", {"head_dim": 16, "attention_bias": False}, {}, 40, None),
     "smollm3_longer_no_rope_layers": ("smollm3", {"num_hidden_layers": 3}, {"no_rope_layers": [0, 1, 0, 0, 0]},
                                       40, None),
-    # 20. Cohere: its defaults (LayerNorm eps 1e-5, logits times 0.0625, rope base 5e5); q/k
-    # norms with a weight per head refused. Cohere 2: every sliding_window_pattern-th layer
+    # 20. Cohere: its defaults (LayerNorm eps 1e-5, logits times 0.0625, rope base 5e5); Command
+    # R+'s q/k LayerNorms with a weight row per head. Cohere 2: every sliding_window_pattern-th layer
     # global and NoPE without layer_types. StableLM: a quarter of each head rotating by default
     # (or the top-level factor of older files), biases on its LayerNorms, attention and the MLP
     # in parallel by use_parallel_residual; its per-head q/k LayerNorms refused.
     "cohere_defaults": ("cohere", {}, {"layer_norm_eps": DEL, "logit_scale": DEL, "rope_parameters": DEL}, 40, None),
-    "cohere_qk_norm": ("cohere", {"use_qk_norm": True}, {}, 20, "use_qk_norm: true"),
+    "cohere_qk_norm": ("cohere", {"use_qk_norm": True, "attention_bias": True}, {}, 40, None),
     "cohere2_pattern": ("cohere2", {"num_hidden_layers": 4, "sliding_window": 8},
                         {"layer_types": DEL, "sliding_window_pattern": 2}, 40, None),
     "stablelm_defaults": ("stablelm", {}, {"rope_parameters": DEL, "layer_norm_eps": DEL}, 40, None),
@@ -440,7 +440,8 @@ def test_family_bias_layout_matches_transformers_modeling(family):
 
 
 @pytest.mark.parametrize("family, extra", [*((f, {}) for f in FAMILY_DEFAULTS if f not in MOE_FAMILIES),
-                                           ("stablelm", {"use_parallel_residual": True})])
+                                           ("stablelm", {"use_parallel_residual": True}),
+                                           ("cohere", {"use_qk_norm": True})])
 def test_parameter_names_match_transformers_modeling(family, extra):
     """Every bias switch on: the decoder holds the parameters transformers' model has, by
     name (the norms' biases, a parallel layer's one norm), a fused checkpoint tensor counting

@@ -45,6 +45,8 @@ FAMILIES = {
                "final_logit_softcapping": 5.0, "query_pre_attn_scalar": 20},
     # Cohere: LayerNorms without biases, attention and the MLP in parallel, interleaved pairs.
     "cohere": {"architectures": ["CohereForCausalLM"], "attention_bias": True, "logit_scale": 0.5},
+    # Command R+: q/k LayerNorms with a weight row per head (op by op: not the one-call step's).
+    "command_r_plus": {"architectures": ["CohereForCausalLM"], "use_qk_norm": True},
     # StableLM: LayerNorms with biases, a quarter of each head rotating; in sequence and in parallel.
     "stablelm": {"architectures": ["StableLmForCausalLM"], "use_qkv_bias": True},
     "stablelm_parallel": {"architectures": ["StableLmForCausalLM"], "use_parallel_residual": True},

@@ -159,6 +159,10 @@ def test_models_it_does_not_take():
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32})).fuse()
     assert moe.fused_decode is None and fused_decode.unsupported(moe) == "experts"
+    plus = DecoderLM(DecoderConfig.from_dict({  # Command R+'s q/k LayerNorms: op by op (the kernel's are RMSNorms)
+        "architectures": ["CohereForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "use_qk_norm": True})).fuse()
+    assert plus.fused_decode is None and fused_decode.unsupported(plus) == "q/k LayerNorms with a weight per head"
 
 
 def test_an_index_out_of_range_is_refused_before_anything_is_written(calls):

@@ -4,7 +4,7 @@ No hub is reachable from the tests, so these are the keys and values that matter
 microsoft/Phi-3-mini-4k-instruct, microsoft/Phi-4-mini-instruct, google/gemma-2-2b-it,
 ibm-granite/granite-3.1-2b-instruct, google/gemma-2b, HuggingFaceTB/SmolLM3-3B,
 allenai/OLMo-2-1124-7B, allenai/Olmo-3-1025-7B LGAI-EXAONE/EXAONE-4.0-32B, THUDM/GLM-4-9B-0414,
-CohereForAI/c4ai-command-r-v01, CohereForAI/c4ai-command-r7b-12-2024 (with its keys transformers
+CohereForAI/c4ai-command-r-v01, CohereForAI/c4ai-command-r-plus, CohereForAI/c4ai-command-r7b-12-2024 (with its keys transformers
 does not read), stabilityai/stablelm-2-1_6b, bigcode/starcoder2-3b, allenai/OLMoE-1B-7B-0924, microsoft/phi-2, zai-org/GLM-4.5-Air and Qwen/Qwen3-8B with the YaRN setting its
 model card gives for 131072 tokens (transformers 4's
 layout: top-level rope_theta, no layer_types; the LongRoPE factor lists stand in for the published
@@ -353,3 +353,15 @@ def test_minimax_m2_rotates_64_of_128_and_routes_by_corrected_sigmoid_scores():
     assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.scoring) == (256, 8, 1536, "sigmoid")
     assert moe.correction_on_block and moe.norm_topk_prob and moe.n_group == 1 and moe.routed_scaling_factor == 1.0
     assert moe.sparse_layers == (True,) * 62 and moe.style == "mixtral" and c.rope_theta == 5e6
+
+
+COMMAND_R_PLUS = {**COMMAND_R, "hidden_size": 12288, "intermediate_size": 33792, "num_hidden_layers": 64,
+                  "num_attention_heads": 96, "num_key_value_heads": 8, "logit_scale": 0.8333333333333334,
+                  "rope_theta": 75000000.0, "use_qk_norm": True}
+
+
+def test_command_r_plus_norms_q_and_k_by_layernorms_with_a_weight_row_per_head():
+    c = DecoderConfig.from_dict(COMMAND_R_PLUS)
+    assert c.qk_norm and c.layer_norm and not c.qk_norm_across_heads and c.parallel_residual
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.rope_theta) == (96, 8, 128, 7.5e7)
+    assert abs(c.logits_divisor - 1.2) < 1e-12

@@ -57,7 +57,8 @@ SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8
          "granite": 11, "gemma2": 12, "gemma": 13, "smollm3": 14, "olmo2": 15, "olmo3": 16, "exaone4": 17, "glm4": 18, "ministral": 19, "helium": 20, "seed_oss": 21,
          "cohere": 22, "cohere2": 23, "stablelm": 24, "starcoder2": 25,
          "olmoe": 26, "phi": 27, "glm4_moe": 28,
-         "gemma3_multimodal": 29, "mistral3": 30, "minimax_m2": 31}
+         "gemma3_multimodal": 29, "mistral3": 30, "minimax_m2": 31,
+         "command_r_plus": 32}
 # phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
 LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
@@ -242,4 +243,11 @@ def _new_family(tf, family: str, common: dict):
             **dict(common, intermediate_size=32), head_dim=16, num_local_experts=8, num_experts_per_tok=3,
             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
             pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    if family == "command_r_plus":
+        # Command R+: Cohere's layer with q/k LayerNorms, a weight row per head (normed before the
+        # interleaved rotation, their weights reordered with it); one KV head, which two
+        # tensor-parallel ranks each hold.
+        return tf.CohereForCausalLM(tf.CohereConfig(**dict(common, num_key_value_heads=1), use_qk_norm=True,
+                                                    logit_scale=0.25, pad_token_id=0, bos_token_id=1,
+                                                    eos_token_id=2))
     raise ValueError(family)
