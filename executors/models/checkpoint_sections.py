@@ -22,7 +22,8 @@ Sections = dict[str, tuple[tuple[str, int, int], ...]]
 # 5's), and the prefixes of what else it holds (the vision tower, the projector): not served.
 TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                  ("language_model.lm_head.", "lm_head."))
-OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                "visual.", "model.visual.")  # (Qwen VL's vision tower)
 # A family's module names -> the decoder's. GLM-4's norms: of attention's output, before the
 # MLP, of its output; StarCoder2's MLP; Phi's MLP and attention output.
 RENAMED = {"glm4": {"post_self_attn_layernorm": "post_attention_layernorm",

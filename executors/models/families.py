@@ -43,19 +43,35 @@ ARCHITECTURES = {
 # Multimodal architectures whose text model the decoder serves, and that model's architecture
 # (its config in text_config; its weights under language_model.*, its other towers skipped).
 MULTIMODAL_TEXT = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
-                   "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
+                   "Mistral3ForConditionalGeneration": "MistralForCausalLM",
+                   "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
+                   "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM"}
 # Their config class's tie_word_embeddings: the whole model's, which transformers 5 ties by
 # (over text_config's) where the file's top level has none.
-MULTIMODAL_TIED = {"Gemma3ForConditionalGeneration": True, "Mistral3ForConditionalGeneration": True}
-# Their text config class's shape, which the published files' text_config leaves out in part
-# (gemma-3-4b-it lists 6 keys): Gemma3TextConfig's and MistralConfig's defaults.
-MULTIMODAL_TEXT_SHAPES = {
+MULTIMODAL_TIED = {"Gemma3ForConditionalGeneration": True, "Mistral3ForConditionalGeneration": True,
+                   "Qwen2_5_VLForConditionalGeneration": False, "Qwen3VLForConditionalGeneration": False}
+# Their text config class's defaults where they differ from the text family's (shapes the
+# published files' text_config leaves out in part: gemma-3-4b-it lists 6 keys; the Qwen VL
+# text configs' own rope bases and epsilons): Gemma3TextConfig's, MistralConfig's,
+# Qwen2_5_VLTextConfig's and Qwen3VLTextConfig's.
+MULTIMODAL_TEXT_DEFAULTS = {
     "Gemma3ForConditionalGeneration": {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
                                        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
                                        "head_dim": 256},
     "Mistral3ForConditionalGeneration": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
                                          "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8},
+    "Qwen2_5_VLForConditionalGeneration": {"vocab_size": 152064, "hidden_size": 8192, "intermediate_size": 29568,
+                                           "num_hidden_layers": 80, "num_attention_heads": 64,
+                                           "num_key_value_heads": 8, "max_position_embeddings": 32768,
+                                           "rms_norm_eps": 1e-5, "rope_theta": 1e6},
+    "Qwen3VLForConditionalGeneration": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+                                        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                                        "head_dim": 128, "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
+                                        "rope_theta": 5e5},
 }
+# Qwen2.5-VL's files before transformers 5 hold the text model's keys at the top level.
+FLAT_TEXT_CONFIG = ("Qwen2_5_VLForConditionalGeneration",)
+MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 # The projections each family's checkpoints store fused: Phi-3's q/k/v as one qkv_proj and
 # gate/up as one gate_up_proj, GLM-4's gate/up.
 FUSED_CHECKPOINT = {"phi3": ("qkv_proj", "gate_up_proj"), "glm4": ("gate_up_proj",)}
@@ -79,12 +95,29 @@ def text_config(cfg: dict[str, Any], wrapper: str) -> dict[str, Any]:
     has none (gemma-3-4b-it's end of turn is there), and the whole model's tie_word_embeddings,
     as transformers ties the lm_head."""
     text = cfg.get("text_config")
+    if text is None and wrapper in FLAT_TEXT_CONFIG:
+        text = {k: v for k, v in cfg.items() if k not in ("vision_config", "architectures")}
     if not isinstance(text, dict):
         raise UnsupportedModel(f"{wrapper}'s config.json has no text_config object, which its text model needs")
     top = {k: cfg[k] for k in ("dtype", "torch_dtype", "bos_token_id", "eos_token_id") if k in cfg and k not in text}
     tied = cfg.get("tie_word_embeddings", MULTIMODAL_TIED[wrapper])
-    return {**MULTIMODAL_TEXT_SHAPES[wrapper], **top, **text, "tie_word_embeddings": tied,
+    return {**MULTIMODAL_TEXT_DEFAULTS[wrapper], **top, **_without_mrope(text), "tie_word_embeddings": tied,
             "architectures": [MULTIMODAL_TEXT[wrapper]]}
+
+
+def _without_mrope(text: dict[str, Any]) -> dict[str, Any]:
+    """The Qwen VL models' multimodal rotation (mrope) as the 1-D one it is for token ids alone:
+    a text position is the same on its time, height and width axes, so every frequency section
+    turns by it (transformers' get_rope_index gives text the same three positions)."""
+    out = dict(text)
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = out.get(key)
+        if isinstance(rope, dict) and (set(rope) & set(MROPE_KEYS) or rope.get("type") == "mrope"
+                                       or rope.get("rope_type") == "mrope"):
+            rest = {k: v for k, v in rope.items() if k not in (*MROPE_KEYS, "type", "rope_type")}
+            kind = rope.get("rope_type", rope.get("type", "default"))
+            out[key] = {**rest, "rope_type": "default" if kind == "mrope" else kind}
+    return out
 
 
 def refuse_unserved_options(cfg: dict[str, Any], family: str) -> None:

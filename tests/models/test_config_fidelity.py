@@ -463,16 +463,27 @@ def test_parameter_names_match_transformers_modeling(family, extra):
 
 
 def test_multimodal_text_defaults_match_transformers_config_classes():
+    from executors.models.config import ARCHITECTURES
+
     """The text model's shape where a multimodal file's text_config leaves it out, and the
     whole model's tie_word_embeddings where its top level does: their classes' defaults."""
-    from executors.models.families import MULTIMODAL_TEXT, MULTIMODAL_TEXT_SHAPES, MULTIMODAL_TIED
+    from executors.models.families import MULTIMODAL_TEXT, MULTIMODAL_TEXT_DEFAULTS, MULTIMODAL_TIED
 
     text_classes = {"Gemma3ForConditionalGeneration": tf.Gemma3TextConfig,
-                    "Mistral3ForConditionalGeneration": tf.MistralConfig}
+                    "Mistral3ForConditionalGeneration": tf.MistralConfig,
+                    "Qwen2_5_VLForConditionalGeneration": tf.Qwen2_5_VLTextConfig,
+                    "Qwen3VLForConditionalGeneration": tf.Qwen3VLTextConfig}
     for wrapper in MULTIMODAL_TEXT:
-        fields = {f.name: f.default for f in dataclasses.fields(text_classes[wrapper])}
-        assert MULTIMODAL_TEXT_SHAPES[wrapper] == {k: fields[k] for k in MULTIMODAL_TEXT_SHAPES[wrapper]}, wrapper
-        assert "head_dim" in MULTIMODAL_TEXT_SHAPES[wrapper] or fields["head_dim"] is None, wrapper
+        text_cls = text_classes[wrapper]
+        theta = text_cls.default_theta  # Gemma 3's: per layer type, its global one read as rope_theta
+        fields = {**{f.name: f.default for f in dataclasses.fields(text_cls)},
+                  "rope_theta": theta["global"] if isinstance(theta, dict) else theta}
+        ours = MULTIMODAL_TEXT_DEFAULTS[wrapper]
+        assert ours == {k: fields[k] for k in ours}, wrapper
+        assert "head_dim" in ours or fields.get("head_dim") is None, wrapper
+        family = FAMILY_DEFAULTS[ARCHITECTURES[MULTIMODAL_TEXT[wrapper]][0]]  # where ours says nothing, the family's
+        for key in ("rope_theta", "rms_norm_eps", "max_position_embeddings"):
+            assert ours.get(key, getattr(family, key)) == fields[key], (wrapper, key)
         whole = {f.name: f.default for f in dataclasses.fields(getattr(tf, wrapper.replace("ForConditionalGeneration",
                                                                                             "Config")))}
         assert MULTIMODAL_TIED[wrapper] == whole["tie_word_embeddings"], wrapper

@@ -105,3 +105,22 @@ def test_a_peft_adapter_on_the_text_model_matches_peft(reference, tmp_path):
     assert (logits - want).abs().max().item() <= 1e-4
     with torch.no_grad(), peft.disable_adapter():
         assert (logits - peft(tokens[None]).logits[0]).abs().max().item() > 1e-2  # the adapter matters
+
+
+def test_qwen2_5_vls_flat_config_reads_as_transformers_reads_it(tmp_path):
+    """Qwen2.5-VL's published files hold the text model's keys at the top level, its rotation as
+    {"type": "mrope", "mrope_section": ...}: transformers reads such a file as its nested one,
+    and so does the decoder (token ids alone: every mrope section turns by the same position)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    build("qwen2_5_vl", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    text = cfg.pop("text_config")
+    rope = text.pop("rope_parameters")
+    flat = {**cfg, **text, "rope_theta": rope["rope_theta"],
+            "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+    (tmp_path / "config.json").write_text(json.dumps(flat))
+    oracle = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = oracle(torch.tensor([TOKENS])).logits[0, -1].float().numpy()
+    np.testing.assert_allclose(last_logits(tmp_path), want, atol=1e-4, rtol=0)

@@ -365,3 +365,38 @@ def test_command_r_plus_norms_q_and_k_by_layernorms_with_a_weight_row_per_head()
     assert c.qk_norm and c.layer_norm and not c.qk_norm_across_heads and c.parallel_residual
     assert (c.num_heads, c.num_kv_heads, c.head_dim, c.rope_theta) == (96, 8, 128, 7.5e7)
     assert abs(c.logits_divisor - 1.2) < 1e-12
+
+
+QWEN25_VL_7B = {  # transformers 4's flat layout: the text model's keys at the top level, a legacy mrope rope_scaling
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "hidden_size": 3584,
+    "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+    "max_position_embeddings": 128000, "max_window_layers": 28, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "use_sliding_window": False, "tie_word_embeddings": False, "vocab_size": 152064,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "bos_token_id": 151643,
+    "eos_token_id": 151645, "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
+    "torch_dtype": "bfloat16", "vision_config": {"depth": 32, "hidden_size": 1280, "out_hidden_size": 3584},
+}
+QWEN3_VL_8B = {
+    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", "tie_word_embeddings": False,
+    "image_token_id": 151655, "vision_config": {"depth": 27, "hidden_size": 1152},
+    "text_config": {"attention_bias": False, "bos_token_id": 151643, "dtype": "bfloat16", "eos_token_id": 151645,
+                    "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288,
+                    "max_position_embeddings": 262144, "model_type": "qwen3_vl_text", "num_attention_heads": 32,
+                    "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+                    "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+                    "rope_theta": 5000000, "vocab_size": 151936},
+}
+
+
+def test_qwen2_5_vl_7b_flat_config_serves_its_text_model_with_1d_rotation():
+    c = DecoderConfig.from_dict(QWEN25_VL_7B)
+    assert c.architecture == "Qwen2_5_VLForConditionalGeneration" and c.family == "qwen2" and c.multimodal
+    assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (3584, 28, 28, 4, 128)
+    assert c.rope_scaling is None and c.rope_theta == 1e6 and c.layer_windows == () and c.qkv_bias
+    assert c.eos_token_ids == (151645,) and not c.tie_word_embeddings and c.max_position_embeddings == 128000
+
+
+def test_qwen3_vl_8b_serves_its_text_model_with_qk_norms_and_1d_rotation():
+    c = DecoderConfig.from_dict(QWEN3_VL_8B)
+    assert c.family == "qwen3" and c.qk_norm and c.rope_scaling is None and c.rope_theta == 5e6
+    assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.vocab_size) == (4096, 36, 32, 8, 151936)

@@ -7,7 +7,7 @@ and Cohere 2's LayerNorms and parallel layers; StableLM's LayerNorms with biases
 ungated MLP; OLMoE's experts under OLMo's q/k norms; Phi's parallel layers, ungated MLP and
 lm_head bias; GLM-4.5's grouped sigmoid router and shared experts; the text models of Gemma 3's and
 Mistral Small 3.1's multimodal checkpoints (a tiny vision tower beside them); MiniMax-M2's sigmoid
-router under q/k norms over every head."""
+router under q/k norms over every head; Qwen2.5-VL's and Qwen3-VL's text models (their mrope)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8
          "cohere": 22, "cohere2": 23, "stablelm": 24, "starcoder2": 25,
          "olmoe": 26, "phi": 27, "glm4_moe": 28,
          "gemma3_multimodal": 29, "mistral3": 30, "minimax_m2": 31,
-         "command_r_plus": 32}
+         "command_r_plus": 32, "qwen2_5_vl": 33, "qwen3_vl": 34}
 # phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
 LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
@@ -250,4 +250,18 @@ def _new_family(tf, family: str, common: dict):
         return tf.CohereForCausalLM(tf.CohereConfig(**dict(common, num_key_value_heads=1), use_qk_norm=True,
                                                     logit_scale=0.25, pad_token_id=0, bos_token_id=1,
                                                     eos_token_id=2))
+    if family in ("qwen2_5_vl", "qwen3_vl"):
+        # Qwen2.5-VL and Qwen3-VL (its mrope interleaved): text models whose rotation has
+        # time/height/width sections, a tiny vision tower beside; token ids alone give every
+        # section the same position.
+        rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        if family == "qwen2_5_vl":
+            text = dict(common, rope_parameters=rope, **ids)
+            return tf.Qwen2_5_VLForConditionalGeneration(tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision))
+        text = dict(common, head_dim=16, rope_parameters={**rope, "mrope_interleaved": True}, **ids)
+        return tf.Qwen3VLForConditionalGeneration(tf.Qwen3VLConfig(
+            text_config=text, vision_config={**vision, "deepstack_visual_indexes": [0]}))
     raise ValueError(family)
