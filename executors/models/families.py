@@ -41,7 +41,8 @@ ARCHITECTURES = {
     "MiniMaxM2ForCausalLM": ("minimax_m2", True),
 }
 # Multimodal architectures whose text model the decoder serves, and that model's architecture
-# (its config in text_config; its weights under language_model.*, its other towers skipped).
+# (its config in text_config, or Qwen2.5-VL's older top level; its weights under
+# language_model.* or model.*, read by checkpoint_sections.text_tensor_name, the towers skipped).
 MULTIMODAL_TEXT = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
                    "Mistral3ForConditionalGeneration": "MistralForCausalLM",
                    "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
@@ -91,7 +92,7 @@ COHERE_FAMILIES = ("cohere", "cohere2")  # parallel attention and MLP, logits sc
 
 def text_config(cfg: dict[str, Any], wrapper: str) -> dict[str, Any]:
     """A multimodal config.json's text model as a config of its own: its text_config over its
-    class's shape, the text architecture, the top level's dtype and token ids where text_config
+    class's defaults, mrope read as 1-D rotation, the text architecture, the top level's dtype and token ids where text_config
     has none (gemma-3-4b-it's end of turn is there), and the whole model's tie_word_embeddings,
     as transformers ties the lm_head."""
     text = cfg.get("text_config")
