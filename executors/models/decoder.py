@@ -78,6 +78,9 @@ class DecoderLM(nn.Module):
             rows = config.vocab_size if head_rows is None else head_rows[1] - head_rows[0]
             self.lm_head = nn.Linear(config.hidden_size, rows, bias=config.lm_head_bias)
         self.fused: list[FusedLayer] | None = None
+        # The final norm's fused weight (with Gemma's offset added, a LayerNorm's bias stacked),
+        # made once by fuse() rather than on every step.
+        self.final_norm: torch.Tensor | None = None
         self.packed_head: torch.Tensor | None = None
         self.fused_fp32_packed: list[FusedLayer] | None = None  # float32: for PACKED_FP32_ROWS-row steps
         self.packed_head_fp32: torch.Tensor | None = None
@@ -122,6 +125,7 @@ class DecoderLM(nn.Module):
         c = self.config
         fused = fuse_layers(self.model, c)
         self.fused = fused
+        self.final_norm = self.model.norm.fused_weight()
         if c.moe is not None:  # pick the grouped GEMM for this device and dtype now, not inside a graph capture
             embed = self.model.embed_tokens.weight
             grouped_backend(embed.device, embed.dtype)
@@ -197,6 +201,7 @@ class DecoderLM(nn.Module):
         if self.head_panels is not None:  # row-major modules again, to move and re-fuse
             panel_modules.unpack_model(self)
         self.fused = self.packed_head = self.fused_fp32_packed = self.packed_head_fp32 = self.cpu_kernels = None
+        self.final_norm = None
         self.fused_decode = None
         out = super()._apply(fn, recurse)
         if fused:

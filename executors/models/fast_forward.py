@@ -69,6 +69,7 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
         glu_down = step_ops.glu_then(residual_linear, glu)
     blocked_mlp = m > MLP_ROWS and lora is None and model.cpu_kernels is not None and linear == model.cpu_kernels.linear
     parallel = c.parallel_residual  # Cohere: x + attn(h) + mlp(h)
+    qk_norm = head_layer_norm if c.layer_norm else norm  # a per-head q/k norm: Command R+'s are LayerNorms
     for i, w in enumerate(layers):
         sliding, rotates = c.window(i) is not None, c.rotates(i)
         attention_partial = None  # tensor parallelism, a parallel layer: o_proj's partial sum, not yet reduced
@@ -93,7 +94,6 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
                     qk = rotate(qk, sliding)
                 q, k = qk[:, :heads], qk[:, heads:]
             else:  # per head: RMSNorms (Qwen3, Gemma 3, GLM-4.5) or LayerNorms (Command R+)
-                qk_norm = head_layer_norm if c.layer_norm else norm
                 q = qk_norm(qkv[:, :hq].view(m, heads, d), w.q_norm, eps)
                 k = qk_norm(qkv[:, hq:hq + hk].view(m, kv_heads, d), w.k_norm, eps)
                 if rotates:
@@ -149,7 +149,7 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
         x = residual_linear(x, act, w.down, w.down_bias)
         if lora is not None:
             lora.apply(i, "down_proj", act, x)
-    return norm(x, model.model.norm.fused_weight(), eps)
+    return norm(x, model.final_norm, eps)
 
 
 def _sandwich_attention_out(model: DecoderLM, i: int, x: torch.Tensor, a: torch.Tensor, w: FusedLayer,

@@ -68,7 +68,7 @@ class FusedDecode:
         self.weights = torch.tensor([[_address(w, f) for f in LAYER_FIELDS] for w in fused], dtype=torch.int64)
         self.windows = torch.tensor([c.window(i) or 0 for i in range(c.num_layers)], dtype=torch.int32)
         self.scales = torch.tensor([c.attn_scale or c.head_dim ** -0.5] * c.num_layers, dtype=torch.float32)
-        self.final_norm = model.model.norm.fused_weight().contiguous()
+        self.final_norm = model.final_norm.contiguous()
         local = model.rope_local
         self.rotary = torch.tensor([ROTARY_NONE if not c.rotates(i) else ROTARY_LOCAL if model.rope_for(i) is local
                                     else ROTARY_GLOBAL for i in range(c.num_layers)], dtype=torch.int32)

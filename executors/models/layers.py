@@ -49,8 +49,7 @@ class LayerNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.float()
-        return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), bias, self.eps).to(x.dtype)
+        return layer_norm(x, self.weight, self.bias, self.eps)
 
     def fused_weight(self) -> torch.Tensor:
         """What the fast forward's norm op takes (step_ops.torch_layer_norm, the one-call step's
@@ -74,6 +73,12 @@ class HeadLayerNorm(nn.Module):
 
     def fused_weight(self) -> torch.Tensor:
         return self.weight.detach()
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim in float32 (as CohereLayerNorm), cast back to x's dtype."""
+    return F.layer_norm(x.float(), x.shape[-1:], weight.float(), None if bias is None else bias.float(),
+                        eps).to(x.dtype)
 
 
 def head_layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

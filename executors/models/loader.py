@@ -146,8 +146,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                         f"{path.name}: tensor {stored} has shape {shape}, the config implies {expected_full[name]}")
                 if plan is not None:
                     tensor = plan.read(name, piece, shape)
-                state[name] = _converted(served(name, tensor, config),
-                                         torch.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype, device)
+                state[name] = _converted(served(name, tensor, config), _serving_dtype(name, dtype), device)
                 progress.add(sizes[path].get(stored, 0))
     missing = sorted(set(expected) - set(state))
     if missing:
@@ -165,6 +164,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     model.fuse()  # the fast forward's fused q/k/v and gate/up weights; the parameters become views
     log.info("loaded %s (%s) in %.1f s", model_dir.name, config.architecture, time.perf_counter() - started)
     return model.eval()
+
+
+def _serving_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype
 
 
 def _extra_layer(name: str, config: DecoderConfig) -> bool:
@@ -224,5 +227,5 @@ def checkpoint_parameters(model_dir: str | Path, dtype: torch.dtype,
             else:
                 tensor = found[name].get_tensor(stored_as[name])
             # as the loader: served, then the dtype
-            tensor = served(name, tensor, config).to(torch.float32 if name.endswith(FLOAT32_SUFFIXES) else dtype)
+            tensor = served(name, tensor, config).to(_serving_dtype(name, dtype))
             yield name, quantize(tensor).unpack() if name in int8 else tensor

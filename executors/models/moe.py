@@ -172,8 +172,12 @@ def stack(moe: SparseMoe) -> MoeWeights:
         s.up_proj.weight = nn.Parameter(shared_gate_up[n:], requires_grad=False)
         shared_down = s.down_proj.weight.detach()
         shared_gate = moe.shared_expert_gate.weight.detach() if moe.config.shared_gated else None
-    return MoeWeights(moe.gate.weight.detach(), gate_up, down, shared_gate_up, shared_down, shared_gate,
-                      moe.top_k, moe.norm_topk_prob, sigmoid=moe.sigmoid_routing())
+    sigmoid = moe.sigmoid_routing()
+    router = moe.gate.weight.detach()
+    if sigmoid is not None:  # its logits are float32 (moe_routing): the weight converted once, not every step
+        router = router.float()
+    return MoeWeights(router, gate_up, down, shared_gate_up, shared_down, shared_gate, moe.top_k, moe.norm_topk_prob,
+                      sigmoid=sigmoid)
 
 
 def moe_forward(x: torch.Tensor, w: MoeWeights, act: Callable, load: torch.Tensor | None = None) -> torch.Tensor:

@@ -85,12 +85,10 @@ def moe_from_dict(cfg: dict[str, Any], family: str, layers: int) -> MoeConfig | 
         return None
     if family == "glm4_moe":
         return _glm4_moe(cfg, layers)
-    if family == "minimax_m2":
-        return _minimax_m2(cfg, layers)
-    arch = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "olmoe": "OlmoeForCausalLM"}.get(family, "MixtralForCausalLM")
-    for key, allowed in _PLAIN_ROUTER.items():
-        if cfg.get(key) not in allowed:
+    arch = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+            "minimax_m2": "MiniMaxM2ForCausalLM"}.get(family, "MixtralForCausalLM")
+    for key, allowed in _PLAIN_ROUTER.items():  # (MiniMax-M2's files say scoring_func: sigmoid, which it is)
+        if family != "minimax_m2" and cfg.get(key) not in allowed:
             raise UnsupportedModel(f"router option {key}={cfg[key]!r} is not supported for {arch} "
                                    f"(only plain softmax top-k routing)")
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 saves the latter for Qwen
@@ -106,6 +104,9 @@ def moe_from_dict(cfg: dict[str, Any], family: str, layers: int) -> MoeConfig | 
         return MoeConfig(experts, top_k, int(cfg["intermediate_size"]), True, 0, (True,) * layers, "mixtral")
     if family == "olmoe":
         return MoeConfig(experts, top_k, int(cfg["intermediate_size"]), norm, 0, (True,) * layers, "qwen")
+    if family == "minimax_m2":  # its router always renormalises
+        return MoeConfig(experts, top_k, int(cfg["intermediate_size"]), True, 0, (True,) * layers, "mixtral",
+                         scoring="sigmoid", correction_on_block=True)
     if "moe_intermediate_size" not in cfg:
         raise UnsupportedModel(f"config.json lacks 'moe_intermediate_size', which {arch} needs")
     step = int(cfg.get("decoder_sparse_step", 1))
@@ -148,14 +149,3 @@ def _glm4_moe(cfg: dict[str, Any], layers: int) -> MoeConfig:
                      scoring="sigmoid", n_group=groups, topk_group=chosen, routed_scaling_factor=float(scale),
                      shared_gated=False)
 
-
-def _minimax_m2(cfg: dict[str, Any], layers: int) -> MoeConfig:
-    """MiniMaxM2Config's reading: its experts (num_local_experts, as wide as intermediate_size)
-    in every layer, their weights always renormalised."""
-    experts, top_k = cfg.get("num_local_experts", cfg.get("num_experts", 256)), cfg.get("num_experts_per_tok", 8)
-    if not isinstance(experts, int) or experts < 1:
-        raise UnsupportedModel(f"MiniMaxM2ForCausalLM needs num_local_experts >= 1, got {experts!r}")
-    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
-        raise UnsupportedModel(f"num_experts_per_tok must be between 1 and num_local_experts ({experts}), got {top_k!r}")
-    return MoeConfig(experts, top_k, int(cfg.get("intermediate_size", 1536)), True, 0, (True,) * layers, "mixtral",
-                     scoring="sigmoid", correction_on_block=True)

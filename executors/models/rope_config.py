@@ -92,8 +92,7 @@ def rotary_dim_of(cfg: dict[str, Any], family: str, head_dim: int) -> int | None
     """How many dimensions of a head rotate, where the family reads partial_rotary_factor
     (Phi-3, GLM-4, StableLM, Phi, GLM-4.5, MiniMax-M2: from rope_parameters, else the top
     level, else the family's default: 1, 0.5, 0.25, 0.5, 0.5, MiniMax-M2's rotary_dim / head_dim
-    or 1); None: all
-    of them."""
+    or 1); None: all of them."""
     if family not in PARTIAL_ROTARY_DEFAULTS:
         return None
     _, rope = _rope_source(cfg)

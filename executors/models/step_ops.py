@@ -111,11 +111,10 @@ def torch_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 
 def torch_layer_norm(x: torch.Tensor, params: torch.Tensor, eps: float) -> torch.Tensor:
-    """LayerNorm in float32 (as layers.LayerNorm); `params`: the weight, or the weight and
-    the bias stacked [2, dim] (LayerNorm.fused_weight)."""
+    """layers.layer_norm of `params`: the weight, or the weight and the bias stacked [2, dim]
+    (LayerNorm.fused_weight)."""
     weight, bias = (params[0], params[1]) if params.dim() == 2 else (params, None)
-    return F.layer_norm(x.float(), x.shape[-1:], weight.float(), None if bias is None else bias.float(),
-                        eps).to(x.dtype)
+    return layers.layer_norm(x, weight, bias, eps)
 
 
 def _torch_rotate(positions: torch.Tensor, rope: RotaryEmbedding, rope_local: RotaryEmbedding | None,
