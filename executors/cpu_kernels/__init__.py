@@ -30,38 +30,26 @@ import logging
 
 import torch
 
+from executors.cpu_kernels.attention_calls import MAX_HEADS, AttentionCalls
 from executors.cpu_kernels.build import KernelsUnavailable, build_library, load_library
+from executors.cpu_kernels.calls import C_FLOAT as _F
+from executors.cpu_kernels.calls import C_INT as _C
+from executors.cpu_kernels.calls import C_INT64 as _I
+from executors.cpu_kernels.calls import C_PTR as _P
+from executors.cpu_kernels.calls import F32 as _F32
+from executors.cpu_kernels.calls import I8 as _I8
+from executors.cpu_kernels.calls import I64 as _I64
+from executors.cpu_kernels.calls import bind, refused
 from executors.cpu_kernels.panels import PANEL, Panels
 from executors.cpu_kernels.qpanels import Q8PANEL, QGROUP, QPanels
 from executors.cpu_kernels.step import DecoderSpec, StepSpec
 
 log = logging.getLogger(__name__)
 
-MAX_HEADS = 256  # query heads the attention kernel takes (paged_attention.c)
 MAX_ROPE_DIM = 512  # head dimension the rotation takes (pointwise.c's row buffer)
 GLU_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
-_P, _I, _C, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_F32, _I64, _I32, _I8 = torch.float32, torch.int64, torch.int32, torch.int8
-
-
-def _bind(library: ctypes.CDLL, name: str, argtypes: list, restype=None):
-    fn = getattr(library, name)
-    fn.argtypes, fn.restype = argtypes, restype
-    return fn
-
-
-def _refused(fn: str, name: str, t: object, want: str, dtype: torch.dtype | None = None) -> TypeError | ValueError:
-    """The error for argument `name` of CpuKernels.`fn`, which is not `want`: a TypeError where
-    it is not a tensor or not of `dtype`, a ValueError for the rest (shape, strides, device)."""
-    if not isinstance(t, torch.Tensor):
-        return TypeError(f"CpuKernels.{fn}: {name} must be {want}, not {type(t).__name__}")
-    kind = TypeError if dtype is not None and t.dtype != dtype else ValueError
-    return kind(f"CpuKernels.{fn}: {name} must be {want}; got {t.dtype} on {t.device.type} of shape "
-                f"{tuple(t.shape)}, strides {t.stride()}")
-
-
-class CpuKernels:
+class CpuKernels(AttentionCalls):
     """ctypes bindings; every tensor is float32 on the CPU with rows of unit stride.
 
     Each wrapper checks what its C function assumes of its arguments (dtype, device, rank,
@@ -73,25 +61,21 @@ class CpuKernels:
     (slots, positions, block tables, key bounds) stay the callers' to check, as each says."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._linear = _bind(library, "me_weight_linear_f32", [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I, _C],
+        self._linear = bind(library, "me_weight_linear_f32", [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I, _C],
                              ctypes.c_int)
-        self._glu_linear = _bind(library, "me_glu_linear_f32", [_P, _I, _I, _C, _P, _I, _I, _P, _P, _I, _P, _I, _C],
+        self._glu_linear = bind(library, "me_glu_linear_f32", [_P, _I, _I, _C, _P, _I, _I, _P, _P, _I, _P, _I, _C],
                                  ctypes.c_int)
-        self._linear_q8 = _bind(library, "me_weight_linear_q8",
+        self._linear_q8 = bind(library, "me_weight_linear_q8",
                                 [_P, _I, _I, _P, _P, _I, _I, _P, _P, _I, _P, _I, _C], ctypes.c_int)
-        self._isa = _bind(library, "me_isa", [_C], ctypes.c_int)
-        self._fma_flops = _bind(library, "me_fma_flops", [_I, _C], ctypes.c_int64)
-        self._rms_norm = _bind(library, "me_rms_norm_f32", [_P, _I, _I, _I, _I, _I, _P, _F, _P, _I, _I, _C])
-        self._rope = _bind(library, "me_rope_f32", [_P, _I, _I, _I, _I, _P, _P, _P, _C])
-        self._glu = _bind(library, "me_glu_f32", [_P, _I, _I, _I, _C, _P, _C])
-        self._store_kv = _bind(library, "me_store_kv_f32", [_P, _P, _I, _I, _I, _I, _P, _P, _P])
-        self._argmax = _bind(library, "me_argmax_logprob_f32", [_P, _I, _I, _I, _P, _P, _C], ctypes.c_int)
-        self._sample = _bind(library, "me_sample_f32", [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _C], ctypes.c_int)
-        self._decode_step = _bind(library, "me_decode_step_f32", [_P, _P, _C], ctypes.c_int)
-        self._prefill_attention = _bind(library, "me_prefill_attention_f32",
-                                        [_P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F, _P, _I, _C], ctypes.c_int)
-        self._attention = _bind(library, "me_decode_attention_f32",
-                                [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _P, _F, _F, _P, _I, _C], ctypes.c_int)
+        self._isa = bind(library, "me_isa", [_C], ctypes.c_int)
+        self._fma_flops = bind(library, "me_fma_flops", [_I, _C], ctypes.c_int64)
+        self._rms_norm = bind(library, "me_rms_norm_f32", [_P, _I, _I, _I, _I, _I, _P, _F, _P, _I, _I, _C])
+        self._rope = bind(library, "me_rope_f32", [_P, _I, _I, _I, _I, _P, _P, _P, _C])
+        self._glu = bind(library, "me_glu_f32", [_P, _I, _I, _I, _C, _P, _C])
+        self._argmax = bind(library, "me_argmax_logprob_f32", [_P, _I, _I, _I, _P, _P, _C], ctypes.c_int)
+        self._sample = bind(library, "me_sample_f32", [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _C], ctypes.c_int)
+        self._decode_step = bind(library, "me_decode_step_f32", [_P, _P, _C], ctypes.c_int)
+        self.bind_attention(library)
 
     @staticmethod
     def accepts(w: torch.Tensor) -> bool:
@@ -109,7 +93,7 @@ class CpuKernels:
         (as glu's), x is a gated MLP's gate/up output [m, 2 k] and the rows multiplied are
         glu(x, glu): float32 panels compute it as they pack x, with no [m, k] tensor between."""
         if x.dtype is not _F32 or x.ndim != 2 or not x.is_cpu:
-            raise _refused("linear", "x", x, "a float32 CPU matrix [m, k]", _F32)
+            raise refused("linear", "x", x, "a float32 CPU matrix [m, k]", _F32)
         if glu is not None and (type(w) is not Panels or x.shape[0] == 0):
             x, glu = self.glu(x, glu), None
         kind = type(w)
@@ -119,7 +103,7 @@ class CpuKernels:
         data, n = w.data, w.n
         dtype, panel = (_F32, PANEL) if kind is Panels else (_I8, Q8PANEL)
         if data.dtype is not dtype or data.ndim != 3 or not data.is_cpu or not data.is_contiguous():
-            raise _refused("linear", "w.data", data, f"a contiguous {dtype} CPU tensor [ceil(n / {panel}), k, "
+            raise refused("linear", "w.data", data, f"a contiguous {dtype} CPU tensor [ceil(n / {panel}), k, "
                            f"{panel}]", dtype)
         m, k = x.shape
         if glu is not None:
@@ -132,7 +116,7 @@ class CpuKernels:
         if k != kw:
             raise ValueError(f"CpuKernels.linear: x has {k} columns, the weight {kw}")
         if width != panel or count * panel < n:
-            raise _refused("linear", "w.data", data, f"panels of {panel} columns for w.n = {n} rows")
+            raise refused("linear", "w.data", data, f"panels of {panel} columns for w.n = {n} rows")
         if kind is QPanels:
             _check_int8(w)
         sx = x.stride()
@@ -141,13 +125,13 @@ class CpuKernels:
             sx = x.stride()
         if bias is not None:
             if bias.dtype is not _F32 or bias.shape != (n,) or not bias.is_cpu:
-                raise _refused("linear", "bias", bias, f"a float32 CPU vector [n] = [{n}]", _F32)
+                raise refused("linear", "bias", bias, f"a float32 CPU vector [n] = [{n}]", _F32)
             if not bias.is_contiguous():
                 bias = bias.contiguous()
         ldr = 0
         if residual is not None:
             if residual.dtype is not _F32 or residual.shape != (m, n) or not residual.is_cpu:
-                raise _refused("linear", "residual", residual, f"a float32 CPU matrix [m, n] = [{m}, {n}]", _F32)
+                raise refused("linear", "residual", residual, f"a float32 CPU matrix [m, n] = [{m}, {n}]", _F32)
             ldr, unit = residual.stride()
             if unit != 1:
                 residual = residual.contiguous()
@@ -176,12 +160,12 @@ class CpuKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """F.rms_norm over the last dimension of x ([m, n], or [m, heads, n] with heads n apart)."""
         if x.dtype is not _F32 or not 2 <= x.ndim <= 3 or not x.is_cpu:
-            raise _refused("rms_norm", "x", x, "a float32 CPU tensor [m, n] or [m, heads, n]", _F32)
+            raise refused("rms_norm", "x", x, "a float32 CPU tensor [m, n] or [m, heads, n]", _F32)
         if x.stride(-1) != 1:
             x = x.contiguous()
         n = x.shape[-1]
         if weight.dtype is not _F32 or weight.shape != (n,) or not weight.is_cpu:
-            raise _refused("rms_norm", "weight", weight, f"a float32 CPU vector [n] = [{n}]", _F32)
+            raise refused("rms_norm", "weight", weight, f"a float32 CPU vector [n] = [{n}]", _F32)
         if weight.stride(0) != 1:
             weight = weight.contiguous()
         outer = x.shape[0]
@@ -197,21 +181,21 @@ class CpuKernels:
         positions int64 [m]; tables [max_positions, d], every position below max_positions
         (step_ops checks the positions' values)."""
         if x.dtype is not _F32 or x.ndim != 3 or not x.is_cpu:
-            raise _refused("rope_", "x", x, "a float32 CPU tensor [m, heads, d]", _F32)
+            raise refused("rope_", "x", x, "a float32 CPU tensor [m, heads, d]", _F32)
         m, heads, d = x.shape
         sx = x.stride()
         if sx[2] != 1 or (sx[1] != d and heads > 1) or d % 2 or d > MAX_ROPE_DIM:
-            raise _refused("rope_", "x", x, f"heads of d contiguous floats, d even and at most {MAX_ROPE_DIM}")
+            raise refused("rope_", "x", x, f"heads of d contiguous floats, d even and at most {MAX_ROPE_DIM}")
         if positions.dtype is not _I64 or positions.shape != (m,) or not positions.is_cpu:
-            raise _refused("rope_", "positions", positions, f"an int64 CPU vector [m] = [{m}]", _I64)
+            raise refused("rope_", "positions", positions, f"an int64 CPU vector [m] = [{m}]", _I64)
         if positions.stride(0) != 1:
             positions = positions.contiguous()
         for name, table in (("cos", cos), ("signed_sin", signed_sin)):
             if (table.dtype is not _F32 or table.ndim != 2 or table.shape[1] != d or not table.is_cpu
                     or not table.is_contiguous()):
-                raise _refused("rope_", name, table, f"a contiguous float32 CPU table [max_positions, d = {d}]", _F32)
+                raise refused("rope_", name, table, f"a contiguous float32 CPU table [max_positions, d = {d}]", _F32)
         if signed_sin.shape != cos.shape:
-            raise _refused("rope_", "signed_sin", signed_sin, f"of cos's shape {tuple(cos.shape)}")
+            raise refused("rope_", "signed_sin", signed_sin, f"of cos's shape {tuple(cos.shape)}")
         self._rope(x.data_ptr(), m, heads, sx[0], d, positions.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
                    torch.get_num_threads())
         return x
@@ -219,7 +203,7 @@ class CpuKernels:
     def glu(self, gu: torch.Tensor, activation: str) -> torch.Tensor:
         """act(gu[:, :I]) * gu[:, I:] for gu [m, 2 I] (rows of unit stride); act "silu" or "gelu_tanh"."""
         if gu.dtype is not _F32 or gu.ndim != 2 or gu.shape[1] % 2 or not gu.is_cpu:
-            raise _refused("glu", "gu", gu, "a float32 CPU matrix [m, 2 I]", _F32)
+            raise refused("glu", "gu", gu, "a float32 CPU matrix [m, 2 I]", _F32)
         act = GLU_ACTIVATIONS.get(activation)
         if act is None:
             raise ValueError(f"CpuKernels.glu: activation must be one of {sorted(GLU_ACTIVATIONS)}, not {activation!r}")
@@ -230,38 +214,11 @@ class CpuKernels:
         self._glu(gu.data_ptr(), m, gu.stride(0), inter, act, y.data_ptr(), torch.get_num_threads())
         return y
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kpool: torch.Tensor,
-                 vpool: torch.Tensor) -> None:
-        """kpool/vpool (one layer, [blocks, block_size, KVH, D], contiguous) at flat slots = k, v
-        ([n, KVH, D]); slots int64 [n], each already checked against the pool's size."""
-        if k.dtype is not _F32 or k.ndim != 3 or not k.is_cpu:
-            raise _refused("store_kv", "k", k, "a float32 CPU tensor [n, kv_heads, d]", _F32)
-        n, kv_heads, d = k.shape
-        if v.dtype is not _F32 or v.shape != k.shape or not v.is_cpu:
-            raise _refused("store_kv", "v", v, f"a float32 CPU tensor of k's shape {tuple(k.shape)}", _F32)
-        if slots.dtype is not _I64 or slots.shape != (n,) or not slots.is_cpu:
-            raise _refused("store_kv", "slots", slots, f"an int64 CPU vector [n] = [{n}]", _I64)
-        if slots.stride(0) != 1:
-            slots = slots.contiguous()
-        if (kpool.dtype is not _F32 or kpool.ndim != 4 or kpool.shape[2:] != (kv_heads, d) or not kpool.is_cpu
-                or not kpool.is_contiguous()):
-            raise _refused("store_kv", "kpool", kpool,
-                           f"a contiguous float32 CPU pool [blocks, block_size, {kv_heads}, {d}]", _F32)
-        if vpool.dtype is not _F32 or vpool.shape != kpool.shape or not vpool.is_cpu or not vpool.is_contiguous():
-            raise _refused("store_kv", "vpool", vpool, f"a contiguous float32 CPU pool of kpool's shape "
-                           f"{tuple(kpool.shape)}", _F32)
-        if k.stride(2) != 1 or k.stride(1) != d:
-            k = k.contiguous()
-        if v.stride(2) != 1 or v.stride(1) != d:
-            v = v.contiguous()
-        self._store_kv(k.data_ptr(), v.data_ptr(), n, k.stride(0), v.stride(0), kv_heads * d, slots.data_ptr(),
-                       kpool.data_ptr(), vpool.data_ptr())
-
     def argmax_logprob(self, x: torch.Tensor) -> tuple[list[int], list[float]] | None:
         """Each row's first largest logit and its log-probability (x [n, vocab] float32); None
         when a row holds a NaN or an infinite maximum (torch's rules then apply)."""
         if x.dtype is not _F32 or x.ndim != 2 or not x.is_cpu:
-            raise _refused("argmax_logprob", "x", x, "a float32 CPU matrix [rows, vocab]", _F32)
+            raise refused("argmax_logprob", "x", x, "a float32 CPU matrix [rows, vocab]", _F32)
         rows, n = x.shape
         if x.stride(1) != 1:
             x = x.contiguous()
@@ -280,7 +237,7 @@ class CpuKernels:
         (0 keeps all), top_p, min_p and its uniform number u in [0, 1). None when the kernel's
         scratch could not be allocated."""
         if scaled.dtype is not _F32 or scaled.ndim != 2 or not scaled.is_cpu:
-            raise _refused("sample", "scaled", scaled, "a float32 CPU matrix [rows, vocab]", _F32)
+            raise refused("sample", "scaled", scaled, "a float32 CPU matrix [rows, vocab]", _F32)
         rows, n = scaled.shape
         if not len(top_k) == len(top_p) == len(min_p) == len(u) == rows:
             raise ValueError(f"CpuKernels.sample: top_k, top_p, min_p and u need {rows} entries each, one a row")
@@ -293,84 +250,6 @@ class CpuKernels:
                         token.data_ptr(), drawn.data_ptr(), torch.get_num_threads()) != 0:
             return None
         return token, drawn
-
-    def decode_attention(self, q: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, tables: torch.Tensor,
-                         lo: torch.Tensor, hi: torch.Tensor, scale: float, out: torch.Tensor,
-                         softcap: float | None = None) -> None:
-        """out [R, H * D] = attention of q [R, H, D] (heads D floats apart) over keys lo[r]..hi[r]-1
-        of row r, read from one layer's pool ([blocks, block_size, KVH, D], contiguous) through
-        tables ([R, width] int32, rows of unit stride); lo and hi int32 [R]; softcap: Gemma 2's
-        cap of the scaled scores. The blocks those keys fall in, and the bounds, are the
-        caller's to check against the pool and the tables."""
-        if softcap is not None and not softcap > 0:
-            raise ValueError(f"CpuKernels.decode_attention: softcap must be positive or None, got {softcap}")
-        if q.dtype is not _F32 or q.ndim != 3 or not q.is_cpu:
-            raise _refused("decode_attention", "q", q, "a float32 CPU tensor [rows, heads, d]", _F32)
-        rows, heads, d = q.shape
-        sq = q.stride()
-        if sq[2] != 1 or (sq[1] != d and heads > 1):
-            raise _refused("decode_attention", "q", q, "heads of d contiguous floats")
-        if (kpool.dtype is not _F32 or kpool.ndim != 4 or kpool.shape[3] != d or not kpool.is_cpu
-                or not kpool.is_contiguous()):
-            raise _refused("decode_attention", "kpool", kpool,
-                           f"a contiguous float32 CPU pool [blocks, block_size, kv_heads, {d}]", _F32)
-        if vpool.dtype is not _F32 or vpool.shape != kpool.shape or not vpool.is_cpu or not vpool.is_contiguous():
-            raise _refused("decode_attention", "vpool", vpool,
-                           f"a contiguous float32 CPU pool of kpool's shape {tuple(kpool.shape)}", _F32)
-        bs, kv_heads = kpool.shape[1], kpool.shape[2]
-        if kv_heads < 1 or heads > MAX_HEADS or heads % kv_heads or d % 8:
-            raise ValueError(f"CpuKernels.decode_attention: q's {heads} heads of {d} over kpool's {kv_heads} KV heads: "
-                             f"at most {MAX_HEADS} heads, a multiple of the KV heads, d a multiple of 8")
-        if tables.dtype is not _I32 or tables.ndim != 2 or tables.shape[0] != rows or not tables.is_cpu:
-            raise _refused("decode_attention", "tables", tables, f"an int32 CPU matrix [rows = {rows}, width]", _I32)
-        if tables.stride(1) != 1:
-            tables = tables.contiguous()
-        for name, bound in (("lo", lo), ("hi", hi)):
-            if bound.dtype is not _I32 or bound.shape != (rows,) or not bound.is_cpu or not bound.is_contiguous():
-                raise _refused("decode_attention", name, bound, f"a contiguous int32 CPU vector [rows] = [{rows}]",
-                               _I32)
-        if out.dtype is not _F32 or out.shape != (rows, heads * d) or not out.is_cpu or out.stride(1) != 1:
-            raise _refused("decode_attention", "out", out,
-                           f"a float32 CPU matrix [rows, heads * d] = [{rows}, {heads * d}], rows of unit stride", _F32)
-        status = self._attention(q.data_ptr(), rows, sq[0], heads, kv_heads, d, kpool.data_ptr(),
-                                 vpool.data_ptr(), bs, tables.data_ptr(), tables.stride(0), lo.data_ptr(),
-                                 hi.data_ptr(), scale, softcap or 0.0, out.data_ptr(), out.stride(0),
-                                 torch.get_num_threads())
-        if status != 0:
-            raise MemoryError("the decode attention kernel could not allocate its score buffer")
-
-    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int, scale: float,
-                          out: torch.Tensor, softcap: float | None = None) -> None:
-        """out = causal attention of `count` equal prompts (consecutive rows) over themselves:
-        q [rows, heads, d], k and v [rows, kv_heads, d] (heads d floats apart, rows of any
-        stride), out [rows, heads, d] likewise; heads a multiple of kv_heads, rows of count;
-        softcap: Gemma 2's cap of the scaled scores."""
-        if softcap is not None and not softcap > 0:
-            raise ValueError(f"CpuKernels.prefill_attention: softcap must be positive or None, got {softcap}")
-        for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-            if t.dtype is not _F32 or t.ndim != 3 or not t.is_cpu:
-                raise _refused("prefill_attention", name, t, "a float32 CPU tensor [rows, heads, d]", _F32)
-        rows, heads, d = q.shape
-        kv_heads = k.shape[1]
-        if k.shape[0] != rows or k.shape[2] != d or kv_heads < 1 or heads % kv_heads:
-            raise _refused("prefill_attention", "k", k, f"[rows = {rows}, kv_heads, d = {d}], kv_heads dividing "
-                           f"the {heads} heads")
-        if v.shape != k.shape:
-            raise _refused("prefill_attention", "v", v, f"of k's shape {tuple(k.shape)}")
-        if out.shape != q.shape:
-            raise _refused("prefill_attention", "out", out, f"of q's shape {tuple(q.shape)}")
-        if not isinstance(count, int) or count < 1 or rows % count:
-            raise ValueError(f"CpuKernels.prefill_attention: count must be a positive int dividing the {rows} rows, "
-                             f"not {count!r}")
-        for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-            if t.stride(2) != 1 or t.stride(1) != d:
-                raise ValueError(f"CpuKernels.prefill_attention: q, k, v and out need heads of d contiguous floats; "
-                                 f"{name} has strides {t.stride()}")
-        status = self._prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), count, rows // count, q.stride(0),
-                                         k.stride(0), v.stride(0), heads, kv_heads, d, scale, softcap or 0.0,
-                                         out.data_ptr(), out.stride(0), torch.get_num_threads())
-        if status:
-            raise MemoryError("the prefill attention kernel could not allocate its scratch")
 
     def isa(self, avx512: bool | None = None) -> str:
         """The instructions of the wide paths (the int8 dot products, the float32 tiles past
@@ -407,7 +286,7 @@ def _check_int8(w: QPanels) -> None:
     scales, groups = w.scales, -(-k // QGROUP)
     if (scales.dtype is not _F32 or scales.shape != (count, groups, Q8PANEL) or not scales.is_cpu
             or not scales.is_contiguous()):
-        raise _refused("linear", "w.scales", scales, f"a contiguous float32 CPU tensor [{count}, ceil(k / {QGROUP}), "
+        raise refused("linear", "w.scales", scales, f"a contiguous float32 CPU tensor [{count}, ceil(k / {QGROUP}), "
                        f"{Q8PANEL}] = [{count}, {groups}, {Q8PANEL}]", _F32)
 
 

@@ -42,10 +42,11 @@ static inline int64_t run_at(const float *pool, const int32_t *table, int64_t bs
  * scores: (kv1 - kv0) * group * keys floats. Block by block, each K and V block (all its KV
  * heads: a contiguous run of the pool) is read once, in order, while it sits in L1.
  * softcap > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax
- * (Gemma 2); 0: none. */
+ * (Gemma 2); 0: none. sinks: one logit per query head of the model (GPT-OSS's attention
+ * sinks), a key with no value that each head's softmax also normalises over; NULL: none. */
 static inline void attend_row(const float *q, int64_t group, int64_t d, const float *kpool, const float *vpool,
                        int64_t bs, int64_t kv_heads, int64_t kv0, int64_t kv1, const int32_t *table, int64_t lo,
-                       int64_t hi, float scale, float softcap, float *scores, float *out) {
+                       int64_t hi, float scale, float softcap, const float *sinks, float *scores, float *out) {
     const int64_t keys = hi - lo;
     const int64_t stride = kv_heads * d;  /* floats between consecutive slots of a block */
     const int64_t heads = (kv1 - kv0) * group;  /* query heads of this task, from kv0 * group */
@@ -53,6 +54,7 @@ static inline void attend_row(const float *q, int64_t group, int64_t d, const fl
     const int whole = kv0 == 0 && kv1 == kv_heads;  /* the task reads whole slots */
     q += kv0 * group * d;
     out += kv0 * group * d;
+    if (sinks) sinks += kv0 * group;
     /* Scores, a run of slots of one block (up to 8) at a time. A task that reads whole slots
      * reads the next run in order while this one's scores are computed, a share before each
      * head (bench/RESULTS.md run 15: 30 layers from memory 11.0 -> 10.1 ms at 32 rows); the
@@ -95,6 +97,8 @@ static inline void attend_row(const float *q, int64_t group, int64_t d, const fl
         _mm256_storeu_ps(lanes, mx);
         for (int i = 0; i < 8; i++) best = lanes[i] > best ? lanes[i] : best;
         for (int64_t t = j; t < keys; t++) best = sh[t] > best ? sh[t] : best;
+        const float sink = sinks ? sinks[h] : -INFINITY;  /* exp(-inf) adds nothing */
+        best = sink > best ? sink : best;
         const __m256 top = _mm256_set1_ps(best);
         __m256 acc = _mm256_setzero_ps();
         for (j = 0; j + 8 <= keys; j += 8) {
@@ -109,7 +113,7 @@ static inline void attend_row(const float *q, int64_t group, int64_t d, const fl
             _mm256_maskstore_ps(sh + j, mask, e);
             acc = _mm256_add_ps(acc, e);
         }
-        inv_sum[h] = 1.0f / hsum(acc);
+        inv_sum[h] = 1.0f / (hsum(acc) + expf(sink - best));
     }
     /* The values, weighted, into out (which accumulates, then is scaled by 1 / sum). */
     const int64_t chunks = d / 8;

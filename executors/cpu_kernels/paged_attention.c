@@ -19,12 +19,14 @@
 #include "attention_row.h"
 
 /* out[r] = attention of q[r] ([heads, d], rows ldq apart) over row r's keys, for r < rows;
- * out rows ldo apart; softcap > 0 caps the scores (attend_row), 0 leaves them. heads <=
+ * out rows ldo apart; softcap > 0 caps the scores (attend_row), 0 leaves them; sinks: a
+ * logit per query head the softmax also normalises over (attend_row), NULL: none. heads <=
  * MAX_HEADS and d a multiple of 8 (the caller checks). Returns 0, or -1 when a scratch
  * allocation failed. */
 int me_decode_attention_f32(const float *q, int64_t rows, int64_t ldq, int64_t heads, int64_t kv_heads, int64_t d,
                             const float *kpool, const float *vpool, int64_t bs, const int32_t *tables, int64_t ldt,
-                            const int32_t *lo, const int32_t *hi, float scale, float softcap, float *out, int64_t ldo,
+                            const int32_t *lo, const int32_t *hi, float scale, float softcap, const float *sinks,
+                            float *out, int64_t ldo,
                             int threads) {
     const int64_t group = heads / kv_heads;
     int64_t longest = 0;
@@ -43,7 +45,7 @@ int me_decode_attention_f32(const float *q, int64_t rows, int64_t ldq, int64_t h
             const int64_t r = task / split, kv0 = split == 1 ? 0 : task % split;
             const int64_t kv1 = split == 1 ? kv_heads : kv0 + 1;
             attend_row(q + r * ldq, group, d, kpool, vpool, bs, kv_heads, kv0, kv1, tables + r * ldt, lo[r], hi[r],
-                       scale, softcap, scores, out + r * ldo);
+                       scale, softcap, sinks, scores, out + r * ldo);
         }
         free(scores);
     }

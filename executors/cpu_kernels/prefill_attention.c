@@ -18,8 +18,9 @@
 #include "panel.h"
 
 /* Scale row s[0, valid) (softcap > 0: then cap it, softcap * tanh(s / softcap), Gemma 2),
- * softmax it in place, and zero s[valid, width). */
-static void softmax_row(float *s, int64_t valid, int64_t width, float scale, float softcap) {
+ * softmax it in place, normalising over one more logit, `sink` (GPT-OSS's attention sink, a
+ * key without a value; -INFINITY: none), and zero s[valid, width). */
+static void softmax_row(float *s, int64_t valid, int64_t width, float scale, float softcap, float sink) {
     if (softcap > 0.0f) {  /* scaled and capped here; the loops below scale by 1 */
         for (int64_t j = 0; j < valid; j++) s[j] = tanhf(s[j] * scale / softcap) * softcap;
         scale = 1.0f;
@@ -40,6 +41,7 @@ static void softmax_row(float *s, int64_t valid, int64_t width, float scale, flo
     float lanes[8];
     _mm256_storeu_ps(lanes, vmax);
     for (int i = 0; i < 8; i++) top = lanes[i] > top ? lanes[i] : top;
+    top = sink > top ? sink : top;
     const __m256 vtop = _mm256_set1_ps(top);
     __m256 vsum = _mm256_setzero_ps();
     for (int64_t j = 0; j < full; j += 8) {
@@ -47,7 +49,7 @@ static void softmax_row(float *s, int64_t valid, int64_t width, float scale, flo
         _mm256_storeu_ps(s + j, e);
         vsum = _mm256_add_ps(vsum, e);
     }
-    float sum = hsum(vsum);
+    float sum = hsum(vsum) + expf(sink - top);
     for (int64_t j = full; j < valid; j++) {
         s[j] = expf(s[j] - top);
         sum += s[j];
@@ -78,10 +80,10 @@ static void pack_kv(const float *k, const float *v, int64_t n, int64_t ld_k, int
 
 /* out = causal attention of `count` prompts of n tokens each over themselves (see the top).
  * heads a multiple of kv_heads; softcap > 0 caps the scaled scores (softmax_row), 0 leaves
- * them. Returns 0, or -1 when a scratch allocation failed. */
+ * them; sinks: a logit per query head each softmax also normalises over, NULL: none. Returns 0, or -1 when a scratch allocation failed. */
 int me_prefill_attention_f32(const float *q, const float *k, const float *v, int64_t count, int64_t n, int64_t ldq,
                              int64_t ldk, int64_t ldv, int64_t heads, int64_t kv_heads, int64_t d, float scale,
-                             float softcap, float *out, int64_t ldo, int threads) {
+                             float softcap, const float *sinks, float *out, int64_t ldo, int threads) {
     const int64_t group = heads / kv_heads;
     const int64_t key_panels = (n + PANEL - 1) / PANEL, dim_panels = (d + PANEL - 1) / PANEL;
     const int64_t width = key_panels * PANEL;  /* a score row's floats */
@@ -112,7 +114,8 @@ int me_prefill_attention_f32(const float *q, const float *k, const float *v, int
             const int64_t seen = (t1 + PANEL - 1) / PANEL;  /* key panels up to the tile's last token */
             for (int64_t j = 0; j < seen; j++)
                 panel_tile_rows(x, ldq, mr, kp + j * d * PANEL, d, PANEL, NULL, NULL, 0, scores + j * PANEL, width);
-            for (int64_t r = 0; r < mr; r++) softmax_row(scores + r * width, t0 + r + 1, t1, scale, softcap);
+            for (int64_t r = 0; r < mr; r++) softmax_row(scores + r * width, t0 + r + 1, t1, scale, softcap,
+                                                     sinks ? sinks[h] : -INFINITY);
             float *y = out + (c * n + t0) * ldo + h * d;
             for (int64_t p = 0; p < dim_panels; p++) {
                 const int cols = (int)(d - p * PANEL < PANEL ? d - p * PANEL : PANEL);

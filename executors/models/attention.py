@@ -35,10 +35,11 @@ A third implementation, for CUDA, is the Triton kernels of triton_attention.py
 with no plan of views and gathers.
 
 Per-layer options (`LayerAttention`, set by the decoder on the context): a sliding window
-(a query at position p sees keys p-W+1..p), the score scale and Gemma 2's soft-cap of the
-scores, which SDPA, flash and the Triton kernels do not apply: soft-capped layers take the
-reference computation, but for a float32 CPU step's decode rows and whole fresh prompts,
-which the CPU kernels cap (`_softcapped`). Every path
+(a query at position p sees keys p-W+1..p), the score scale, Gemma 2's soft-cap of the
+scores and GPT-OSS's attention sinks (a logit per head each softmax also normalises over),
+which SDPA, flash and the Triton kernels do not apply: such layers take the reference
+computation, but for a float32 CPU step's decode rows and whole fresh prompts, which the CPU
+kernels compute (`_scored`). Every path
 honours the window: the plan of a sliding layer reads only the blocks that hold keys inside
 it (one plan per distinct window, built on the first layer that needs it) and masks the
 keys of its first block that fell out; the reference gathers only the positions inside it.
@@ -93,6 +94,14 @@ class LayerAttention:
     window: int | None = None  # keys p-window+1..p for a query at p; None: every earlier key
     scale: float | None = None  # of q.k; None: 1/sqrt(head_dim)
     softcap: float | None = None  # Gemma 2: scores -> softcap * tanh(scores / softcap)
+    # GPT-OSS: [H] float32, one logit per query head that its softmax also normalises over
+    # (a key with no value); the layer's parameter, set once the weights are loaded.
+    sinks: torch.Tensor | None = field(default=None, compare=False)
+
+    @property
+    def scored(self) -> bool:
+        """Whether the scores need what SDPA does not compute (a cap, sinks)."""
+        return self.softcap is not None or self.sinks is not None
 
 
 PLAIN = LayerAttention()
@@ -136,8 +145,8 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: S
     spec = ctx.layer(layer)
     if ctx.reference:
         return attend_reference(layer, q, k, v, ctx)
-    if spec.softcap is not None:
-        return _softcapped(layer, q, k, v, ctx, spec)
+    if spec.scored:
+        return _scored(layer, q, k, v, ctx, spec)
     pool = ctx.pool
     if ctx.backend == "triton" and pool is not None:
         from executors.models import triton_attention  # triton is needed only on this path
@@ -207,12 +216,12 @@ def _plan(ctx: StepContext, spec: LayerAttention, m: int, device) -> AttentionPl
     return plan
 
 
-def _softcapped(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
-                spec: LayerAttention) -> torch.Tensor:
-    """Gemma 2's soft-capped scores, which SDPA and flash do not cap: on a float32 CPU step,
-    the decode rows through the CPU decode kernel and the whole fresh prompts through the
-    prefill kernel, which do; every other row (chunks, prompts a window masks), and every
-    row elsewhere, through the reference."""
+def _scored(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
+            spec: LayerAttention) -> torch.Tensor:
+    """Gemma 2's soft-capped scores and GPT-OSS's sinks, which SDPA and flash do not compute:
+    on a float32 CPU step, the decode rows through the CPU decode kernel and the whole fresh
+    prompts through the prefill kernel, which do; every other row (chunks, prompts a window
+    masks), and every row elsewhere, through the reference."""
     plan = _plan(ctx, spec, q.shape[0], q.device) if ctx.cpu is not None and q.dtype == torch.float32 else None
     fresh = [f for f in plan.fresh if _kernel_fresh(ctx, q, f)] if plan is not None else []
     if plan is None or (plan.paged is None and not fresh):
@@ -225,29 +234,30 @@ def _softcapped(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     m, heads, d = q.shape
     rows = out.view(m, heads, d)
     if p is not None:
-        _paged_rows(ctx.cpu, q, ctx.pool, layer, p, spec.scale, rows, spec.softcap)
+        _paged_rows(ctx.cpu, q, ctx.pool, layer, p, spec.scale, rows, spec)
     for f in fresh:
         span = slice(f.r0, f.r0 + f.count * f.n)
-        ctx.cpu.prefill_attention(q[span], k[span], v[span], f.count, _scale(spec.scale, d), rows[span], spec.softcap)
+        ctx.cpu.prefill_attention(q[span], k[span], v[span], f.count, _scale(spec.scale, d), rows[span], spec.softcap,
+                                  spec.sinks)
     return out
 
 
 def _paged(cpu: CpuKernels, q: torch.Tensor, pool: PagedKvPool, layer: int, p: PagedRows, scale: float | None,
-           out: torch.Tensor, softcap: float | None = None) -> None:
+           out: torch.Tensor, spec: LayerAttention = PLAIN) -> None:
     """Decode rows through the CPU kernel, reading the pool in place: out [count, H * D]."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     cpu.decode_attention(q, pool.key[layer], pool.value[layer], p.tables, p.lo, p.hi,
-                         _scale(scale, q.shape[2]), out, softcap)
+                         _scale(scale, q.shape[2]), out, spec.softcap, spec.sinks)
 
 
 def _paged_rows(cpu: CpuKernels, q: torch.Tensor, pool: PagedKvPool, layer: int, p: PagedRows, scale: float | None,
-                out: torch.Tensor, softcap: float | None = None) -> None:
+                out: torch.Tensor, spec: LayerAttention = PLAIN) -> None:
     """The decode rows of a mixed step through the CPU kernel, into their rows of out [M, H, D]."""
     heads, d = q.shape[1:]
     res = q.new_empty(p.count, heads * d)
     _paged(cpu, q[p.rows] if isinstance(p.rows, slice) else q.index_select(0, p.rows), pool, layer, p, scale, res,
-           softcap)
+           spec)
     if isinstance(p.rows, slice):
         out[p.rows] = res.view(p.count, heads, d)
     else:

@@ -1,8 +1,9 @@
 """The reference attention: each segment gathers its whole context from the pool slot by slot
 (an index_select of every cached position, only those inside a sliding window) and attends
 over the copy. The fast path (attention.py) is checked against it, and it serves what the
-fused paths do not compute: Gemma 2's soft-capped scores, but for the decode rows and whole
-fresh prompts of a float32 CPU step, which the CPU kernels cap.
+fused paths do not compute: Gemma 2's soft-capped scores and GPT-OSS's attention sinks, but
+for the decode rows and whole fresh prompts of a float32 CPU step, which the CPU kernels
+compute.
 """
 
 from __future__ import annotations
@@ -60,11 +61,12 @@ def _context_slots(seg: Segment, pool: PagedKvPool) -> torch.Tensor:
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, spec: LayerAttention | None = None,
          key_start: int = 0) -> torch.Tensor:
     """Causal attention of n queries at positions start.. over the keys at positions
-    key_start..start+n-1, within spec's window, with its scale and soft-cap (None: none)."""
+    key_start..start+n-1, within spec's window, with its scale, soft-cap and sinks (None: none)."""
     n, length = q.shape[0], k.shape[0]
-    window, scale, softcap = (None, None, None) if spec is None else (spec.window, spec.scale, spec.softcap)
-    if softcap is not None:
-        return _softcapped(q, k, v, visibility(n, start, length, key_start, window, q.device), scale, softcap)
+    window, scale = (None, None) if spec is None else (spec.window, spec.scale)
+    if spec is not None and (spec.softcap is not None or spec.sinks is not None):
+        return explicit(q, k, v, visibility(n, start, length, key_start, window, q.device), scale, spec.softcap,
+                        spec.sinks)
     qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     windowed = window is not None and start + n - key_start > window
     if n == 1 and not windowed:
@@ -77,10 +79,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, spec: La
     return out.squeeze(0).transpose(0, 1)
 
 
-def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float | None,
-                softcap: float) -> torch.Tensor:
-    """Attention with Gemma 2's soft-capped scores, as its reference computes them: scaled
-    q.k, capped by softcap * tanh(s / softcap), masked, softmax in float32. The query heads
+def explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float | None,
+             softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention with the scores written out, as the models' references compute them: scaled
+    q.k, capped by softcap * tanh(s / softcap) (Gemma 2), masked, softmax in float32 over the
+    keys and each head's sink logit (GPT-OSS's `sinks` [H]: a key without a value, its share of
+    the weights dropped, as GptOssAttention's eager computation does). The query heads
     of each KV head are grouped against that head's K and V as they lie (strided views, no
     repeated copy: 8x faster for one query over 1024 keys than repeating K and V)."""
     n, heads, d = q.shape
@@ -89,8 +93,13 @@ def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torc
     qg = q.view(n, kvh, group, d).permute(1, 2, 0, 3).reshape(kvh, group * n, d)  # rows (g, i) of each KV head
     scores = torch.bmm(qg, k.permute(1, 2, 0))  # [KVH, G n, L]
     scores = scores * (scale if scale is not None else d ** -0.5)
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~visible.repeat(group, 1), float("-inf"))
-    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible.repeat(group, 1), float("-inf")).float()
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1).to(q.dtype)
+    else:  # [KVH, G n, 1]: head (kv head, g)'s sink on each of its n rows
+        sink = sinks.float().view(kvh, group, 1, 1).expand(kvh, group, n, 1).reshape(kvh, group * n, 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
     out = torch.bmm(weights, v.transpose(0, 1))  # [KVH, G n, D]
     return out.view(kvh, group, n, d).permute(2, 0, 1, 3).reshape(n, heads, d)

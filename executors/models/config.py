@@ -29,6 +29,7 @@ from executors.models.families import (
     FUSED_CHECKPOINT,
     GELU_TANH,
     GEMMA_FAMILIES,
+    GPT_OSS_ROPE,
     LAYER_NORM_FAMILIES,
     MULTIMODAL_TEXT,
     POST_NORM_FAMILIES,
@@ -119,6 +120,9 @@ class DecoderConfig:
     # checkpoints); gate_up is then up's weight alone ([I, hidden]).
     mlp_gated: bool = True
     lm_head_bias: bool = False  # Phi: the logits plus a bias per token
+    # GPT-OSS: each attention layer's `sinks`, a logit per query head that its softmax also
+    # normalises over (a key with no value), so a head can attend to nothing.
+    attention_sinks: bool = False
     # The text model of a multimodal checkpoint (`architecture` names the whole; the loader
     # reads language_model.* under the decoder's names and skips the vision tower).
     multimodal: bool = False
@@ -168,6 +172,8 @@ class DecoderConfig:
             return cfg[key]
 
         defaults = FAMILY_DEFAULTS[family]
+        if family == "gpt_oss" and not cfg.get("rope_scaling") and not cfg.get("rope_parameters"):
+            cfg = {**cfg, "rope_parameters": GPT_OSS_ROPE}  # as GptOssConfig defaults it
         if cfg.get("use_sliding_window") and family != "smollm3":
             raise UnsupportedModel(f"sliding-window attention (use_sliding_window: true) is not supported for {arch}")
         if cfg.get("use_bidirectional_attention"):
@@ -261,6 +267,7 @@ class DecoderConfig:
                                                                           and cfg.get("use_parallel_residual")),
             mlp_gated=family not in UNGATED_FAMILIES,
             lm_head_bias=family == "phi",
+            attention_sinks=family == "gpt_oss",
             multimodal=wrapper is not None,
             raw=cfg,
         )

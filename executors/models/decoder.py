@@ -51,7 +51,7 @@ from executors.models.decoder_modules import DecoderModel, Reduce
 from executors.models.fused_decode import FusedDecode
 from executors.models.fused_weights import FusedLayer, fuse_layers
 from executors.models.layers import RotaryEmbedding, activation
-from executors.models.moe import grouped_backend
+from executors.models.moe_grouped import grouped_backend
 
 __all__ = ["DecoderLM", "FusedLayer"]  # FusedLayer: step_ops.py types its tuples by it, imported from here
 
@@ -68,11 +68,8 @@ class DecoderLM(nn.Module):
         self.all_reduce: Reduce | None = None
         self.mean_over_ranks: Reduce | None = None
         self.model = DecoderModel(config)
+        self.attn_layers: tuple[LayerAttention, ...] = ()
         self.reset_buffers()
-        # Each layer's attention options; () when every layer is plain (no window, default scale).
-        specs = tuple(LayerAttention(config.window(i), config.attn_scale, config.attn_softcap)
-                      for i in range(config.num_layers))
-        self.attn_layers = specs if any(s != LayerAttention() for s in specs) else ()
         self.act = activation(config.hidden_act)
         if not config.tie_word_embeddings:
             rows = config.vocab_size if head_rows is None else head_rows[1] - head_rows[0]
@@ -108,6 +105,17 @@ class DecoderLM(nn.Module):
             # Rows routed to each expert of each layer since start (dense layers' rows stay 0).
             self.register_buffer("expert_load", torch.zeros(c.num_layers, c.moe.num_experts, dtype=torch.int64,
                                                             device=device), persistent=False)
+        self.attn_layers = self._attention_specs()
+
+    def _attention_specs(self) -> tuple[LayerAttention, ...]:
+        """Each layer's attention options; () when every layer is plain (no window, default
+        scale). GPT-OSS's sinks are the layers' parameters: made again wherever those may have
+        been replaced (after a load, a move, fuse())."""
+        c = self.config
+        specs = tuple(LayerAttention(c.window(i), c.attn_scale, c.attn_softcap,
+                                     layer.self_attn.sinks.detach() if c.attention_sinks else None)
+                      for i, layer in enumerate(self.model.layers))
+        return specs if c.attention_sinks or any(s != LayerAttention() for s in specs) else ()
 
     def rope_for(self, layer: int) -> RotaryEmbedding | None:
         """The rotary table of a layer: Gemma's sliding layers have their own base; SmolLM3's
@@ -125,6 +133,7 @@ class DecoderLM(nn.Module):
         c = self.config
         fused = fuse_layers(self.model, c)
         self.fused = fused
+        self.attn_layers = self._attention_specs()
         self.final_norm = self.model.norm.fused_weight()
         if c.moe is not None:  # pick the grouped GEMM for this device and dtype now, not inside a graph capture
             embed = self.model.embed_tokens.weight
@@ -204,6 +213,7 @@ class DecoderLM(nn.Module):
         self.final_norm = None
         self.fused_decode = None
         out = super()._apply(fn, recurse)
+        self.attn_layers = self._attention_specs()
         if fused:
             self.fuse()
         return out

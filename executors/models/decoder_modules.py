@@ -42,6 +42,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        if c.attention_sinks:  # GPT-OSS: a logit per head (attention.LayerAttention.sinks)
+            self.sinks = nn.Parameter(torch.zeros(c.num_heads))
         self.across_heads = c.qk_norm_across_heads  # OLMo 2
         if c.qk_norm and c.layer_norm:  # Command R+: LayerNorms of each head, a weight row per head
             self.q_norm = HeadLayerNorm(c.num_heads, c.head_dim, c.rms_norm_eps)

@@ -39,7 +39,11 @@ ARCHITECTURES = {
     "PhiForCausalLM": ("phi", False),
     "Glm4MoeForCausalLM": ("glm4_moe", False),  # per-head q/k norms where use_qk_norm says
     "MiniMaxM2ForCausalLM": ("minimax_m2", True),
+    "GptOssForCausalLM": ("gpt_oss", False),
 }
+# GptOssConfig's rope where a file has none: YaRN over an original 4096 positions.
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
 # Multimodal architectures whose text model the decoder serves, and that model's architecture
 # (its config in text_config, or Qwen2.5-VL's older top level; its weights under
 # language_model.* or model.*, read by checkpoint_sections.text_tensor_name, the towers skipped).
@@ -124,7 +128,15 @@ def _without_mrope(text: dict[str, Any]) -> dict[str, Any]:
 def refuse_unserved_options(cfg: dict[str, Any], family: str) -> None:
     """Options that change the layer in ways the decoder does not compute: q/k LayerNorms
     (StableLM 2 12B's, a LayerNorm module per head; Phi's), a tied lm_head beside
-    Phi's lm_head bias, OLMoE's clipped q/k/v."""
+    Phi's lm_head bias, OLMoE's clipped q/k/v; weights quantized by a method the loader does
+    not read (all but GPT-OSS's MXFP4 experts, which it dequantizes)."""
+    quant = cfg.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        if not (family == "gpt_oss" and method == "mxfp4"):
+            raise UnsupportedModel(f"quantization_config with quant_method {method!r} is not supported: the loader "
+                                   "reads unquantized safetensors (and GPT-OSS's MXFP4 experts); --quantization "
+                                   "int8 quantizes float32 weights as they load")
     for key, fam, what in (("qk_layernorm", "stablelm", "q/k LayerNorms with a weight per head"),
                            ("qk_layernorm", "phi", "q/k LayerNorms")):
         if family == fam and cfg.get(key):

@@ -154,6 +154,8 @@ def unsupported(model: DecoderLM) -> str | None:
         return "a tensor-parallel shard"
     if c.qk_norm and c.layer_norm:
         return "q/k LayerNorms with a weight per head"
+    if c.attention_sinks:
+        return "attention sinks"
     for table in (model.rope, model.rope_local):
         if table is not None and (table.cos.dtype != torch.float32 or not table.cos.is_contiguous()
                                   or not table.signed_sin.is_contiguous() or table.cos.shape != model.rope.cos.shape):

@@ -13,7 +13,7 @@ from executors.models.family_defaults import FamilyDefaults
 # Families whose every layer sees the same `sliding_window` (when the config sets one).
 WINDOWED_FAMILIES = ("mistral", "mixtral", "phi3", "starcoder2")
 # Families whose layers slide or not by `layer_types` (or the older keys that stand for it).
-LAYER_TYPE_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo3", "exaone4", "ministral", "cohere2")
+LAYER_TYPE_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo3", "exaone4", "ministral", "cohere2", "gpt_oss")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -60,9 +60,9 @@ def _implied_layer_types(cfg: dict[str, Any], family: str, defaults: FamilyDefau
         return ["full_attention"] * layers
     if family == "ministral":  # MinistralConfig: every layer slides where there is a window
         return ["full_attention" if window is None else "sliding_attention"] * layers
-    # Gemma, OLMo 3, EXAONE 4 and Cohere 2: every `sliding_window_pattern`-th layer is global (only
-    # Gemma 3, EXAONE 4 and Cohere 2 read the key: Gemma 2's every other layer slides, from the first; OLMo 3's
-    # three of four).
+    # Gemma, OLMo 3, EXAONE 4, Cohere 2 and GPT-OSS: every `sliding_window_pattern`-th layer is
+    # global (only Gemma 3, EXAONE 4 and Cohere 2 read the key: Gemma 2's and GPT-OSS's every other
+    # layer slides, from the first; OLMo 3's three of four).
     pattern = (cfg.get("sliding_window_pattern", defaults.sliding_window_pattern)
                if family in ("gemma3", "exaone4", "cohere2")
                else defaults.sliding_window_pattern)

@@ -3,7 +3,8 @@
 Tensors are read through safetensors' memory map, one at a time, converted to the serving
 dtype and moved to the device, so peak host memory stays near one copy of the weights.
 Every expected tensor must be present with its exact shape; anything else is an error
-that names the tensor, raised at start-up.
+that names the tensor, raised at start-up. GPT-OSS's MXFP4 experts (a `_blocks` and a
+`_scales` tensor each) are dequantized as they are read (mxfp4.py).
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import torch
 from safetensors import safe_open
 
 from executors.cpu_kernels.qpanels import QGROUP, quantize
+from executors.models import mxfp4
 from executors.models.checkpoint_sections import RowWindow, fused_sections, fused_shape, text_tensor_name
 from executors.models.config import DecoderConfig, UnsupportedModel
 from executors.models.decoder import DecoderLM
-from executors.models.served_tensors import served
+from executors.models.served_tensors import served, stored_shape
+from executors.models.stacked_experts import TRANSPOSED
 
 if TYPE_CHECKING:
     from executors.parallel.shard import ShardPlan
@@ -106,6 +109,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
              len(files), "" if len(files) == 1 else "s", str(dtype).removeprefix("torch."), device)
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
+    halves: dict[str, dict[str, torch.Tensor]] = {}  # an MXFP4 matrix's blocks or scales, till both are read
     progress, started = _Progress(model_dir.name, total), time.perf_counter()
     sections = fused_sections(config)  # Phi-3's qkv_proj, GLM-4's gate_up_proj and norms: cut or renamed
     for path in files:
@@ -129,25 +133,42 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                         state[part] = _converted(served(part, mine, config), dtype, device)
                     progress.add(sizes[path].get(stored, 0))
                     continue
-                if name not in expected:
+                quantized = _mxfp4_part(name, config)
+                if quantized is not None and quantized[0] in expected:
+                    progress.add(sizes[path].get(stored, 0))
+                    base, part = quantized
+                    halves.setdefault(base, {})[part] = f.get_tensor(stored)
+                    if len(halves[base]) < 2:
+                        continue
+                    pair = halves.pop(base)
+                    # As the checkpoint's unquantized tensor ([E, hidden, 2I], x @ it): a view
+                    name, stored = base, base + mxfp4.BLOCKS
+                    tensor = piece = mxfp4.dequantize(pair[mxfp4.BLOCKS], pair[mxfp4.SCALES],
+                                                      _mxfp4_dtype(dtype)).transpose(1, 2)
+                    shape = tuple(tensor.shape)
+                elif name not in expected:
                     tied_head = name == "lm_head.weight" and config.tie_word_embeddings
                     if not tied_head and not name.endswith(IGNORED_SUFFIXES) and not _extra_layer(name, config):
                         unexpected.append(stored)
                     progress.add(sizes[path].get(stored, 0))  # skipped: done with it too
                     continue
-                if plan is None:
+                elif plan is None:
                     tensor = f.get_tensor(stored)
                     shape = tuple(tensor.shape)
+                    progress.add(sizes[path].get(stored, 0))
                 else:
                     piece = f.get_slice(stored)
                     shape = tuple(piece.get_shape())
-                if shape != expected_full[name]:
-                    raise UnsupportedModel(
-                        f"{path.name}: tensor {stored} has shape {shape}, the config implies {expected_full[name]}")
+                    progress.add(sizes[path].get(stored, 0))
+                want = stored_shape(name, expected_full[name], config)
+                if shape != want:
+                    raise UnsupportedModel(f"{path.name}: tensor {stored} has shape {shape}, the config implies {want}")
                 if plan is not None:
                     tensor = plan.read(name, piece, shape)
                 state[name] = _converted(served(name, tensor, config), _serving_dtype(name, dtype), device)
-                progress.add(sizes[path].get(stored, 0))
+    for base, pair in halves.items():
+        found, lacking = next(iter(pair)), ({mxfp4.BLOCKS, mxfp4.SCALES} - set(pair)).pop()
+        raise UnsupportedModel(f"{model_dir}: MXFP4 tensor {base}{found} has no {base}{lacking} beside it")
     missing = sorted(set(expected) - set(state))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -164,6 +185,19 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     model.fuse()  # the fast forward's fused q/k/v and gate/up weights; the parameters become views
     log.info("loaded %s (%s) in %.1f s", model_dir.name, config.architecture, time.perf_counter() - started)
     return model.eval()
+
+
+def _mxfp4_part(name: str, config: DecoderConfig) -> tuple[str, str] | None:
+    """(the matrix, BLOCKS or SCALES) for half of one of GPT-OSS's MXFP4 expert matrices; None otherwise."""
+    part = mxfp4.parts(name)
+    if part is None or config.moe is None or not config.moe.stacked or not part[0].endswith(TRANSPOSED):
+        return None
+    return part
+
+
+def _mxfp4_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What MXFP4 values are dequantized to: float32 for a float32 model, else bfloat16 (exact)."""
+    return torch.float32 if dtype == torch.float32 else torch.bfloat16
 
 
 def _serving_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -214,7 +248,8 @@ def checkpoint_parameters(model_dir: str | Path, dtype: torch.dtype,
                 name = text_tensor_name(stored, config)
                 if name is not None:
                     found[name], stored_as[name] = f, stored
-        missing = [name for name in names if sections.get(name, (name,))[0] not in found]
+        missing = [name for name in names if sections.get(name, (name,))[0] not in found
+                   and not {name + mxfp4.BLOCKS, name + mxfp4.SCALES} <= set(found)]
         if missing:
             raise UnsupportedModel(f"{model_dir}: missing tensors: {', '.join(missing[:5])}")
         last_fused: tuple[str, torch.Tensor] | None = None  # q, k and v (gate and up) follow one another
@@ -224,6 +259,9 @@ def checkpoint_parameters(model_dir: str | Path, dtype: torch.dtype,
                 if last_fused is None or last_fused[0] != fused:
                     last_fused = (fused, found[fused].get_tensor(stored_as[fused]))
                 tensor = last_fused[1][lo:hi]
+            elif name not in found:  # GPT-OSS's MXFP4 experts, as the loader reads them
+                blocks, scales = (found[name + s].get_tensor(stored_as[name + s]) for s in (mxfp4.BLOCKS, mxfp4.SCALES))
+                tensor = mxfp4.dequantize(blocks, scales, _mxfp4_dtype(dtype)).transpose(1, 2)
             else:
                 tensor = found[name].get_tensor(stored_as[name])
             # as the loader: served, then the dtype

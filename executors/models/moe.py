@@ -12,9 +12,9 @@ fused q/k/v):
 2. the M*k pairs are sorted by expert (a stable sort), so each expert's rows are one
    contiguous slice of a gathered [M*k, hidden] matrix;
 3. every expert with rows runs one gate/up matmul and one down matmul over its slice
-   (`grouped_swiglu`: a loop over the experts that have rows, on a CPU, through the CPU
-   kernels' panels where the dense layers use them (`experts_on_panels`); on CUDA torch's
-   grouped GEMM or the Triton kernel of moe_triton.py, one launch for all experts);
+   (moe_grouped.py: a loop over the experts that have rows on a CPU, through the CPU
+   kernels' panels where the dense layers use them; on CUDA a grouped GEMM, one launch for
+   all experts);
 4. the rows are scaled by their weights and added back in place (step_ops.add_rows_).
 
 An expert that no row picked costs nothing; a decode step at batch 1 with top-2 reads two
@@ -32,7 +32,6 @@ built.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -43,14 +42,10 @@ from torch import nn
 from executors.descriptions import ExpertLoad
 from executors.models.config import DecoderConfig
 from executors.models.layers import MLP, activation
+from executors.models.moe_grouped import experts_on_panels, grouped_swiglu
 from executors.models.moe_routing import SigmoidRouting, expert_counts, route
+from executors.models.stacked_experts import StackedExperts, gated
 from executors.models.step_ops import add_rows_
-
-# Grouped GEMM implementation on CUDA: "torch" (torch._grouped_mm), "triton"
-# (moe_triton.py) or "loop" (the CPU loop); chosen at the first use by `grouped_backend`.
-_BACKENDS: dict[tuple[str, torch.dtype], str] = {}
-
-log = logging.getLogger(__name__)
 
 
 class Expert(nn.Module):
@@ -69,11 +64,13 @@ class Expert(nn.Module):
 
 
 class Router(nn.Module):
-    """The router's weight ([E, hidden]) and, for sigmoid scoring, e_score_correction_bias ([E], float32)."""
+    """The router's weight ([E, hidden]), GPT-OSS's bias ([E]) and, for sigmoid scoring,
+    e_score_correction_bias ([E], float32)."""
 
-    def __init__(self, hidden: int, experts: int, corrected: bool) -> None:
+    def __init__(self, hidden: int, experts: int, corrected: bool, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(experts, hidden))
+        self.bias = nn.Parameter(torch.zeros(experts)) if bias else None
         if corrected:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(experts))
 
@@ -84,16 +81,27 @@ class SparseMoe(nn.Module):
         moe = self.config = config.moe
         self.top_k, self.norm_topk_prob, self.num_experts = moe.top_k, moe.norm_topk_prob, moe.num_experts
         sigmoid = moe.scoring == "sigmoid"
-        self.gate = Router(config.hidden_size, moe.num_experts, sigmoid and not moe.correction_on_block)
+        # (GPT-OSS's router is mlp.router, with a bias; the others' mlp.gate or block_sparse_moe.gate)
+        setattr(self, moe.router_name, Router(config.hidden_size, moe.num_experts,
+                                              sigmoid and not moe.correction_on_block, bias=moe.stacked))
         if sigmoid and moe.correction_on_block:  # MiniMax-M2's: on the block, not its router
             self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts))
-        self.experts = nn.ModuleList(Expert(config.hidden_size, moe.intermediate_size, moe.expert_names)
-                                     for _ in range(moe.num_experts))
+        if moe.stacked:  # GPT-OSS: every expert in four tensors
+            self.experts = StackedExperts(config.hidden_size, moe.intermediate_size, moe.num_experts,
+                                          moe.swiglu_limit, moe.swiglu_alpha)
+        else:
+            self.experts = nn.ModuleList(Expert(config.hidden_size, moe.intermediate_size, moe.expert_names)
+                                         for _ in range(moe.num_experts))
         if moe.shared_intermediate_size:  # Qwen2-MoE's shared_expert (gated), GLM-4.5's shared_experts
             setattr(self, moe.shared_name, MLP(config, moe.shared_intermediate_size, bias=False))
             if moe.shared_gated:
                 self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.act = activation(config.hidden_act)
+
+    @property
+    def router(self) -> Router:
+        """mlp.gate, block_sparse_moe.gate or (GPT-OSS) mlp.router: the module, under its checkpoint name."""
+        return self._modules[self.config.router_name]
 
     @property
     def shared(self) -> MLP | None:
@@ -103,14 +111,17 @@ class SparseMoe(nn.Module):
         m = self.config
         if m.scoring != "sigmoid":
             return None
-        owner = self if m.correction_on_block else self.gate
+        owner = self if m.correction_on_block else self.router
         return SigmoidRouting(owner.e_score_correction_bias.detach(), m.n_group, m.topk_group, m.routed_scaling_factor)
 
     def forward(self, x: torch.Tensor, load: torch.Tensor | None = None) -> torch.Tensor:
         """The reference: each expert over the rows that picked it, in expert order."""
-        weights, experts = route(x, self.gate.weight, self.top_k, self.norm_topk_prob, self.sigmoid_routing())
+        weights, experts = route(x, self.router.weight, self.top_k, self.norm_topk_prob, self.sigmoid_routing(),
+                                 self.router.bias)
         if load is not None:
             load += expert_counts(experts, self.num_experts)
+        if self.config.stacked:
+            return self.experts(x, weights, experts)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             rows, slot = torch.where(experts == e)
@@ -144,16 +155,31 @@ class MoeWeights(NamedTuple):
     kernels: object | None = None
     glu: str = "silu"
     sigmoid: SigmoidRouting | None = None  # GLM-4.5's router, else a softmax
+    # GPT-OSS: the router's bias [E], the experts' biases (gate/up's [E, 2I], down's [E, hidden])
+    # and their clamped SwiGLU's (limit, alpha).
+    router_bias: torch.Tensor | None = None
+    expert_biases: tuple[torch.Tensor, torch.Tensor] | None = None
+    clamp: tuple[float, float] | None = None
 
     def matrices(self) -> list[torch.Tensor]:
         """The expert weights still held as tensors (each expert's gate/up and down, the shared
-        expert's): what the CPU kernels would pack."""
+        expert's): what the CPU kernels would pack. GPT-OSS's stay torch's (its biases and clamped
+        activation run there): none."""
+        if self.expert_biases is not None:
+            return []
         stacks = (*(self.gate_up if self.gate_up is not None else ()), *(self.down if self.down is not None else ()))
         return [t for t in (*stacks, self.shared_gate_up, self.shared_down) if t is not None]
 
 
 def stack(moe: SparseMoe) -> MoeWeights:
-    """Stack the experts' weights and make each expert's parameters views of the stacks."""
+    """Stack the experts' weights and make each expert's parameters views of the stacks (GPT-OSS's
+    are stacked already: the weights are its parameters)."""
+    if moe.config.stacked:
+        e, m = moe.experts, moe.config
+        return MoeWeights(moe.router.weight.detach(), e.gate_up_proj.detach(), e.down_proj.detach(), None, None, None,
+                          moe.top_k, moe.norm_topk_prob, router_bias=moe.router.bias.detach(),
+                          expert_biases=(e.gate_up_proj_bias.detach(), e.down_proj_bias.detach()),
+                          clamp=(m.swiglu_limit, m.swiglu_alpha))
     gate_up = torch.stack([torch.cat([g.weight.detach(), u.weight.detach()])
                            for g, u, _ in (e.projections() for e in moe.experts)])
     down = torch.stack([e.projections()[2].weight.detach() for e in moe.experts])
@@ -173,7 +199,7 @@ def stack(moe: SparseMoe) -> MoeWeights:
         shared_down = s.down_proj.weight.detach()
         shared_gate = moe.shared_expert_gate.weight.detach() if moe.config.shared_gated else None
     sigmoid = moe.sigmoid_routing()
-    router = moe.gate.weight.detach()
+    router = moe.router.weight.detach()
     if sigmoid is not None:  # its logits are float32 (moe_routing): the weight converted once, not every step
         router = router.float()
     return MoeWeights(router, gate_up, down, shared_gate_up, shared_down, shared_gate, moe.top_k, moe.norm_topk_prob,
@@ -182,7 +208,7 @@ def stack(moe: SparseMoe) -> MoeWeights:
 
 def moe_forward(x: torch.Tensor, w: MoeWeights, act: Callable, load: torch.Tensor | None = None) -> torch.Tensor:
     """[M, hidden] -> [M, hidden]: routed experts grouped by expert (module docstring), plus the shared expert."""
-    weights, experts = route(x, w.router, w.top_k, w.norm_topk_prob, w.sigmoid)
+    weights, experts = route(x, w.router, w.top_k, w.norm_topk_prob, w.sigmoid, w.router_bias)
     flat = experts.flatten()
     counts = expert_counts(flat, w.router.shape[0])
     if load is not None:
@@ -192,7 +218,9 @@ def moe_forward(x: torch.Tensor, w: MoeWeights, act: Callable, load: torch.Tenso
     if w.expert_panels is not None:
         ys = experts_on_panels(x.index_select(0, rows), counts, w)
     else:
-        ys = grouped_swiglu(x.index_select(0, rows), counts, w.gate_up, w.down, act)
+        row_experts = flat.index_select(0, order) if w.expert_biases is not None else None
+        ys = grouped_swiglu(x.index_select(0, rows), counts, w.gate_up, w.down, gated(act, w.clamp),
+                            w.expert_biases, row_experts)
     ys.mul_(weights.flatten().index_select(0, order).unsqueeze(1))
     out = add_rows_(torch.zeros_like(x), rows, ys)
     if w.shared_panels is not None:
@@ -207,86 +235,6 @@ def moe_forward(x: torch.Tensor, w: MoeWeights, act: Callable, load: torch.Tenso
     if w.shared_gate is None:  # GLM-4.5's shared experts: no gate
         return out.add_(shared)
     return out.addcmul_(torch.sigmoid(F.linear(x, w.shared_gate)), shared)
-
-
-def grouped_swiglu(xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                   act: Callable) -> torch.Tensor:
-    """Rows sorted by expert (counts[e] rows for expert e, in order) through their experts."""
-    backend = grouped_backend(xs.device, xs.dtype)
-    if backend == "loop":
-        return grouped_swiglu_loop(xs, counts, gate_up, down, act)
-    ends = torch.cumsum(counts, 0).to(torch.int32)
-    inter = down.shape[2]
-    if backend == "torch":
-        gu = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends)
-        return torch._grouped_mm(act(gu[:, :inter]).mul_(gu[:, inter:]), down.transpose(1, 2), offs=ends)
-    from executors.models import moe_triton
-
-    gu = moe_triton.grouped_matmul(xs, gate_up, ends)
-    return moe_triton.grouped_matmul(act(gu[:, :inter]).mul_(gu[:, inter:]), down, ends)
-
-
-def grouped_swiglu_loop(xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                        act: Callable) -> torch.Tensor:
-    """One gate/up and one down matmul per expert that has rows, over its contiguous slice."""
-    out = torch.empty(xs.shape[0], down.shape[1], dtype=xs.dtype, device=xs.device)
-    inter, start = down.shape[2], 0
-    for e, n in enumerate(counts.tolist()):
-        if n:
-            gu = F.linear(xs[start:start + n], gate_up[e])
-            torch.mm(act(gu[:, :inter]).mul_(gu[:, inter:]), down[e].t(), out=out[start:start + n])
-            start += n
-    return out
-
-
-def experts_on_panels(xs: torch.Tensor, counts: torch.Tensor, w: MoeWeights) -> torch.Tensor:
-    """grouped_swiglu_loop through the CPU kernels: each expert with rows streams its panels once,
-    the activation applied as the down matmul packs its input."""
-    kernels, out, start = w.kernels, torch.empty_like(xs), 0
-    for e, n in enumerate(counts.tolist()):
-        if n:
-            gate_up, down = w.expert_panels[e]
-            out[start:start + n] = kernels.linear(kernels.linear(xs[start:start + n], gate_up), down, glu=w.glu)
-            start += n
-    return out
-
-
-def grouped_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """"loop" on a CPU; on CUDA torch's grouped GEMM where this torch has one that runs for the
-    dtype here, else the Triton kernel where triton is installed, else the loop."""
-    key = (str(device), dtype)
-    if key not in _BACKENDS:
-        _BACKENDS[key] = _pick_backend(device, dtype)
-    return _BACKENDS[key]
-
-
-def _pick_backend(device: torch.device, dtype: torch.dtype) -> str:
-    if device.type != "cuda":
-        return "loop"
-    gate_up = torch.randn(3, 64, 32, device=device, dtype=dtype)
-    xs = torch.randn(5, 32, device=device, dtype=dtype)
-    counts = torch.tensor([2, 0, 3], device=device)
-    want = torch.cat([xs[:2] @ gate_up[0].t(), xs[2:] @ gate_up[2].t()]).float()
-    ends = torch.cumsum(counts, 0).to(torch.int32)
-    if hasattr(torch, "_grouped_mm"):
-        try:  # some builds have it only for bfloat16 on recent GPUs: check it here
-            got = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=ends).float()
-            if torch.allclose(got, want, atol=5e-2, rtol=5e-2):
-                return "torch"
-        except (RuntimeError, NotImplementedError):
-            pass
-    why = "its result differs from the plain matmuls"
-    try:
-        from executors.models import moe_triton
-
-        got = moe_triton.grouped_matmul(xs, gate_up, ends).float()
-        if torch.allclose(got, want, atol=5e-2, rtol=5e-2):
-            return "triton"
-    except Exception as e:  # noqa: BLE001 - no triton, or a kernel that does not build here: the loop works
-        why = f"{type(e).__name__}: {e}"
-    log.warning("MoE on %s: no grouped GEMM (torch._grouped_mm unusable here, the Triton kernel: %s); experts run "
-                "one matmul each", xs.device, why)
-    return "loop"
 
 
 def load_report(model) -> ExpertLoad | None:

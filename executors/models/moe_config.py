@@ -15,6 +15,11 @@ Six layouts, all top-k routing over the scores of one linear router:
 - MiniMax-M2 (`MiniMaxM2ForCausalLM`): Mixtral's names, every layer sparse, GLM-4.5's
   sigmoid scores and correction (`block_sparse_moe.e_score_correction_bias`) without groups,
   scaling or shared experts, the chosen weights renormalised.
+- GPT-OSS (`GptOssForCausalLM`): `mlp.router` (a weight and a bias), its top k logits'
+  softmax (the weights renormalised, as a softmax over all and then the k); the experts as
+  stacked tensors with biases (`mlp.experts.gate_up_proj`, its gate and up columns
+  interleaved, `down_proj`; stacked_experts.py) and a clamped SwiGLU (`swiglu_limit`,
+  `swiglu_alpha`), as wide as `intermediate_size`, in every layer.
 - GLM-4.5 (`Glm4MoeForCausalLM`; DeepSeek V3's router): sigmoid scores, the experts chosen
   by score plus `mlp.gate.e_score_correction_bias` among the `topk_group` best of `n_group`
   groups (a group scored by its two best), their scores renormalised and times
@@ -32,7 +37,7 @@ from typing import Any
 
 from executors.models.errors import UnsupportedModel
 
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "gpt_oss")
 # Router options of other MoE families (DeepSeek, GLM, ...): a config that sets one to
 # something other than its plain-softmax value is refused.
 _PLAIN_ROUTER = {"scoring_func": (None, "softmax"), "topk_method": (None, "greedy"), "n_group": (None, 1), "topk_group": (None, 1),
@@ -48,7 +53,9 @@ class MoeConfig:
     norm_topk_prob: bool  # renormalise the k chosen weights to sum to 1
     shared_intermediate_size: int  # Qwen2-MoE's shared expert (0: none)
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
-    style: str  # "qwen" (mlp.experts.N.gate_proj) or "mixtral" (block_sparse_moe.experts.N.w1)
+    # "qwen" (mlp.experts.N.gate_proj), "mixtral" (block_sparse_moe.experts.N.w1) or "gpt_oss"
+    # (mlp.experts.gate_up_proj: every expert in one tensor, with biases; mlp.router with a bias)
+    style: str
     # GLM-4.5: sigmoid scores (else a softmax), the groups top-k picks from, the chosen
     # weights' factor; its shared experts have no gate (Qwen2-MoE's one is behind a sigmoid).
     scoring: str = "softmax"
@@ -59,6 +66,20 @@ class MoeConfig:
     # Where e_score_correction_bias sits: on the router (GLM-4.5's mlp.gate) or on the sparse
     # block itself (MiniMax-M2's block_sparse_moe).
     correction_on_block: bool = False
+    # GPT-OSS's experts' activation: gate clamped above at swiglu_limit, up to +-swiglu_limit,
+    # (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: act(gate) * up.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+
+    @property
+    def stacked(self) -> bool:
+        """The experts held as stacked tensors with biases (GPT-OSS), not a module each."""
+        return self.style == "gpt_oss"
+
+    @property
+    def router_name(self) -> str:
+        """The sparse layer's attribute holding the router, as the checkpoint names it."""
+        return "router" if self.stacked else "gate"
 
     @property
     def module_name(self) -> str:
@@ -85,6 +106,8 @@ def moe_from_dict(cfg: dict[str, Any], family: str, layers: int) -> MoeConfig | 
         return None
     if family == "glm4_moe":
         return _glm4_moe(cfg, layers)
+    if family == "gpt_oss":
+        return _gpt_oss(cfg, layers)
     arch = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
             "minimax_m2": "MiniMaxM2ForCausalLM"}.get(family, "MixtralForCausalLM")
     for key, allowed in _PLAIN_ROUTER.items():  # (MiniMax-M2's files say scoring_func: sigmoid, which it is)
@@ -149,3 +172,17 @@ def _glm4_moe(cfg: dict[str, Any], layers: int) -> MoeConfig:
                      scoring="sigmoid", n_group=groups, topk_group=chosen, routed_scaling_factor=float(scale),
                      shared_gated=False)
 
+
+def _gpt_oss(cfg: dict[str, Any], layers: int) -> MoeConfig:
+    """GptOssConfig's reading (its defaults where the file omits a key)."""
+    experts, top_k = cfg.get("num_local_experts", 128), cfg.get("num_experts_per_tok", 4)
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
+        raise UnsupportedModel(f"num_local_experts must be an integer >= 1, got {experts!r}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
+        raise UnsupportedModel(f"num_experts_per_tok must be between 1 and num_local_experts ({experts}), got {top_k!r}")
+    limit, alpha = cfg.get("swiglu_limit", 7.0), cfg.get("swiglu_alpha", 1.702)
+    for key, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise UnsupportedModel(f"{key} must be a positive number, got {value!r}")
+    return MoeConfig(experts, top_k, int(cfg.get("intermediate_size", 2880)), True, 0, (True,) * layers, "gpt_oss",
+                     swiglu_limit=float(limit), swiglu_alpha=float(alpha))

@@ -24,12 +24,13 @@ class SigmoidRouting(NamedTuple):
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renorm: bool,
-          sigmoid: SigmoidRouting | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          sigmoid: SigmoidRouting | None = None, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the experts in float32, the top k per row (or GLM-4.5's sigmoid routing,
-    `sigmoid` set): (weights [M, k] in x's dtype, experts [M, k])."""
+    `sigmoid` set): (weights [M, k] in x's dtype, experts [M, k]). `bias`: GPT-OSS's router's,
+    whose softmax over its top k logits is this one renormalised."""
     if sigmoid is not None:
         return _route_sigmoid(x, router, top_k, renorm, sigmoid)
-    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    probs = torch.softmax(F.linear(x, router, bias), dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renorm:
         weights = weights / weights.sum(dim=-1, keepdim=True)

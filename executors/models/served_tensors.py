@@ -8,12 +8,14 @@ agree on what is served.
 - Granite's residual_multiplier: the attention and MLP outputs are scaled before each
   residual add, which is o_proj's and down_proj's weights and biases scaled (in float32,
   then rounded once to the serving dtype), and costs nothing per step.
+- GPT-OSS's stacked experts: transposed, gate and up de-interleaved (stacked_experts.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from executors.models import stacked_experts
 from executors.models.config import DecoderConfig
 from executors.models.partial_rotary import ROTATED, reorder_rows, reorders
 
@@ -28,4 +30,15 @@ def served(name: str, tensor: torch.Tensor, config: DecoderConfig) -> torch.Tens
         tensor = reorder_rows(tensor.reshape(-1), config).view(tensor.shape) if per_head else reorder_rows(tensor, config)
     if config.residual_scale not in (None, 1.0) and name.endswith(RESIDUAL_OUTPUTS):
         tensor = tensor.float() * config.residual_scale
+    if _stacked(name, config):
+        tensor = stacked_experts.served(name, tensor)
     return tensor
+
+
+def stored_shape(name: str, shape: tuple[int, ...], config: DecoderConfig) -> tuple[int, ...]:
+    """The shape the checkpoint stores parameter `name` of this shape in (GPT-OSS's experts: transposed)."""
+    return stacked_experts.checkpoint_shape(name, shape) if _stacked(name, config) else shape
+
+
+def _stacked(name: str, config: DecoderConfig) -> bool:
+    return config.moe is not None and config.moe.stacked and stacked_experts.is_stacked(name)

@@ -9,6 +9,8 @@ Megatron-style tensor parallelism over N ranks, named by the checkpoint's tensor
   row-parallel bias stays whole on rank 0 and is zero elsewhere, so it is added once;
 - the lm_head split by vocabulary rows (ceil(V / N) per rank, the last one shorter), the
   logits gathered on rank 0;
+- GPT-OSS's stacked experts split like the others (each expert's intermediate rows,
+  stacked_experts.rank_part), its attention sinks by query heads;
 - replicated: the embedding, every norm, per-head q/k norms, the experts' router, the shared
   expert's gate. OLMo 2's q/k norms span every head: each rank holds its heads' part of
   their weights, and averages its mean squares with the other ranks' (TpGroup.mean). The embedding is replicated rather than split: a vocabulary-parallel
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from executors.lora import LoraAdapter
+from executors.models import stacked_experts
 from executors.models.config import DecoderConfig
 from executors.models.errors import UnsupportedModel
 
@@ -119,6 +122,11 @@ class ShardPlan:
         if name in ("lm_head.weight", "lm_head.bias"):  # Phi's bias: the same vocabulary rows
             lo, hi = self.head_rows
             return tensor_slice[lo:hi]
+        if name.endswith("self_attn.sinks"):  # GPT-OSS: a logit per query head, split with q's heads
+            return tensor_slice[self.rank * self.heads:(self.rank + 1) * self.heads]
+        if stacked_experts.is_stacked(name):  # GPT-OSS: every expert in one tensor, by intermediate rows
+            n = self.full.moe.intermediate_size // self.world
+            return stacked_experts.rank_part(name, tensor_slice, self.rank * n, (self.rank + 1) * n, self.rank == 0)
         if module in ("q_norm", "k_norm") and self.full.qk_norm_across_heads:  # OLMo 2: by heads, as q/k
             lo, hi = self.rows_of("q_proj" if module == "q_norm" else "k_proj", full_shape[0])
             return tensor_slice[lo:hi]

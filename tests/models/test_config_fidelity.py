@@ -48,6 +48,7 @@ GEMMA_PER_TYPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope
                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
 QWEN3_MOE = {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 MINIMAX_M2 = {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}
+GPT_OSS = {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}
 GLM4_MOE = {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
             "use_qk_norm": True, "attention_bias": True}
 
@@ -248,6 +249,13 @@ CASES = {
     "minimax_m2_rotary_dim": ("minimax_m2", MINIMAX_M2, {"rope_parameters": DEL, "rotary_dim": 4, "rope_theta": 3e3},
                               40, None),
     "minimax_m2_defaults": ("minimax_m2", MINIMAX_M2, {"rope_parameters": DEL, "rms_norm_eps": DEL}, 40, None),
+    # 26. GPT-OSS: its defaults (YaRN over 4096 original positions, unclipped; base 1.5e5; every
+    # other layer sliding over 128 tokens, which 140 tokens pass; the SwiGLU's limit 7 and gain
+    # 1.702) without those keys; a window of 8 without layer_types, another limit and gain.
+    "gpt_oss_defaults": ("gpt_oss", GPT_OSS, {"rope_parameters": DEL, "layer_types": DEL, "sliding_window": DEL,
+                                              "rms_norm_eps": DEL, "swiglu_limit": DEL, "swiglu_alpha": DEL}, 140, None),
+    "gpt_oss_window_and_clamp": ("gpt_oss", {**GPT_OSS, "sliding_window": 8, "swiglu_limit": 0.05,
+                                             "swiglu_alpha": 1.0}, {"layer_types": DEL}, 40, None),
 }
 
 MODELS = {
@@ -265,7 +273,7 @@ MODELS = {
     "stablelm": ("StableLmForCausalLM", "StableLmConfig"),
     "starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config"), "olmoe": ("OlmoeForCausalLM", "OlmoeConfig"),
     "phi": ("PhiForCausalLM", "PhiConfig"), "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig"),
-    "minimax_m2": ("MiniMaxM2ForCausalLM", "MiniMaxM2Config"),
+    "minimax_m2": ("MiniMaxM2ForCausalLM", "MiniMaxM2Config"), "gpt_oss": ("GptOssForCausalLM", "GptOssConfig"),
 }
 
 
@@ -276,7 +284,7 @@ def save_tiny(family: str, kwargs: dict, edits: dict, out):
     model = model_cls(config_cls(**{**{"gemma2": GEMMA2, "gemma3": GEMMA, "phi3": PHI3, "smollm3": SMOLLM3, "glm4": PHI3, "helium": PHI3,
                                      "cohere": SMOLLM3, "cohere2": SMOLLM3, "stablelm": SMOLLM3,
                                      "starcoder2": SMOLLM3, "olmoe": SMOLLM3, "phi": SMOLLM3,
-                                     "glm4_moe": SMOLLM3, "minimax_m2": SMOLLM3}.get(
+                                     "glm4_moe": SMOLLM3, "minimax_m2": SMOLLM3, "gpt_oss": SMOLLM3}.get(
         family, COMMON), **kwargs}))
     with torch.no_grad():  # random init leaves biases at zero and norms at one: make them count
         for name, p in model.named_parameters():
@@ -436,6 +444,10 @@ def test_family_bias_layout_matches_transformers_modeling(family):
     assert bool(q_bias) == (switchable or ours.attention_bias), family
     assert ("model.layers.0.self_attn.o_proj.bias" in names) == (ours.o_proj_bias or bool(ours.o_proj_bias_key)), family
     mlp_biases = {n for n in names if n.endswith("bias") and ("mlp" in n or "sparse_moe" in n)}
+    if family == "gpt_oss":  # its experts' and router's biases: its MoeConfig's (stacked experts), not mlp_bias
+        assert {n.split(".mlp.")[1] for n in mlp_biases} == {"router.bias", "experts.gate_up_proj_bias",
+                                                            "experts.down_proj_bias"}
+        mlp_biases = set()
     assert bool(mlp_biases) == (ours.mlp_bias_key is not None or ours.mlp_bias), (family, mlp_biases)
 
 

@@ -261,6 +261,66 @@ def test_decode_attention_caps_the_scores_as_gemma2_does(kernels, bs):
         kernels.decode_attention(q, kpool, vpool, tables, lo, hi, scale, out, softcap=0.0)
 
 
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's softmax: each head's scores [H, rows, L] and its sink logit, the sink's share dropped."""
+    sink = sinks.view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
+@pytest.mark.parametrize("rows", [3, 8])  # few rows: a task per KV head (the sinks offset by it); many: per row
+def test_decode_attention_normalises_over_gpt_oss_sinks(kernels, rows):
+    """sinks: one logit per query head that each softmax normalises over, with no value: against
+    an explicit computation, on windowed, fragmented and one-key rows; sinks far above every
+    score (near-zero outputs) and far below (none) included; they bite."""
+    g = torch.Generator().manual_seed(rows)
+    heads, kv_heads, d, bs, blocks, scale = 8, 2, 32, 4, 40, 0.5
+    kpool, vpool = torch.randn(blocks, bs, kv_heads, d, generator=g), torch.randn(blocks, bs, kv_heads, d, generator=g)
+    bounds = [(0, 29), (0, 1), (9, 23), (0, 12), (3, 30), (0, 2), (5, 6), (0, 31)][:rows]
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:8] for _ in bounds]).to(torch.int32)
+    lo = torch.tensor([b[0] for b in bounds], dtype=torch.int32)
+    hi = torch.tensor([b[1] for b in bounds], dtype=torch.int32)
+    q = torch.randn(rows, heads, d, generator=g)
+    sinks = torch.randn(heads, generator=g) * 2
+    sinks[0], sinks[5] = 80.0, -80.0
+    out = torch.full((rows, heads * d), float("nan"))
+    kernels.decode_attention(q, kpool, vpool, tables, lo, hi, scale, out, sinks=sinks)
+    plain = torch.empty_like(out)
+    kernels.decode_attention(q, kpool, vpool, tables, lo, hi, scale, plain)
+    for r, (a, b) in enumerate(bounds):
+        slots = [int(tables[r, p // bs]) * bs + p % bs for p in range(a, b)]
+        k = kpool.reshape(-1, kv_heads, d)[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        v = vpool.reshape(-1, kv_heads, d)[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        scores = (q[r].unsqueeze(1) @ k.transpose(1, 2)) * scale  # [H, 1, L]
+        torch.testing.assert_close(out[r], (softmax_with_sinks(scores, sinks) @ v).flatten(), atol=1e-5, rtol=1e-5)
+    assert (out - plain).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="sinks must be a float32 CPU vector"):
+        kernels.decode_attention(q, kpool, vpool, tables, lo, hi, scale, out, sinks=sinks[:4])
+
+
+@pytest.mark.parametrize("count,n", [(1, 37), (2, 13)])
+def test_prefill_attention_normalises_over_gpt_oss_sinks(kernels, count, n):
+    """sinks on a prompt's causal attention, against an explicit computation; they bite."""
+    g = torch.Generator().manual_seed(n + 100)
+    heads, kv_heads, d, scale = 8, 2, 32, 0.5
+    q = torch.randn(count * n, heads, d, generator=g)
+    k, v = torch.randn(count * n, kv_heads, d, generator=g), torch.randn(count * n, kv_heads, d, generator=g)
+    sinks = torch.randn(heads, generator=g) * 2
+    sinks[1] = 60.0
+    out, plain = torch.full_like(q, float("nan")), torch.empty_like(q)
+    kernels.prefill_attention(q, k, v, count, scale, out, sinks=sinks)
+    kernels.prefill_attention(q, k, v, count, scale, plain)
+    group = heads // kv_heads
+    for c in range(count):
+        rows = slice(c * n, (c + 1) * n)
+        qh = q[rows].transpose(0, 1)  # [H, n, D]
+        kh, vh = (t[rows].repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))
+        scores = (qh @ kh.transpose(1, 2) * scale).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(),
+                                                              float("-inf"))
+        expected = (softmax_with_sinks(scores, sinks) @ vh).transpose(0, 1)
+        torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+    assert (out - plain).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("count,n,heads,kv_heads,d", [
     (1, 128, 9, 3, 64),  # SmolLM2's prefill: 22 tiles of 6 tokens, 8 key panels
     (3, 37, 4, 2, 24),  # several prompts; a tail tile and tail key panel; d not a multiple of 16

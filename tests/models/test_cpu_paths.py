@@ -54,6 +54,13 @@ FAMILIES = {
     "starcoder2": {"architectures": ["Starcoder2ForCausalLM"], "use_bias": True, "hidden_act": "gelu_pytorch_tanh"},
     # Phi: StarCoder2's MLP in parallel with attention, half of each head rotating, the lm_head's bias.
     "phi": {"architectures": ["PhiForCausalLM"], "hidden_act": "gelu_new"},
+    # GPT-OSS: attention sinks (through the paged and prefill kernels, and the reference where a
+    # window masks a prompt), layer 0 sliding over 8 tokens; 4 stacked experts with biases, top 2,
+    # a clamped SwiGLU whose limit bites at these weights.
+    "gpt_oss": {"architectures": ["GptOssForCausalLM"], "head_dim": 16, "sliding_window": 8, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "swiglu_limit": 1.0,
+                "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 1.5e5, "truncate": False,
+                                    "original_max_position_embeddings": 16}},
 }
 POLICIES = {
     "default": {},  # decode steps of up to 64 rows in one kernel call, other steps op by op

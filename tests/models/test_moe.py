@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from executors.llm import LlmExecutor, LlmExecutorConfig
-from executors.models import moe
+from executors.models import moe, moe_grouped
 from executors.models.config import DecoderConfig, UnsupportedModel
+from executors.models.stacked_experts import gated
 from tests.conftest import triton_kernels_unrunnable
 from tests.models.test_llm_executor import broken_copy
 from tests.models.tiny_models import build
@@ -117,13 +118,19 @@ def test_triton_grouped_gemm_equals_the_loop():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_grouped_backend_equals_the_loop(dtype):
+@pytest.mark.parametrize("gpt_oss", [False, True])  # its biases gathered per row, its clamped SwiGLU
+def test_cuda_grouped_backend_equals_the_loop(dtype, gpt_oss):
     xs, counts, gate_up, down = (t.cuda() for t in grouped_case())
     xs, gate_up, down = xs.to(dtype), gate_up.to(dtype), down.to(dtype)
-    act = torch.nn.functional.silu
-    assert moe.grouped_backend(xs.device, dtype) in ("torch", "triton")
-    want = moe.grouped_swiglu_loop(xs, counts, gate_up, down, act).float()
-    got = moe.grouped_swiglu(xs, counts, gate_up, down, act).float()
+    glu = gated(torch.nn.functional.silu, (7.0, 1.702) if gpt_oss else None)
+    biases = row_experts = None
+    if gpt_oss:
+        biases = (torch.randn(gate_up.shape[:2], device="cuda", dtype=dtype),
+                  torch.randn(down.shape[:2], device="cuda", dtype=dtype))
+        row_experts = torch.repeat_interleave(torch.arange(len(counts), device="cuda"), counts)
+    assert moe_grouped.grouped_backend(xs.device, dtype) in ("torch", "triton")
+    want = moe_grouped.grouped_swiglu_loop(xs, counts, gate_up, down, glu, biases).float()
+    got = moe_grouped.grouped_swiglu(xs, counts, gate_up, down, glu, biases, row_experts).float()
     tol = TOL if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 

@@ -5,7 +5,7 @@ microsoft/Phi-3-mini-4k-instruct, microsoft/Phi-4-mini-instruct, google/gemma-2-
 ibm-granite/granite-3.1-2b-instruct, google/gemma-2b, HuggingFaceTB/SmolLM3-3B,
 allenai/OLMo-2-1124-7B, allenai/Olmo-3-1025-7B LGAI-EXAONE/EXAONE-4.0-32B, THUDM/GLM-4-9B-0414,
 CohereForAI/c4ai-command-r-v01, CohereForAI/c4ai-command-r-plus, CohereForAI/c4ai-command-r7b-12-2024 (with its keys transformers
-does not read), stabilityai/stablelm-2-1_6b, bigcode/starcoder2-3b, allenai/OLMoE-1B-7B-0924, microsoft/phi-2, zai-org/GLM-4.5-Air and Qwen/Qwen3-8B with the YaRN setting its
+does not read), stabilityai/stablelm-2-1_6b, bigcode/starcoder2-3b, allenai/OLMoE-1B-7B-0924, microsoft/phi-2, zai-org/GLM-4.5-Air, openai/gpt-oss-20b and Qwen/Qwen3-8B with the YaRN setting its
 model card gives for 131072 tokens (transformers 4's
 layout: top-level rope_theta, no layer_types; the LongRoPE factor lists stand in for the published
 48 numbers: their count and place are what is read here). The tiny random models of the
@@ -400,3 +400,34 @@ def test_qwen3_vl_8b_serves_its_text_model_with_qk_norms_and_1d_rotation():
     c = DecoderConfig.from_dict(QWEN3_VL_8B)
     assert c.family == "qwen3" and c.qk_norm and c.rope_scaling is None and c.rope_theta == 5e6
     assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.vocab_size) == (4096, 36, 32, 8, 151936)
+
+
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+    "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+}
+
+
+def test_gpt_oss_20b_alternates_128_token_windows_with_sinks_and_routes_to_4_of_32_mxfp4_experts():
+    c = DecoderConfig.from_dict(GPT_OSS_20B)
+    assert c.attention_sinks and c.qkv_bias and c.o_bias and not c.tie_word_embeddings
+    assert c.layer_windows == (128, None) * 12 and c.nope_layers == ()
+    assert (c.head_dim, c.num_heads, c.num_kv_heads, c.rope_theta, c.max_position_embeddings) == (64, 64, 8, 1.5e5,
+                                                                                                  131072)
+    r = c.rope_scaling
+    assert (r.kind, r.factor, r.original_max_position_embeddings, r.truncate) == ("yarn", 32.0, 4096, False)
+    moe = c.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob) == (32, 4, 2880, True)
+    assert moe.stacked and moe.router_name == "router" and (moe.swiglu_limit, moe.swiglu_alpha) == (7.0, 1.702)
+    assert moe.sparse_layers == (True,) * 24 and c.eos_token_ids == (200002,)

@@ -7,7 +7,8 @@ and Cohere 2's LayerNorms and parallel layers; StableLM's LayerNorms with biases
 ungated MLP; OLMoE's experts under OLMo's q/k norms; Phi's parallel layers, ungated MLP and
 lm_head bias; GLM-4.5's grouped sigmoid router and shared experts; the text models of Gemma 3's and
 Mistral Small 3.1's multimodal checkpoints (a tiny vision tower beside them); MiniMax-M2's sigmoid
-router under q/k norms over every head; Qwen2.5-VL's and Qwen3-VL's text models (their mrope)."""
+router under q/k norms over every head; Qwen2.5-VL's and Qwen3-VL's text models (their mrope);
+GPT-OSS's attention sinks and stacked, biased experts."""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def build(family: str, out_dir: Path, **save_kwargs):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("sinks"):  # GPT-OSS's: as large as the scores, so that they bite
+                p.copy_(torch.randn_like(p) * 2)
         for name, b in model.named_buffers():  # GLM-4.5's and MiniMax-M2's router correction (a buffer there)
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.1)
@@ -58,7 +61,7 @@ SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8
          "cohere": 22, "cohere2": 23, "stablelm": 24, "starcoder2": 25,
          "olmoe": 26, "phi": 27, "glm4_moe": 28,
          "gemma3_multimodal": 29, "mistral3": 30, "minimax_m2": 31,
-         "command_r_plus": 32, "qwen2_5_vl": 33, "qwen3_vl": 34}
+         "command_r_plus": 32, "qwen2_5_vl": 33, "qwen3_vl": 34, "gpt_oss": 35}
 # phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
 LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
@@ -264,4 +267,16 @@ def _new_family(tf, family: str, common: dict):
         text = dict(common, head_dim=16, rope_parameters={**rope, "mrope_interleaved": True}, **ids)
         return tf.Qwen3VLForConditionalGeneration(tf.Qwen3VLConfig(
             text_config=text, vision_config={**vision, "deepstack_visual_indexes": [0]}))
+    if family == "gpt_oss":
+        # GPT-OSS: attention sinks, biases on q/k/v/o, every other layer sliding (from the first),
+        # YaRN unclipped (truncate: false); 4 experts in every layer, top 2 by the softmax of a
+        # biased router's top logits; the experts stacked with biases, their clamped SwiGLU with a
+        # limit low enough that the clamps bite at these weights' scale.
+        rope = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 16, "rope_theta": 1.5e5}
+        config = tf.GptOssConfig(**dict(common, intermediate_size=32), head_dim=16, num_local_experts=4,
+                                 num_experts_per_tok=2, sliding_window=WINDOW, swiglu_limit=0.1,
+                                 rope_parameters=rope, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        config._attn_implementation = "eager"
+        return tf.GptOssForCausalLM(config)
     raise ValueError(family)
