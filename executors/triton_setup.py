@@ -42,13 +42,6 @@ def attention_backend(config: LlmExecutorConfig, mc: DecoderConfig) -> str:
         log.warning("Triton paged attention is off, SDPA's plain path serves instead: the model soft-caps its "
                     "attention scores (attn_logit_softcapping %s), which the kernels do not", mc.attn_softcap)
         return "sdpa"
-    if mc.attention_sinks:  # the kernels' softmax has no sink term; the plain path's does
-        if wanted == "triton":
-            raise ValueError("attention_backend triton: the Triton kernels do not take attention sinks "
-                             "(GPT-OSS's); use sdpa or auto")
-        log.warning("Triton paged attention is off, SDPA's plain path serves instead: the model's attention "
-                    "has sinks (GPT-OSS's), which the kernels do not take")
-        return "sdpa"
     if not have_triton:
         raise ValueError("attention_backend triton needs the triton package, which is not installed")
     from executors.models import triton_attention
@@ -58,7 +51,7 @@ def attention_backend(config: LlmExecutorConfig, mc: DecoderConfig) -> str:
                          "(TRITON_INTERPRET=1 before triton is imported; slow, for tests)")
     log.info("checking the Triton paged-attention kernels against SDPA at the model's shapes (they compile first)")
     problem = triton_attention.self_check(config.device, config.torch_dtype, mc.num_heads, mc.num_kv_heads,
-                                          mc.head_dim, config.block_size)
+                                          mc.head_dim, config.block_size, sinks=mc.attention_sinks)
     if problem is None:
         return "triton"
     if wanted == "auto":

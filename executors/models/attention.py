@@ -30,16 +30,16 @@ Two implementations compute the same thing:
 Why: on CPU (2 cores) the per-step slot gather cost as much as attention itself at 1k
 tokens, and per-sequence calls cost ~40 us each regardless of length; see bench/RESULTS.md.
 
-A third implementation, for CUDA, is the Triton kernels of triton_attention.py
+The SDPA calls themselves are attention_sdpa.py's. A third implementation, for CUDA, is the Triton kernels of triton_attention.py
 (StepContext.backend == "triton"): they read K and V through the block tables directly,
 with no plan of views and gathers.
 
 Per-layer options (`LayerAttention`, set by the decoder on the context): a sliding window
 (a query at position p sees keys p-W+1..p), the score scale, Gemma 2's soft-cap of the
 scores and GPT-OSS's attention sinks (a logit per head each softmax also normalises over),
-which SDPA, flash and the Triton kernels do not apply: such layers take the reference
-computation, but for a float32 CPU step's decode rows and whole fresh prompts, which the CPU
-kernels compute (`_scored`). Every path
+which SDPA and flash do not apply: such layers take the reference computation, but for a
+float32 CPU step's decode rows and whole fresh prompts, which the CPU kernels compute
+(`_scored`), and for the Triton kernels, which take sinks (not caps). Every path
 honours the window: the plan of a sliding layer reads only the blocks that hold keys inside
 it (one plan per distinct window, built on the first layer that needs it) and masks the
 keys of its first block that fell out; the reference gathers only the positions inside it.
@@ -53,15 +53,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
+from executors.models import attention_sdpa
 from executors.models.attention_plan import (
     AttentionPlan,
-    ChunkRows,
     FreshRun,
-    GatheredRows,
     PagedRows,
-    flash_with_lse,
     plan_attention,
 )
 from executors.models.attention_reference import attend_reference
@@ -145,13 +142,13 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: S
     spec = ctx.layer(layer)
     if ctx.reference:
         return attend_reference(layer, q, k, v, ctx)
-    if spec.scored:
-        return _scored(layer, q, k, v, ctx, spec)
     pool = ctx.pool
-    if ctx.backend == "triton" and pool is not None:
+    if ctx.backend == "triton" and pool is not None and spec.softcap is None:  # (the kernels take sinks)
         from executors.models import triton_attention  # triton is needed only on this path
 
         return triton_attention.attend(layer, q, k, v, ctx)
+    if spec.scored:
+        return _scored(layer, q, k, v, ctx, spec)
     m, heads, d = q.shape
     kvh = k.shape[1]
     scale = spec.scale
@@ -171,9 +168,9 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: S
             out = q.new_empty(m, heads, d)
             ctx.cpu.prefill_attention(q, k, v, f.count, _scale(scale, d), out)
             return out.view(m, heads * d)
-        return _fresh(q, k, v, 0, f, scale).reshape(m, heads * d)
+        return attention_sdpa.fresh(q, k, v, 0, f, scale).reshape(m, heads * d)
     if plan.whole and plan.gathered:
-        return _gathered(q, pool, layer, plan.gathered[0], scale).to(q.dtype).reshape(m, heads * d)
+        return attention_sdpa.gathered(q, pool, layer, plan.gathered[0], scale).to(q.dtype).reshape(m, heads * d)
     if plan.whole and plan.paged is not None:
         out = q.new_empty(m, heads * d)
         _paged(ctx.cpu, q, pool, layer, plan.paged, scale, out)
@@ -186,21 +183,21 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: S
         if _kernel_fresh(ctx, q, f):
             ctx.cpu.prefill_attention(q[rows], k[rows], v[rows], f.count, _scale(scale, d), out[rows])
         else:
-            out[rows] = _fresh(q, k, v, f.r0, f, scale).view(f.count * f.n, heads, d)
+            out[rows] = attention_sdpa.fresh(q, k, v, f.r0, f, scale).view(f.count * f.n, heads, d)
     if plan.views:
         kl, vl = pool.key[layer], pool.value[layer]
         bs = pool.block_size
         for vw in plan.views:
             qr = q[vw.row].view(1, kvh, heads // kvh, d).to(kl.dtype)
-            out[vw.row] = _over_views(qr, kl, vl, vw.runs, bs, kvh, d, scale).view(heads, d)
+            out[vw.row] = attention_sdpa.over_views(qr, kl, vl, vw.runs, bs, kvh, d, scale).view(heads, d)
     for g in plan.gathered:
-        res = _gathered(q, pool, layer, g, scale)
+        res = attention_sdpa.gathered(q, pool, layer, g, scale)
         if isinstance(g.rows, slice):
             out[g.rows] = res
         else:
             out.index_copy_(0, g.rows, res.to(out.dtype))
     for c in plan.chunks:
-        out[c.r0:c.r0 + c.n] = _chunk(q, pool, layer, c, scale)
+        out[c.r0:c.r0 + c.n] = attention_sdpa.chunk(q, pool, layer, c, scale)
     return out.view(m, heads * d)
 
 
@@ -274,67 +271,3 @@ def _kernel_fresh(ctx: StepContext, q: torch.Tensor, f: FreshRun) -> bool:
 def _scale(scale: float | None, d: int) -> float:
     """The score scale a kernel is given: the layer's, else SDPA's default."""
     return d ** -0.5 if scale is None else scale
-
-
-def _fresh(q, k, v, r0: int, f: FreshRun, scale: float | None) -> torch.Tensor:
-    """Causal attention within `count` consecutive prompts of n tokens: [count, n, H, D]."""
-    count, n = f.count, f.n
-    end = r0 + count * n
-    qh = q[r0:end].view(count, n, q.shape[1], q.shape[2]).transpose(1, 2)
-    kh = k[r0:end].view(count, n, k.shape[1], k.shape[2]).transpose(1, 2)
-    vh = v[r0:end].view(count, n, v.shape[1], v.shape[2]).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=f.mask, is_causal=n > 1 and f.mask is None,
-                                         enable_gqa=True, scale=scale)
-    return out.transpose(1, 2)
-
-
-def _over_views(qr, kl, vl, runs, bs: int, kvh: int, d: int, scale: float | None = None) -> torch.Tensor:
-    """One query row ([1, KVH, group, D]) over contiguous runs of pool blocks, no copy."""
-    if len(runs) == 1:
-        first, n, skip, used = runs[0]
-        kr = kl[first:first + n].view(n * bs, kvh, d)[skip:used].transpose(0, 1).unsqueeze(0)
-        vr = vl[first:first + n].view(n * bs, kvh, d)[skip:used].transpose(0, 1).unsqueeze(0)
-        return F.scaled_dot_product_attention(qr, kr, vr, scale=scale)
-    outs, lses = [], []
-    for first, n, skip, used in runs:
-        kr = kl[first:first + n].view(n * bs, kvh, d)[skip:used].transpose(0, 1).unsqueeze(0)
-        vr = vl[first:first + n].view(n * bs, kvh, d)[skip:used].transpose(0, 1).unsqueeze(0)
-        o, lse = flash_with_lse(qr, kr, vr, 0.0, False, scale=scale)[:2]
-        outs.append(o)
-        lses.append(lse)
-    lse = torch.stack(lses)  # [R, 1, KVH, group], float32
-    weights = torch.softmax(lse, dim=0).unsqueeze(-1)  # exp(lse_r - logsumexp_r lse_r)
-    return (torch.stack(outs).float() * weights).sum(0).to(qr.dtype)
-
-
-def _gathered(q, pool: PagedKvPool, layer: int, g: GatheredRows, scale: float | None = None) -> torch.Tensor:
-    """Decode rows over one block gather: [G, H, D]."""
-    bs, kvh, d = pool.block_size, pool.num_kv_heads, pool.head_dim
-    heads = q.shape[1]
-    kl, vl = pool.key[layer], pool.value[layer]
-    nblocks = kl.shape[0]
-    kg = kl.view(nblocks, -1).index_select(0, g.blocks).view(g.count, g.nb * bs, kvh, d).transpose(1, 2)
-    vg = vl.view(nblocks, -1).index_select(0, g.blocks).view(g.count, g.nb * bs, kvh, d).transpose(1, 2)
-    qg = (q[g.rows] if isinstance(g.rows, slice) else q.index_select(0, g.rows)).to(kg.dtype)
-    out = F.scaled_dot_product_attention(qg.view(g.count, kvh, heads // kvh, d), kg, vg, attn_mask=g.mask,
-                                         scale=scale)
-    return out.reshape(g.count, heads, d)
-
-
-def _chunk(q, pool: PagedKvPool, layer: int, c: ChunkRows, scale: float | None = None) -> torch.Tensor:
-    """n new tokens over their cached context plus themselves (offset-causal): [n, H, D]."""
-    bs, kvh, d = pool.block_size, pool.num_kv_heads, pool.head_dim
-    length = c.start + c.n - c.key_start
-    kl, vl = pool.key[layer], pool.value[layer]
-    if c.run is not None:
-        first, n = c.run
-        ks = kl[first:first + n].view(n * bs, kvh, d)[:length]
-        vs = vl[first:first + n].view(n * bs, kvh, d)[:length]
-    else:
-        nblocks = kl.shape[0]
-        ks = kl.view(nblocks, -1).index_select(0, c.blocks).view(-1, kvh, d)[:length]
-        vs = vl.view(nblocks, -1).index_select(0, c.blocks).view(-1, kvh, d)[:length]
-    qh = q[c.r0:c.r0 + c.n].transpose(0, 1).unsqueeze(0).to(ks.dtype)
-    out = F.scaled_dot_product_attention(qh, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-                                         attn_mask=c.mask, enable_gqa=True, scale=scale)
-    return out.squeeze(0).transpose(0, 1)

@@ -42,7 +42,7 @@ GATHER_GROUP_BYTES = 8 << 20
 PAGED_KERNEL = True
 
 # CPU flash attention that also returns each row's log-sum-exp: a decode row read as several
-# view runs merges their outputs exactly with it (attention._over_views).
+# view runs merges their outputs exactly with it (attention_sdpa.over_views).
 flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 

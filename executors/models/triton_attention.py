@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from executors.models.attention import StepContext
+from executors.models.attention import LayerAttention, StepContext
 from executors.models.attention_reference import sdpa
 from executors.models.triton_attention_aot import compile_for
 from executors.models.triton_attention_launch import (
@@ -100,17 +100,18 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: S
     key, value = pool.key[layer], pool.value[layer]
     spec = ctx.layer(layer)
     if plan.prefill is not None:
-        paged_prefill(q, key, value, out, plan.prefill, window=spec.window, scale=spec.scale)
+        paged_prefill(q, key, value, out, plan.prefill, window=spec.window, scale=spec.scale, sinks=spec.sinks)
     if plan.decode is not None:
-        paged_decode(q, key, value, out, plan.decode, window=spec.window, scale=spec.scale)
+        paged_decode(q, key, value, out, plan.decode, window=spec.window, scale=spec.scale, sinks=spec.sinks)
     return out.view(m, heads * d)
 
 
 # -- a start-up check -------------------------------------------------------------------------
 def self_check(device: torch.device | str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-               block_size: int) -> str | None:
+               block_size: int, sinks: bool = False) -> str | None:
     """Run both kernels at the model's head shapes on a small random pool and compare them with
-    SDPA over the gathered contexts. None when they agree; otherwise what differed.
+    SDPA over the gathered contexts (`sinks`: with random attention sinks, against the explicit
+    computation). None when they agree; otherwise what differed.
 
     The kernels compile per GPU and per Triton version: a start-up check turns a kernel that
     fails to build, or computes wrongly, on this machine into a refusal (or, for the auto
@@ -130,19 +131,23 @@ def self_check(device: torch.device | str, dtype: torch.dtype, heads: int, kv_he
         tables.append(perm[:need])
         perm = perm[need:]
     q = rand(len(lengths) + chunk, heads, head_dim)
+    spec = LayerAttention(sinks=rand(heads) * 2) if sinks else None
+    logits = None if spec is None else spec.sinks
     try:
         out = torch.zeros_like(q)
-        paged_decode(q, key, value, out, decode_launch(list(range(len(lengths))), tables, lengths, block_size,
-                                                      kv_heads, device, partitions=2))
+        for partitions, r in ((2, slice(0, 2)), (1, slice(2, 3))):  # a split decode, and one in one partition
+            paged_decode(q, key, value, out, decode_launch(list(range(len(lengths)))[r], tables[r], lengths[r],
+                                                          block_size, kv_heads, device, partitions=partitions),
+                         sinks=logits)
         rows = len(lengths)
         paged_prefill(q, key, value, out, prefill_launch([(rows, chunk, lengths[1] - chunk, tables[1])],
-                                                         block_size, device))
+                                                         block_size, device), sinks=logits)
     except Exception as e:  # noqa: BLE001 - any failure to build or launch is the answer
         return f"the kernels failed to run: {type(e).__name__}: {e}"
     want = torch.empty(q.shape, dtype=torch.float32, device=device)
     for r, (table, n) in enumerate(zip(tables, lengths)):
-        want[r:r + 1] = _sdpa_over(q[r:r + 1], key, value, table, n, n - 1)
-    want[rows:] = _sdpa_over(q[rows:], key, value, tables[1], lengths[1], lengths[1] - chunk)
+        want[r:r + 1] = _sdpa_over(q[r:r + 1], key, value, table, n, n - 1, spec)
+    want[rows:] = _sdpa_over(q[rows:], key, value, tables[1], lengths[1], lengths[1] - chunk, spec)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     err = (out.float() - want).abs().max().item()
     if not err <= tol:  # also catches NaN
@@ -151,8 +156,12 @@ def self_check(device: torch.device | str, dtype: torch.dtype, heads: int, kv_he
     return None
 
 
-def _sdpa_over(q, key, value, table, length, start) -> torch.Tensor:
-    """float32 SDPA of q (queries at positions start..) over keys 0..length-1 gathered through table."""
+def _sdpa_over(q, key, value, table, length, start, spec: LayerAttention | None = None) -> torch.Tensor:
+    """float32 attention of q (queries at positions start..) over keys 0..length-1 gathered through
+    table (with spec's sinks: the explicit computation)."""
     bs, kvh, d = key.shape[1], key.shape[2], key.shape[3]
     slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(length)], device=q.device)
-    return sdpa(q.float(), key.reshape(-1, kvh, d)[slots].float(), value.reshape(-1, kvh, d)[slots].float(), start)
+    if spec is not None:
+        spec = LayerAttention(sinks=spec.sinks.float())
+    return sdpa(q.float(), key.reshape(-1, kvh, d)[slots].float(), value.reshape(-1, kvh, d)[slots].float(), start,
+                spec)

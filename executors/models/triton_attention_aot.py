@@ -40,28 +40,32 @@ def compile_for(capability: int, dtype: str = "bf16", head_dim: int = 128, group
         return {name: "constexpr" if name in constants else pointers.get(name, "fp32" if name == "scale_log2" else "i32")
                 for name in kernel.arg_names}
 
-    io = {name: f"*{dtype}" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+    io = {name: f"*{dtype}" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "sinks_ptr")}
     shared = {}
-    for split in (False, True):
+    # Each kernel without sinks, and with them (GPT-OSS's; "_sinks"): the split decode adds none itself.
+    for split, sinks in ((False, False), (True, False), (False, True)):
         constants = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-                         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=64, SPLIT=split, IEEE=dtype == "fp32")
+                         BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=64, SPLIT=split, IEEE=dtype == "fp32",
+                         HAS_SINKS=sinks)
         pointers = {**io, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "tables_ptr": "*i32", "rows_ptr": "*i32",
                     "lengths_ptr": "*i64", "partition_tokens_ptr": "*i64"}
         compiled = triton.compile(ASTSource(_decode_kernel, signature(_decode_kernel, pointers, constants), constants),
                                   target=target)
-        shared[f"decode{'_split' if split else ''}"] = compiled.metadata.shared
-    constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_M=64, BLOCK_N=64,
-                     IEEE=dtype == "fp32")
-    pointers = {**io, **{name: "*i32" for name in ("tables_ptr", "tile_seg_ptr", "tile_qoff_ptr", "seg_qstart_ptr",
-                                                   "seg_qlen_ptr", "seg_start_ptr")}}
-    compiled = triton.compile(ASTSource(_prefill_kernel, signature(_prefill_kernel, pointers, constants), constants),
-                              target=target)
-    shared["prefill"] = compiled.metadata.shared
-    constants = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=8)
-    pointers = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{dtype}", "rows_ptr": "*i32"}
-    compiled = triton.compile(ASTSource(_merge_kernel, signature(_merge_kernel, pointers, constants), constants),
-                              target=target)
-    shared["merge"] = compiled.metadata.shared
+        shared[f"decode{'_split' if split else ''}{'_sinks' if sinks else ''}"] = compiled.metadata.shared
+    for sinks in (False, True):
+        constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_M=64,
+                         BLOCK_N=64, IEEE=dtype == "fp32", HAS_SINKS=sinks)
+        pointers = {**io, **{name: "*i32" for name in ("tables_ptr", "tile_seg_ptr", "tile_qoff_ptr",
+                                                       "seg_qstart_ptr", "seg_qlen_ptr", "seg_start_ptr")}}
+        compiled = triton.compile(ASTSource(_prefill_kernel, signature(_prefill_kernel, pointers, constants),
+                                            constants), target=target)
+        shared[f"prefill{'_sinks' if sinks else ''}"] = compiled.metadata.shared
+        constants = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=8, HAS_SINKS=sinks)
+        pointers = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{dtype}", "rows_ptr": "*i32",
+                    "sinks_ptr": f"*{dtype}"}
+        compiled = triton.compile(ASTSource(_merge_kernel, signature(_merge_kernel, pointers, constants), constants),
+                                  target=target)
+        shared[f"merge{'_sinks' if sinks else ''}"] = compiled.metadata.shared
     from executors.models.triton_prologue import _prologue_kernel  # the attention prologue's kernel
 
     for qk_norm in (True, False):

@@ -14,6 +14,10 @@ key by key through each sequence's block table, with an online (flash) softmax i
   `_merge_kernel`; the partition count is a launch argument, so a CUDA graph can fix it once,
   and their length is read from device memory, so the graph's step can set it.
 
+GPT-OSS's attention sinks (a logit per query head that each softmax also normalises over,
+HAS_SINKS) join a row's running max and sum after its last key (`_with_sinks`); a split
+decode's partitions leave them out and the merge adds them once.
+
 The new tokens' K and V are written into the pool (by slot mapping) before a kernel runs,
 so the kernels read every key from the pool. Keys past a sequence's length are masked out
 of the loads themselves: stale K and V in a block's tail are never read. A sliding layer's
@@ -56,6 +60,15 @@ def _online_softmax(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _with_sinks(sink, m_i, l_i, acc):
+    """Fold a sink logit (log2 units) into the row's final max m_i, sum l_i and output acc: a
+    key with no value, so it adds to the sum only."""
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)  # 0 for a row that saw no key
+    return l_i * alpha + tl.exp2(sink - m_new), acc * alpha[:, None]
+
+
+@triton.jit
 def _paged_slots(table, offs_n, n_mask, BLOCK_SIZE: tl.constexpr):
     """Where keys offs_n of a sequence sit in the pool: each one's block, from the sequence's
     block table (masked keys read block 0, never used), and its slot within that block."""
@@ -79,13 +92,13 @@ def _paged_load(ptr, block, within, kv_head, offs_d, n_mask, d_mask, stride_b, s
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, sinks_ptr,
     tile_seg_ptr, tile_qoff_ptr, seg_qstart_ptr, seg_qlen_ptr, seg_start_ptr,
     stride_qm, stride_qh, stride_om, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_t,
     scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -121,6 +134,8 @@ def _prefill_kernel(
         s = tl.where(visible, _dot(q, k, IEEE) * scale_log2, float("-inf"))
         v = _paged_load(v_ptr, block, within, kv_head, offs_d, n_mask, d_mask, stride_vb, stride_vs, stride_vh, False)
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
+    if HAS_SINKS:
+        l_i, acc = _with_sinks(tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634, m_i, l_i, acc)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_om + head * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -128,13 +143,14 @@ def _prefill_kernel(
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, tables_ptr, rows_ptr, lengths_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, tables_ptr, rows_ptr, lengths_ptr, sinks_ptr,
     stride_qm, stride_qh, stride_om, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_t,
     stride_pb, stride_ph, stride_pp, stride_lb, stride_lh,
     scale_log2, partition_tokens_ptr, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # Keys per partition, read from the device: a decode graph captures the partition count
     # for its bucket but sets their length each step, for the step's longest context.
@@ -167,6 +183,9 @@ def _decode_kernel(
         s = tl.where(n_mask[None, :], _dot(q, k, IEEE) * scale_log2, float("-inf"))
         v = _paged_load(v_ptr, block, within, kv_head, offs_d, n_mask, d_mask, stride_vb, stride_vs, stride_vh, False)
         m_i, l_i, acc = _online_softmax(s, v, m_i, l_i, acc, IEEE)
+    if HAS_SINKS and not SPLIT:  # (split: the merge adds them, once)
+        sinks = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i, acc = _with_sinks(sinks, m_i, l_i, acc)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
     if SPLIT:
@@ -181,12 +200,13 @@ def _decode_kernel(
 
 
 @triton.jit
-def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, rows_ptr, parts,
+def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, rows_ptr, sinks_ptr, parts,
                   stride_pb, stride_ph, stride_pp, stride_lb, stride_lh, stride_om, stride_oh,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, HAS_SINKS: tl.constexpr):
     """The decode kernel's partitions of one (sequence, query head) merged exactly: each
-    partition's output weighted by 2^(lse_p - log2-sum-exp2 over partitions). One launch for
-    what took five torch ops (softmax, multiply, sum, cast, index_copy) a layer."""
+    partition's output weighted by 2^(lse_p - log2-sum-exp2 over partitions, and the head's
+    sink where HAS_SINKS). One launch for what took five torch ops (softmax, multiply, sum,
+    cast, index_copy) a layer."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_p = tl.arange(0, BLOCK_P)
@@ -194,8 +214,15 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, rows_ptr, parts,
     p_mask = offs_p < parts
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + offs_p, mask=p_mask, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, axis=0))  # the row's own key is in one partition: the max is finite
-    weight = weight / tl.sum(weight, axis=0)
+    top = tl.max(lse, axis=0)  # the row's own key is in one partition: the max is finite
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(top, sink)
+        weight = tl.exp2(lse - top)
+        weight = weight / (tl.sum(weight, axis=0) + tl.exp2(sink - top))
+    else:
+        weight = tl.exp2(lse - top)
+        weight = weight / tl.sum(weight, axis=0)
     part_out = tl.load(part_out_ptr + b * stride_pb + h * stride_ph + offs_p[:, None] * stride_pp + offs_d[None, :],
                        mask=p_mask[:, None] & d_mask[None, :], other=0.0)
     merged = tl.sum(part_out * weight[:, None], axis=0)

@@ -95,23 +95,23 @@ def _scale_log2(d: int, scale: float | None) -> float:
 
 def paged_prefill(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
                   launch: PrefillLaunch, block_n: int | None = None, window: int | None = None,
-                  scale: float | None = None) -> None:
+                  scale: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """Attention of the segments' rows of q ([M, H, D]) over their paged contexts, into out's rows;
-    `window`: a sliding layer's, `scale`: of q.k (None: 1/sqrt(D))."""
+    `window`: a sliding layer's, `scale`: of q.k (None: 1/sqrt(D)), `sinks`: GPT-OSS's [H]."""
     _check_pool(key, value, q)
     heads, d = q.shape[1], q.shape[2]
     kv_heads, block_size = key.shape[2], key.shape[1]
     block_n = block_n or (64 if q.is_cuda else 16)
     grid = (launch.tile_seg.shape[0], heads)
     _prefill_kernel[grid](
-        q, key, value, out, launch.tables,
+        q, key, value, out, launch.tables, _sinks_arg(sinks, q, heads),
         launch.tile_seg, launch.tile_qoff, launch.seg_qstart, launch.seg_qlen, launch.seg_start,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
         launch.tables.stride(0),
         _scale_log2(d, scale), _window_arg(window),
         GROUP=heads // kv_heads, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=block_size,
-        BLOCK_M=launch.block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        BLOCK_M=launch.block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None,
     )
 
 
@@ -168,7 +168,7 @@ def decode_launch(rows: list[int], tables: list[list[int]], lengths: list[int], 
 
 def paged_decode(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
                  launch: DecodeLaunch, block_n: int | None = None, window: int | None = None,
-                 scale: float | None = None) -> None:
+                 scale: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """One query token per row of launch.rows (q and out [M, H, D]) over its paged context."""
     _check_pool(key, value, q)
     heads, d = q.shape[1], q.shape[2]
@@ -184,6 +184,7 @@ def paged_decode(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
         part_out = part_lse = out  # unused
     _decode_kernel[(batch, kv_heads, parts)](
         q, key, value, out, part_out, part_lse, launch.tables, launch.rows, launch.lengths,
+        _sinks_arg(sinks, q, heads),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
         launch.tables.stride(0),
@@ -192,28 +193,46 @@ def paged_decode(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
         _scale_log2(d, scale), launch.partition_tokens, _window_arg(window),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        SPLIT=split, IEEE=q.dtype == torch.float32,
+        SPLIT=split, IEEE=q.dtype == torch.float32, HAS_SINKS=sinks is not None,
     )
     if split:
-        merge_partitions(part_out, part_lse, out, launch.rows)
+        merge_partitions(part_out, part_lse, out, launch.rows, sinks)
 
 
-def merge_partitions(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, rows: torch.Tensor) -> None:
+def _sinks_arg(sinks: torch.Tensor | None, q: torch.Tensor, heads: int) -> torch.Tensor:
+    """The kernels' sinks pointer: the [heads] sinks, or any tensor where HAS_SINKS is off (never read)."""
+    if sinks is None:
+        return q
+    if sinks.shape != (heads,) or sinks.device != q.device or sinks.stride(0) != 1:
+        raise ValueError(f"attention sinks must be a contiguous [{heads}] tensor on {q.device}, got "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
+    return sinks
+
+
+def merge_partitions(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
+                     sinks: torch.Tensor | None = None) -> None:
     """out[rows[b], h] = the partitions of (b, h) merged exactly: each partition's output weighted
-    by 2^(lse_p - log2-sum-exp2 over partitions). One kernel; torch's ops if it cannot run."""
+    by 2^(lse_p - log2-sum-exp2 over partitions and the head's sink, where `sinks` [H] is
+    given). One kernel; torch's ops if it cannot run."""
     batch, heads, parts, d = part_out.shape
     if not _merge_kernel_failed:
         try:
             _merge_kernel[(batch, heads)](
-                part_out, part_lse, out, rows, parts,
+                part_out, part_lse, out, rows, _sinks_arg(sinks, part_out, heads), parts,
                 part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
                 out.stride(0), out.stride(1),
                 HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_P=max(2, triton.next_power_of_2(parts)),
+                HAS_SINKS=sinks is not None,
             )
             return
         except Exception as e:  # noqa: BLE001 - a kernel that cannot build here: the torch ops below
             _merge_kernel_failed.append(f"{type(e).__name__}: {e}")
             log.warning("the decode partitions' merge kernel failed, torch ops merge them instead: %s",
                         _merge_kernel_failed[0])
-    weights = torch.softmax(part_lse * math.log(2.0), dim=-1).unsqueeze(-1)
+    logits = part_lse * math.log(2.0)
+    if sinks is not None:  # a partition of its own with no value: its weight dropped
+        sink = sinks.float().view(1, heads, 1).expand(batch, heads, 1)
+        weights = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1].unsqueeze(-1)
+    else:
+        weights = torch.softmax(logits, dim=-1).unsqueeze(-1)
     out.index_copy_(0, rows.long(), (part_out * weights).sum(2).to(out.dtype))

@@ -121,6 +121,72 @@ def test_decode_partitions_wholly_before_a_sliding_window(partitions):
         torch.testing.assert_close(out[r:r + 1], want, atol=1e-5, rtol=0)
 
 
+def reference_with_sinks(q, key, value, block_ids, length, start, sinks, window=None):
+    """GPT-OSS's attention written out (attention_reference.explicit): causal, within the window,
+    each head's softmax also over its sink logit."""
+    from executors.models.attention import LayerAttention
+    from executors.models.attention_reference import sdpa
+
+    bs, kvh, d = key.shape[1], key.shape[2], key.shape[3]
+    key_start = 0 if window is None else max(0, start - window + 1)
+    slots = torch.tensor([block_ids[p // bs] * bs + p % bs for p in range(key_start, length)], device=q.device)
+    return sdpa(q.float(), key.reshape(-1, kvh, d)[slots].float(), value.reshape(-1, kvh, d)[slots].float(), start,
+                LayerAttention(window=window, sinks=sinks.float()), key_start)
+
+
+@needs_kernels
+@pytest.mark.parametrize("partitions", [1, 3])  # the sinks in the decode kernel, or in the partitions' merge
+@pytest.mark.parametrize("window", [None, 8])
+def test_decode_and_prefill_normalise_over_gpt_oss_sinks(partitions, window):
+    """Sinks far above every score (near-zero outputs), far below (none) and in between; a
+    window whose first partition sees no key; they bite."""
+    heads, kv_heads, d, block_size = 6, 2, 16, 4
+    lengths = [2, 40, 97]
+    tables = scattered_tables(lengths, block_size, 60)
+    key, value = make_pool(60, block_size, kv_heads, d)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(3)).to(DEVICE) * 2
+    sinks[0], sinks[4] = 40.0, -40.0
+    q = torch.randn(3, heads, d, device=DEVICE)
+    out, plain = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+    launch = ta.decode_launch([0, 1, 2], tables, lengths, block_size, kv_heads, DEVICE, partitions=partitions)
+    ta.paged_decode(q, key, value, out, launch, window=window, sinks=sinks)
+    ta.paged_decode(q, key, value, plain, launch, window=window)
+    for r, (table, n) in enumerate(zip(tables, lengths)):
+        torch.testing.assert_close(out[r:r + 1], reference_with_sinks(q[r:r + 1], key, value, table, n, n - 1, sinks,
+                                                                      window), atol=1e-5, rtol=0)
+    assert (out - plain).abs().max() > 1e-2
+    # A fresh prompt and a chunk on a cached context, several query tiles.
+    segments = [(0, 37, 0, tables[1]), (37, 20, 77, tables[2])]
+    q = torch.randn(57, heads, d, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    ta.paged_prefill(q, key, value, out, ta.prefill_launch(segments, block_size, DEVICE), window=window, sinks=sinks)
+    for r, n, start, table in segments:
+        torch.testing.assert_close(out[r:r + n], reference_with_sinks(q[r:r + n], key, value, table, start + n, start,
+                                                                      sinks, window), atol=1e-5, rtol=0)
+
+
+@needs_kernels
+def test_the_merge_of_partitions_adds_the_sinks_in_torch_too(monkeypatch):
+    """The merge's fallback (torch ops, where its kernel cannot run) adds the sinks as the kernel does."""
+    from executors.models import triton_attention_launch as launch_module
+
+    heads, kv_heads, d, block_size, lengths = 4, 2, 16, 8, [60, 33]
+    tables = scattered_tables(lengths, block_size, 20)
+    key, value = make_pool(20, block_size, kv_heads, d)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(4)).to(DEVICE) * 2
+    q = torch.randn(2, heads, d, device=DEVICE)
+    launch = ta.decode_launch([0, 1], tables, lengths, block_size, kv_heads, DEVICE, partitions=3)
+    kernel = torch.full_like(q, float("nan"))
+    ta.paged_decode(q, key, value, kernel, launch, sinks=sinks)
+    monkeypatch.setattr(launch_module, "_merge_kernel_failed", ["broken for the test"])
+    torch_ops = torch.full_like(q, float("nan"))
+    ta.paged_decode(q, key, value, torch_ops, launch, sinks=sinks)
+    torch.testing.assert_close(torch_ops, kernel, atol=1e-5, rtol=0)
+    for r, (table, n) in enumerate(zip(tables, lengths)):
+        torch.testing.assert_close(kernel[r:r + 1], reference_with_sinks(q[r:r + 1], key, value, table, n, n - 1,
+                                                                         sinks), atol=1e-5, rtol=0)
+
+
 @needs_kernels
 def test_keys_past_a_length_are_never_read():
     """NaN in every slot past each sequence's end (a block's stale tail) must not reach the output."""
@@ -184,11 +250,12 @@ def test_the_kernels_compile_for_an_h100_without_one():
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert done.returncode == 0, done.stderr[-3000:]
     shared = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(shared) == {"decode", "decode_split", "prefill", "merge", "prologue", "prologue_norm", "glu_silu",
+    attention = {"decode", "decode_split", "prefill", "decode_sinks", "prefill_sinks"}
+    assert set(shared) == {*attention, "merge", "merge_sinks", "prologue", "prologue_norm", "glu_silu",
                            "glu_gelu_tanh", "gemv", "gemv_partial", "gemv_split_sum"}
     # An H100 block's shared memory; the small fused kernels may need none.
-    assert all(0 < shared[k] <= 227 * 1024 for k in ("decode", "decode_split", "prefill")), shared
-    assert all(0 <= shared[k] <= 227 * 1024 for k in set(shared) - {"decode", "decode_split", "prefill"}), shared
+    assert all(0 < shared[k] <= 227 * 1024 for k in attention), shared
+    assert all(0 <= shared[k] <= 227 * 1024 for k in set(shared) - attention), shared
 
 
 @needs_kernels

@@ -68,8 +68,9 @@ class Trio:
 
 # smollm3: a NoPE layer skips the fused prologue; olmo2: its q/k norms keep the prologue off;
 # cohere: LayerNorms and parallel attention and MLP around the prologue; starcoder2: an ungated
-# MLP, which the fused GLU kernel does not take
-@pytest.fixture(params=["llama", "qwen3", "smollm3", "olmo2", "cohere", "starcoder2"])
+# MLP, which the fused GLU kernel does not take; gpt_oss: attention sinks in the kernels, a
+# sliding layer, stacked experts with biases
+@pytest.fixture(params=["llama", "qwen3", "smollm3", "olmo2", "cohere", "starcoder2", "gpt_oss"])
 def trio(request):
     t = Trio(request.param)
     yield t
@@ -231,6 +232,22 @@ def test_a_wrong_kernel_is_refused_at_start_up(monkeypatch):
     with pytest.raises(ValueError, match="attention_backend triton: the kernels differ from SDPA"):
         LlmExecutor(LlmExecutorConfig(model_dir="x", num_blocks=8, attention_backend="triton", device=device,
                                       dtype="float32"), tiny_model("llama").to(device))
+
+
+def test_kernels_that_drop_the_sinks_are_refused_for_a_model_with_them(monkeypatch):
+    """GPT-OSS's start-up check runs the kernels with sinks: ones that ignore them fail it."""
+    from executors.models import triton_attention
+
+    device = "cuda" if CUDA else "cpu"
+    assert triton_attention.self_check(device, torch.float32, 4, 2, 16, BLOCK, sinks=True) is None
+    real = triton_attention.paged_prefill
+    monkeypatch.setattr(triton_attention, "paged_prefill", lambda *a, sinks=None, **k: real(*a, **k))
+    assert triton_attention.self_check(device, torch.float32, 4, 2, 16, BLOCK) is None  # none to drop
+    problem = triton_attention.self_check(device, torch.float32, 4, 2, 16, BLOCK, sinks=True)
+    assert problem is not None and "differ from SDPA" in problem
+    with pytest.raises(ValueError, match="attention_backend triton: the kernels differ from SDPA"):
+        LlmExecutor(LlmExecutorConfig(model_dir="x", num_blocks=8, attention_backend="triton", device=device,
+                                      dtype="float32"), tiny_model("gpt_oss").to(device))
 
 
 def test_decode_graphs_with_the_few_row_matmuls(monkeypatch):
