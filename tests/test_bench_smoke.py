@@ -227,6 +227,21 @@ def test_the_softcap_bench_times_both_sides(capsys):
     assert "capped" in out and "uncapped" in out
 
 
+def test_the_gpt_oss_bench_times_the_sinks_and_the_dequantization(capsys):
+    """bench.gpt_oss at tiny sizes: a line a kernel case with both sides, the dequantization's."""
+    from bench import gpt_oss
+    from executors.cpu_kernels import cpu_kernels
+
+    assert gpt_oss.main(["--contexts", "32", "--batches", "1,2", "--prompts", "24", "--rounds", "1", "--repeat", "1",
+                         "--experts", "2", "--hidden", "64", "--intermediate", "32", "--layers", "3",
+                         "--dequant-rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    if cpu_kernels() is not None:
+        assert out.count("decode, context    32, batch") == 2 and out.count("prefill, prompt    24") == 1
+        assert out.count(" us, none ") == 3
+    assert "dequant [2, 64, 64]" in out and "dequant [2, 64, 32]" in out and "3 layers" in out
+
+
 def test_the_one_call_bench_times_both_paths(capsys):
     """bench.one_call on tiny models: a line per family and batch, each with both times."""
     from bench import one_call
