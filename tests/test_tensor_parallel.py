@@ -75,7 +75,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
     dirs = {}
     for family in ("qwen3", "llama", "qwen2", "qwen2_moe", "gemma2", "gemma3", "phi3", "phi4_mini", "granite",
                    "smollm3", "olmo2", "olmo3", "exaone4", "glm4", "cohere", "cohere2", "stablelm", "starcoder2", "olmoe",
-                   "phi", "glm4_moe", "gemma3_multimodal", "minimax_m2", "command_r_plus", "qwen3_vl", "gpt_oss"):
+                   "phi", "glm4_moe", "gemma3_multimodal", "minimax_m2", "command_r_plus", "qwen3_vl", "gpt_oss",
+                   "granitemoeshared"):
         build(family, root / family)
         dirs[family] = root / family
     build_mqa(root / "mqa")
@@ -188,7 +189,7 @@ def stop_and_check(server) -> None:
                                   "phi4_mini", "granite", "smollm3", "olmo2",
                                   "olmo3", "exaone4", "glm4", "cohere", "cohere2", "stablelm", "starcoder2",
                                   "olmoe", "phi", "glm4_moe", "gemma3_multimodal", "minimax_m2",
-                                  "command_r_plus", "qwen3_vl", "gpt_oss"])
+                                  "command_r_plus", "qwen3_vl", "gpt_oss", "granitemoeshared"])
 def test_two_ranks_answer_every_rpc_as_one_process(name, models, references):
     server = serve_tp(models[name])
     try:

@@ -8,7 +8,9 @@ ranges as it reads it; the fast forward fuses q/k/v and gate/up again anyway
 (fused_weights.py). A tensor whose one part is all of it is a rename: GLM-4's norms around
 attention and the MLP, whose names mean other norms in the decoder's (Gemma's) layout, and
 StarCoder2's ungated MLP (c_fc, c_proj: the decoder's up_proj and down_proj) and Phi's
-(fc1, fc2), its attention output (dense) and final norm, with their biases. A multimodal
+(fc1, fc2), its attention output (dense) and final norm, with their biases. Granite's MoE
+checkpoints' experts and router are read under transformers' names for them (its
+conversion mapping's), its shared MLP's fused input cut into gate and up. A multimodal
 checkpoint's text model is read under the decoder's names, its other towers skipped.
 """
 
@@ -33,6 +35,11 @@ RENAMED = {"glm4": {"post_self_attn_layernorm": "post_attention_layernorm",
            "phi": {"self_attn.dense": "self_attn.o_proj", "mlp.fc1": "mlp.up_proj", "mlp.fc2": "mlp.down_proj"}}
 # And outside the layers: Phi's final norm.
 RENAMED_TOP = {"phi": {"model.final_layernorm": "model.norm"}}
+# Granite MoE's tensors -> the decoder's (stacked_experts.py), in a layer.
+GRANITE_MOE = {"block_sparse_moe.input_linear.weight": "block_sparse_moe.experts.gate_up_proj",
+               "block_sparse_moe.output_linear.weight": "block_sparse_moe.experts.down_proj",
+               "block_sparse_moe.router.layer.weight": "block_sparse_moe.router.weight",
+               "shared_mlp.output_linear.weight": "block_sparse_moe.shared_mlp.down_proj.weight"}
 
 
 def fused_sections(config: DecoderConfig) -> Sections:
@@ -54,9 +61,24 @@ def fused_sections(config: DecoderConfig) -> Sections:
                                                      (f"{mlp}up_proj.weight", inter, 2 * inter))
         for theirs, ours in RENAMED.get(config.family, {}).items():
             _rename(sections, config, f"{prefix}{theirs}", f"{prefix}{ours}")
+        if config.moe is not None and config.moe.style == "granite":
+            _granite_moe(sections, config, prefix)
     for theirs, ours in RENAMED_TOP.get(config.family, {}).items():
         _rename(sections, config, theirs, ours)
     return sections
+
+
+def _granite_moe(sections: Sections, config: DecoderConfig, prefix: str) -> None:
+    """A Granite MoE layer's tensors, each whole under its new name but the shared MLP's input."""
+    experts, shared = config.moe.num_experts, config.moe.shared_intermediate_size
+    for theirs, ours in GRANITE_MOE.items():
+        if ours.startswith("block_sparse_moe.shared_mlp.") and not shared:
+            continue
+        sections[f"{prefix}{theirs}"] = ((f"{prefix}{ours}", 0, config.hidden_size if "shared" in ours else experts),)
+    if shared:
+        mlp = f"{prefix}block_sparse_moe.shared_mlp."
+        sections[f"{prefix}shared_mlp.input_linear.weight"] = ((f"{mlp}gate_proj.weight", 0, shared),
+                                                               (f"{mlp}up_proj.weight", shared, 2 * shared))
 
 
 def _rename(sections: Sections, config: DecoderConfig, theirs: str, ours: str) -> None:

@@ -30,6 +30,7 @@ from executors.models.families import (
     GELU_TANH,
     GEMMA_FAMILIES,
     GPT_OSS_ROPE,
+    GRANITE_FAMILIES,
     LAYER_NORM_FAMILIES,
     MULTIMODAL_TEXT,
     POST_NORM_FAMILIES,
@@ -210,7 +211,7 @@ class DecoderConfig:
 
         def granite(key: str) -> float | None:
             """Granite's multipliers (1.0 when absent, as GraniteConfig has them); None elsewhere."""
-            return positive_number(cfg, key, 1.0) if family == "granite" else None
+            return positive_number(cfg, key, 1.0) if family in GRANITE_FAMILIES else None
 
         refuse_unserved_options(cfg, family)
         layers = int(need("num_hidden_layers"))

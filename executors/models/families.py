@@ -40,7 +40,11 @@ ARCHITECTURES = {
     "Glm4MoeForCausalLM": ("glm4_moe", False),  # per-head q/k norms where use_qk_norm says
     "MiniMaxM2ForCausalLM": ("minimax_m2", True),
     "GptOssForCausalLM": ("gpt_oss", False),
+    "GraniteMoeForCausalLM": ("granitemoe", False),
+    "GraniteMoeSharedForCausalLM": ("granitemoeshared", False),
 }
+# Granite's multipliers (embedding, attention, residual, logits): its dense and MoE models.
+GRANITE_FAMILIES = ("granite", "granitemoe", "granitemoeshared")
 # GptOssConfig's rope where a file has none: YaRN over an original 4096 positions.
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096}

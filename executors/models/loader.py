@@ -190,7 +190,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
 def _mxfp4_part(name: str, config: DecoderConfig) -> tuple[str, str] | None:
     """(the matrix, BLOCKS or SCALES) for half of one of GPT-OSS's MXFP4 expert matrices; None otherwise."""
     part = mxfp4.parts(name)
-    if part is None or config.moe is None or not config.moe.stacked or not part[0].endswith(TRANSPOSED):
+    if part is None or config.moe is None or config.moe.style != "gpt_oss" or not part[0].endswith(TRANSPOSED):
         return None
     return part
 

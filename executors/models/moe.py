@@ -83,12 +83,13 @@ class SparseMoe(nn.Module):
         sigmoid = moe.scoring == "sigmoid"
         # (GPT-OSS's router is mlp.router, with a bias; the others' mlp.gate or block_sparse_moe.gate)
         setattr(self, moe.router_name, Router(config.hidden_size, moe.num_experts,
-                                              sigmoid and not moe.correction_on_block, bias=moe.stacked))
+                                              sigmoid and not moe.correction_on_block, bias=moe.biased))
         if sigmoid and moe.correction_on_block:  # MiniMax-M2's: on the block, not its router
             self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts))
-        if moe.stacked:  # GPT-OSS: every expert in four tensors
-            self.experts = StackedExperts(config.hidden_size, moe.intermediate_size, moe.num_experts,
-                                          moe.swiglu_limit, moe.swiglu_alpha)
+        self.act = activation(config.hidden_act)
+        if moe.stacked:  # GPT-OSS, Granite: every expert in two tensors (and GPT-OSS's biases)
+            self.experts = StackedExperts(config.hidden_size, moe.intermediate_size, moe.num_experts, moe.biased,
+                                          gated(self.act, moe.clamp))
         else:
             self.experts = nn.ModuleList(Expert(config.hidden_size, moe.intermediate_size, moe.expert_names)
                                          for _ in range(moe.num_experts))
@@ -96,7 +97,6 @@ class SparseMoe(nn.Module):
             setattr(self, moe.shared_name, MLP(config, moe.shared_intermediate_size, bias=False))
             if moe.shared_gated:
                 self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
-        self.act = activation(config.hidden_act)
 
     @property
     def router(self) -> Router:
@@ -121,15 +121,16 @@ class SparseMoe(nn.Module):
         if load is not None:
             load += expert_counts(experts, self.num_experts)
         if self.config.stacked:
-            return self.experts(x, weights, experts)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            rows, slot = torch.where(experts == e)
-            if rows.numel() == 0:
-                continue
-            gate, up, down = expert.projections()
-            y = down(self.act(gate(x[rows])) * up(x[rows]))
-            out.index_add_(0, rows, y * weights[rows, slot, None])
+            out = self.experts(x, weights, experts)
+        else:
+            out = torch.zeros_like(x)
+            for e, expert in enumerate(self.experts):
+                rows, slot = torch.where(experts == e)
+                if rows.numel() == 0:
+                    continue
+                gate, up, down = expert.projections()
+                y = down(self.act(gate(x[rows])) * up(x[rows]))
+                out.index_add_(0, rows, y * weights[rows, slot, None])
         if self.shared is not None:
             shared = self.shared(x)
             out += torch.sigmoid(self.shared_expert_gate(x)) * shared if self.config.shared_gated else shared
@@ -160,35 +161,20 @@ class MoeWeights(NamedTuple):
     router_bias: torch.Tensor | None = None
     expert_biases: tuple[torch.Tensor, torch.Tensor] | None = None
     clamp: tuple[float, float] | None = None
+    stacked: bool = False  # the experts are the stacks themselves (GPT-OSS, Granite): never panels
 
     def matrices(self) -> list[torch.Tensor]:
         """The expert weights still held as tensors (each expert's gate/up and down, the shared
-        expert's): what the CPU kernels would pack. GPT-OSS's stay torch's (its biases and clamped
-        activation run there): none."""
-        if self.expert_biases is not None:
-            return []
-        stacks = (*(self.gate_up if self.gate_up is not None else ()), *(self.down if self.down is not None else ()))
+        expert's): what the CPU kernels would pack. Stacked experts (GPT-OSS's, Granite's) stay
+        torch's, their parameters being the stacks: only a shared MLP's then."""
+        stacks = () if self.stacked else (*(self.gate_up if self.gate_up is not None else ()),
+                                          *(self.down if self.down is not None else ()))
         return [t for t in (*stacks, self.shared_gate_up, self.shared_down) if t is not None]
 
 
 def stack(moe: SparseMoe) -> MoeWeights:
     """Stack the experts' weights and make each expert's parameters views of the stacks (GPT-OSS's
     are stacked already: the weights are its parameters)."""
-    if moe.config.stacked:
-        e, m = moe.experts, moe.config
-        return MoeWeights(moe.router.weight.detach(), e.gate_up_proj.detach(), e.down_proj.detach(), None, None, None,
-                          moe.top_k, moe.norm_topk_prob, router_bias=moe.router.bias.detach(),
-                          expert_biases=(e.gate_up_proj_bias.detach(), e.down_proj_bias.detach()),
-                          clamp=(m.swiglu_limit, m.swiglu_alpha))
-    gate_up = torch.stack([torch.cat([g.weight.detach(), u.weight.detach()])
-                           for g, u, _ in (e.projections() for e in moe.experts)])
-    down = torch.stack([e.projections()[2].weight.detach() for e in moe.experts])
-    inter = gate_up.shape[1] // 2
-    for i, expert in enumerate(moe.experts):
-        g, u, d = expert.projections()
-        g.weight = nn.Parameter(gate_up[i, :inter], requires_grad=False)
-        u.weight = nn.Parameter(gate_up[i, inter:], requires_grad=False)
-        d.weight = nn.Parameter(down[i], requires_grad=False)
     shared_gate_up = shared_down = shared_gate = None
     if moe.shared is not None:
         s = moe.shared
@@ -198,6 +184,21 @@ def stack(moe: SparseMoe) -> MoeWeights:
         s.up_proj.weight = nn.Parameter(shared_gate_up[n:], requires_grad=False)
         shared_down = s.down_proj.weight.detach()
         shared_gate = moe.shared_expert_gate.weight.detach() if moe.config.shared_gated else None
+    if moe.config.stacked:
+        e, bias = moe.experts, moe.router.bias
+        return MoeWeights(moe.router.weight.detach(), e.gate_up_proj.detach(), e.down_proj.detach(), shared_gate_up,
+                          shared_down, shared_gate, moe.top_k, moe.norm_topk_prob,
+                          router_bias=None if bias is None else bias.detach(), expert_biases=e.biases(),
+                          clamp=moe.config.clamp, stacked=True)
+    gate_up = torch.stack([torch.cat([g.weight.detach(), u.weight.detach()])
+                           for g, u, _ in (e.projections() for e in moe.experts)])
+    down = torch.stack([e.projections()[2].weight.detach() for e in moe.experts])
+    inter = gate_up.shape[1] // 2
+    for i, expert in enumerate(moe.experts):
+        g, u, d = expert.projections()
+        g.weight = nn.Parameter(gate_up[i, :inter], requires_grad=False)
+        u.weight = nn.Parameter(gate_up[i, inter:], requires_grad=False)
+        d.weight = nn.Parameter(down[i], requires_grad=False)
     sigmoid = moe.sigmoid_routing()
     router = moe.router.weight.detach()
     if sigmoid is not None:  # its logits are float32 (moe_routing): the weight converted once, not every step

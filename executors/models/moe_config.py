@@ -20,6 +20,11 @@ Six layouts, all top-k routing over the scores of one linear router:
   stacked tensors with biases (`mlp.experts.gate_up_proj`, its gate and up columns
   interleaved, `down_proj`; stacked_experts.py) and a clamped SwiGLU (`swiglu_limit`,
   `swiglu_alpha`), as wide as `intermediate_size`, in every layer.
+- Granite MoE (`GraniteMoeForCausalLM`, Granite 3.x's MoE models): `block_sparse_moe.router.layer`
+  (no bias; the softmax of its top k logits), the experts stacked without biases
+  (`block_sparse_moe.input_linear` [E, 2I, hidden], gate then up, and `output_linear`; read
+  as GPT-OSS's stacked experts, stacked_experts.py), every layer sparse; `GraniteMoeShared`
+  adds a gated `shared_mlp` beside them (`shared_intermediate_size` wide, no gate on its sum).
 - GLM-4.5 (`Glm4MoeForCausalLM`; DeepSeek V3's router): sigmoid scores, the experts chosen
   by score plus `mlp.gate.e_score_correction_bias` among the `topk_group` best of `n_group`
   groups (a group scored by its two best), their scores renormalised and times
@@ -37,7 +42,8 @@ from typing import Any
 
 from executors.models.errors import UnsupportedModel
 
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "gpt_oss")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "gpt_oss", "granitemoe",
+                "granitemoeshared")
 # Router options of other MoE families (DeepSeek, GLM, ...): a config that sets one to
 # something other than its plain-softmax value is refused.
 _PLAIN_ROUTER = {"scoring_func": (None, "softmax"), "topk_method": (None, "greedy"), "n_group": (None, 1), "topk_group": (None, 1),
@@ -53,8 +59,10 @@ class MoeConfig:
     norm_topk_prob: bool  # renormalise the k chosen weights to sum to 1
     shared_intermediate_size: int  # Qwen2-MoE's shared expert (0: none)
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
-    # "qwen" (mlp.experts.N.gate_proj), "mixtral" (block_sparse_moe.experts.N.w1) or "gpt_oss"
+    # "qwen" (mlp.experts.N.gate_proj), "mixtral" (block_sparse_moe.experts.N.w1), "gpt_oss"
     # (mlp.experts.gate_up_proj: every expert in one tensor, with biases; mlp.router with a bias)
+    # or "granite" (block_sparse_moe.experts.gate_up_proj, stacked, no biases: its files'
+    # input_linear, renamed as transformers renames it)
     style: str
     # GLM-4.5: sigmoid scores (else a softmax), the groups top-k picks from, the chosen
     # weights' factor; its shared experts have no gate (Qwen2-MoE's one is behind a sigmoid).
@@ -73,7 +81,17 @@ class MoeConfig:
 
     @property
     def stacked(self) -> bool:
-        """The experts held as stacked tensors with biases (GPT-OSS), not a module each."""
+        """The experts held as stacked tensors (GPT-OSS's, Granite's), not a module each."""
+        return self.style in ("gpt_oss", "granite")
+
+    @property
+    def clamp(self) -> tuple[float, float] | None:
+        """GPT-OSS's clamped SwiGLU's (limit, alpha); None: act(gate) * up."""
+        return None if self.swiglu_limit is None else (self.swiglu_limit, self.swiglu_alpha)
+
+    @property
+    def biased(self) -> bool:
+        """Biases on the router and on each expert's projections (GPT-OSS)."""
         return self.style == "gpt_oss"
 
     @property
@@ -84,7 +102,7 @@ class MoeConfig:
     @property
     def module_name(self) -> str:
         """The decoder layer's attribute holding the experts, as the checkpoint names it."""
-        return "block_sparse_moe" if self.style == "mixtral" else "mlp"
+        return "block_sparse_moe" if self.style in ("mixtral", "granite") else "mlp"
 
     @property
     def expert_names(self) -> tuple[str, str, str]:
@@ -94,6 +112,8 @@ class MoeConfig:
     @property
     def shared_name(self) -> str:
         """The sparse layer's attribute holding the shared expert(s), as the checkpoint names it."""
+        if self.style == "granite":
+            return "shared_mlp"
         return "shared_expert" if self.shared_gated else "shared_experts"
 
     @property
@@ -108,6 +128,8 @@ def moe_from_dict(cfg: dict[str, Any], family: str, layers: int) -> MoeConfig | 
         return _glm4_moe(cfg, layers)
     if family == "gpt_oss":
         return _gpt_oss(cfg, layers)
+    if family in ("granitemoe", "granitemoeshared"):
+        return _granite_moe(cfg, layers, family == "granitemoeshared")
     arch = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
             "minimax_m2": "MiniMaxM2ForCausalLM"}.get(family, "MixtralForCausalLM")
     for key, allowed in _PLAIN_ROUTER.items():  # (MiniMax-M2's files say scoring_func: sigmoid, which it is)
@@ -186,3 +208,17 @@ def _gpt_oss(cfg: dict[str, Any], layers: int) -> MoeConfig:
             raise UnsupportedModel(f"{key} must be a positive number, got {value!r}")
     return MoeConfig(experts, top_k, int(cfg.get("intermediate_size", 2880)), True, 0, (True,) * layers, "gpt_oss",
                      swiglu_limit=float(limit), swiglu_alpha=float(alpha))
+
+
+def _granite_moe(cfg: dict[str, Any], layers: int, shared: bool) -> MoeConfig:
+    """GraniteMoeConfig's (GraniteMoeSharedConfig's) reading, their defaults where the file omits a key."""
+    experts, top_k = cfg.get("num_local_experts", 8), cfg.get("num_experts_per_tok", 2)
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
+        raise UnsupportedModel(f"num_local_experts must be an integer >= 1, got {experts!r}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
+        raise UnsupportedModel(f"num_experts_per_tok must be between 1 and num_local_experts ({experts}), got {top_k!r}")
+    width = cfg.get("shared_intermediate_size", 0) if shared else 0
+    if not isinstance(width, int) or isinstance(width, bool) or width < 0:
+        raise UnsupportedModel(f"shared_intermediate_size must be an integer >= 0, got {width!r}")
+    return MoeConfig(experts, top_k, int(cfg.get("intermediate_size", 11008)), True, width, (True,) * layers,
+                     "granite", shared_gated=False)

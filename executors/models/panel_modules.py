@@ -165,7 +165,7 @@ def pack_model(model: DecoderLM, quantized: bool = False) -> None:
         if w.gate_up is not None:
             changes.update(gate_up=_replace(ffn, ffn.gate_up_names, arena.pack(w.gate_up)),
                            down=_replace(ffn, ["down_proj"], arena.pack(w.down)))
-        if w.moe is not None and w.moe.matrices():  # (GPT-OSS's experts stay tensors)
+        if w.moe is not None and w.moe.matrices():
             changes.update(moe=_pack_experts(ffn, w.moe, arena, model))
         model.fused[i] = w._replace(**changes)
     if not c.tie_word_embeddings:
@@ -191,7 +191,14 @@ def pack_model(model: DecoderLM, quantized: bool = False) -> None:
 
 def _pack_experts(moe: nn.Module, w: MoeWeights, arena: _Arena, model: DecoderLM) -> MoeWeights:
     """A sparse layer's experts (and shared expert) as panels, their modules PanelLinear; the
-    stacks they were views of go (the panels are the one copy)."""
+    stacks they were views of go (the panels are the one copy). Stacked experts (GPT-OSS's,
+    Granite's) stay the stacks: their shared MLP alone becomes panels."""
+    if w.stacked:
+        s = moe.shared
+        shared = (_replace(s, ["gate_proj", "up_proj"], arena.pack(w.shared_gate_up)),
+                  _replace(s, ["down_proj"], arena.pack(w.shared_down)))
+        return w._replace(shared_gate_up=None, shared_down=None, shared_panels=shared, kernels=model.cpu_kernels,
+                          glu=model.config.hidden_act)
     panels = []
     for i, expert in enumerate(moe.experts):
         gate, up, down = expert.names

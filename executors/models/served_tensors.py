@@ -7,7 +7,8 @@ agree on what is served.
   (partial_rotary.py), their norms' weights with them.
 - Granite's residual_multiplier: the attention and MLP outputs are scaled before each
   residual add, which is o_proj's and down_proj's weights and biases scaled (in float32,
-  then rounded once to the serving dtype), and costs nothing per step.
+  then rounded once to the serving dtype), and costs nothing per step; in its MoE models,
+  every expert's down projection and the shared MLP's.
 - GPT-OSS's stacked experts: transposed, gate and up de-interleaved (stacked_experts.py).
 """
 
@@ -19,7 +20,8 @@ from executors.models import stacked_experts
 from executors.models.config import DecoderConfig
 from executors.models.partial_rotary import ROTATED, reorder_rows, reorders
 
-RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight", "mlp.down_proj.bias")
+RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight", "mlp.down_proj.bias",
+                    "experts.down_proj")  # (and Granite MoE's experts, and shared_mlp.down_proj.weight)
 
 
 def served(name: str, tensor: torch.Tensor, config: DecoderConfig) -> torch.Tensor:
@@ -31,13 +33,13 @@ def served(name: str, tensor: torch.Tensor, config: DecoderConfig) -> torch.Tens
     if config.residual_scale not in (None, 1.0) and name.endswith(RESIDUAL_OUTPUTS):
         tensor = tensor.float() * config.residual_scale
     if _stacked(name, config):
-        tensor = stacked_experts.served(name, tensor)
+        tensor = stacked_experts.served(name, tensor, config.moe.style)
     return tensor
 
 
 def stored_shape(name: str, shape: tuple[int, ...], config: DecoderConfig) -> tuple[int, ...]:
     """The shape the checkpoint stores parameter `name` of this shape in (GPT-OSS's experts: transposed)."""
-    return stacked_experts.checkpoint_shape(name, shape) if _stacked(name, config) else shape
+    return stacked_experts.checkpoint_shape(name, shape, config.moe.style) if _stacked(name, config) else shape
 
 
 def _stacked(name: str, config: DecoderConfig) -> bool:

@@ -1,7 +1,7 @@
-"""GPT-OSS's experts: every expert of a sparse layer in stacked tensors with biases, and their
+"""Experts stacked in tensors, as GPT-OSS's and Granite's checkpoints hold them, and GPT-OSS's
 clamped SwiGLU.
 
-Its checkpoints hold a layer's experts as four tensors: `mlp.experts.gate_up_proj`
+GPT-OSS's checkpoints hold a layer's experts as four tensors: `mlp.experts.gate_up_proj`
 [E, hidden, 2I] (x @ it, the gate's and up's output columns interleaved: gate j at 2j, up j
 at 2j + 1), `gate_up_proj_bias` [E, 2I] (interleaved alike), `down_proj` [E, I, hidden] and
 `down_proj_bias` [E, hidden]; its published files quantize the two matrices to MXFP4
@@ -10,6 +10,11 @@ at 2j + 1), `gate_up_proj_bias` [E, 2I] (interleaved alike), `down_proj` [E, I, 
 [E, 2I, hidden], rows [gate; up]; `gate_up_proj_bias` [E, 2I] likewise; `down_proj`
 [E, hidden, I]. `served` turns the checkpoint's tensors (or a tensor-parallel rank's part of
 them, `rank_part`) into these as they load, and the weights digest reads them the same way.
+
+Granite's MoE checkpoints hold `block_sparse_moe.input_linear` [E, 2I, hidden] (rows [gate;
+up]) and `output_linear` [E, hidden, I], without biases: the decoder's layout already, read
+under transformers' names (`experts.gate_up_proj`, `experts.down_proj`;
+checkpoint_sections.py renames them).
 
 The activation (GptOssExperts._apply_gate): the gate clamped above at `limit`, up clamped to
 [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate).
@@ -30,25 +35,33 @@ TRANSPOSED = ("experts.gate_up_proj", "experts.down_proj")
 
 
 class StackedExperts(nn.Module):
-    """A sparse layer's E experts as four tensors, in the decoder's layout (module docstring)."""
+    """A sparse layer's E experts as two tensors (and GPT-OSS's two biases), in the decoder's
+    layout (module docstring); `glu` their activation-and-multiply (`gated`)."""
 
-    def __init__(self, hidden: int, inter: int, experts: int, limit: float, alpha: float) -> None:
+    def __init__(self, hidden: int, inter: int, experts: int, bias: bool,
+                 glu: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.zeros(experts, 2 * inter, hidden))
-        self.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 2 * inter))
         self.down_proj = nn.Parameter(torch.zeros(experts, hidden, inter))
-        self.down_proj_bias = nn.Parameter(torch.zeros(experts, hidden))
-        self.limit, self.alpha = limit, alpha
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 2 * inter)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.zeros(experts, hidden)) if bias else None
+        self.glu = glu
+
+    def biases(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.gate_up_proj_bias is None:
+            return None
+        return self.gate_up_proj_bias.detach(), self.down_proj_bias.detach()
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The reference: each expert in turn over the rows that picked it (weights, experts [M, k])."""
         out = torch.zeros_like(x)
+        biased = self.gate_up_proj_bias is not None
         for e in range(self.gate_up_proj.shape[0]):
             rows, slot = torch.where(experts == e)
             if rows.numel() == 0:
                 continue
-            gu = F.linear(x[rows], self.gate_up_proj[e], self.gate_up_proj_bias[e])
-            y = F.linear(clamped_swiglu(gu, self.limit, self.alpha), self.down_proj[e], self.down_proj_bias[e])
+            gu = F.linear(x[rows], self.gate_up_proj[e], self.gate_up_proj_bias[e] if biased else None)
+            y = F.linear(self.glu(gu), self.down_proj[e], self.down_proj_bias[e] if biased else None)
             out.index_add_(0, rows, y * weights[rows, slot, None])
         return out
 
@@ -77,11 +90,13 @@ def gated(act: Callable[[torch.Tensor], torch.Tensor], clamp: tuple[float, float
 
 
 def is_stacked(name: str) -> bool:
-    return name.endswith(STACKED) and ".mlp." in name
+    return name.endswith(STACKED) and (".mlp." in name or ".block_sparse_moe." in name)
 
 
-def served(name: str, tensor: torch.Tensor) -> torch.Tensor:
+def served(name: str, tensor: torch.Tensor, style: str) -> torch.Tensor:
     """A checkpoint tensor (or a rank's part of it, `rank_part`) in the decoder's layout."""
+    if style != "gpt_oss":  # Granite's: as stored
+        return tensor
     if name.endswith(TRANSPOSED):
         tensor = tensor.transpose(1, 2)
     if name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):  # interleaved -> [gate; up]
@@ -89,16 +104,21 @@ def served(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
-def checkpoint_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+def checkpoint_shape(name: str, shape: tuple[int, ...], style: str) -> tuple[int, ...]:
     """The shape the checkpoint stores a parameter of this (decoder-layout) shape in."""
-    return (shape[0], shape[2], shape[1]) if name.endswith(TRANSPOSED) else shape
+    return (shape[0], shape[2], shape[1]) if style == "gpt_oss" and name.endswith(TRANSPOSED) else shape
 
 
-def rank_part(name: str, piece, lo: int, hi: int, first_rank: bool) -> torch.Tensor:
+def rank_part(name: str, piece, lo: int, hi: int, inter: int, first_rank: bool, style: str) -> torch.Tensor:
     """A tensor-parallel rank's part of a stored tensor (a safetensors slice, or any tensor),
-    the rank holding each expert's intermediate rows [lo, hi): gate/up's interleaved columns
-    2lo..2hi (one contiguous run), down's rows lo..hi; down's bias whole on the first rank,
-    zero elsewhere (added once after the all-reduce, as every row-parallel bias)."""
+    the rank holding each expert's intermediate rows [lo, hi) of `inter`. GPT-OSS's: gate/up's
+    interleaved columns 2lo..2hi (one contiguous run), down's rows lo..hi; down's bias whole on
+    the first rank, zero elsewhere (added once after the all-reduce, as every row-parallel
+    bias). Granite's: gate's rows lo..hi and up's inter + lo..inter + hi, down's columns lo..hi."""
+    if style != "gpt_oss":
+        if name.endswith("experts.gate_up_proj"):
+            return torch.cat([piece[:, lo:hi], piece[:, inter + lo:inter + hi]], dim=1)
+        return piece[:, :, lo:hi]
     if name.endswith("experts.gate_up_proj"):
         return piece[:, :, 2 * lo:2 * hi]
     if name.endswith("experts.gate_up_proj_bias"):

@@ -125,8 +125,10 @@ class ShardPlan:
         if name.endswith("self_attn.sinks"):  # GPT-OSS: a logit per query head, split with q's heads
             return tensor_slice[self.rank * self.heads:(self.rank + 1) * self.heads]
         if stacked_experts.is_stacked(name):  # GPT-OSS: every expert in one tensor, by intermediate rows
-            n = self.full.moe.intermediate_size // self.world
-            return stacked_experts.rank_part(name, tensor_slice, self.rank * n, (self.rank + 1) * n, self.rank == 0)
+            inter = self.full.moe.intermediate_size
+            n = inter // self.world
+            return stacked_experts.rank_part(name, tensor_slice, self.rank * n, (self.rank + 1) * n, inter,
+                                             self.rank == 0, self.full.moe.style)
         if module in ("q_norm", "k_norm") and self.full.qk_norm_across_heads:  # OLMo 2: by heads, as q/k
             lo, hi = self.rows_of("q_proj" if module == "q_norm" else "k_proj", full_shape[0])
             return tensor_slice[lo:hi]

@@ -254,6 +254,16 @@ CASES = {
     # 1.702) without those keys; a window of 8 without layer_types, another limit and gain.
     "gpt_oss_defaults": ("gpt_oss", GPT_OSS, {"rope_parameters": DEL, "layer_types": DEL, "sliding_window": DEL,
                                               "rms_norm_eps": DEL, "swiglu_limit": DEL, "swiglu_alpha": DEL}, 140, None),
+    # 27. Granite MoE: its multipliers' defaults (1.0) and experts' (8, top 2) without those keys;
+    # GraniteMoeShared without a shared MLP (its default width 0), and with one.
+    "granitemoe_defaults": ("granitemoe", {"intermediate_size": 32}, {
+        "embedding_multiplier": DEL, "attention_multiplier": DEL, "residual_multiplier": DEL, "logits_scaling": DEL,
+        "num_local_experts": DEL, "num_experts_per_tok": DEL, "rms_norm_eps": DEL, "rope_parameters": DEL}, 40, None),
+    "granitemoeshared_none": ("granitemoeshared", {"intermediate_size": 32, "num_local_experts": 4},
+                              {"shared_intermediate_size": DEL}, 40, None),
+    "granitemoeshared_multipliers": ("granitemoeshared", {
+        "intermediate_size": 32, "num_local_experts": 4, "shared_intermediate_size": 16, "residual_multiplier": 0.3,
+        "embedding_multiplier": 5.0, "attention_multiplier": 0.1, "logits_scaling": 3.0}, {}, 40, None),
     "gpt_oss_window_and_clamp": ("gpt_oss", {**GPT_OSS, "sliding_window": 8, "swiglu_limit": 0.05,
                                              "swiglu_alpha": 1.0}, {"layer_types": DEL}, 40, None),
 }
@@ -274,6 +284,8 @@ MODELS = {
     "starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config"), "olmoe": ("OlmoeForCausalLM", "OlmoeConfig"),
     "phi": ("PhiForCausalLM", "PhiConfig"), "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig"),
     "minimax_m2": ("MiniMaxM2ForCausalLM", "MiniMaxM2Config"), "gpt_oss": ("GptOssForCausalLM", "GptOssConfig"),
+    "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeConfig"),
+    "granitemoeshared": ("GraniteMoeSharedForCausalLM", "GraniteMoeSharedConfig"),
 }
 
 
@@ -284,7 +296,8 @@ def save_tiny(family: str, kwargs: dict, edits: dict, out):
     model = model_cls(config_cls(**{**{"gemma2": GEMMA2, "gemma3": GEMMA, "phi3": PHI3, "smollm3": SMOLLM3, "glm4": PHI3, "helium": PHI3,
                                      "cohere": SMOLLM3, "cohere2": SMOLLM3, "stablelm": SMOLLM3,
                                      "starcoder2": SMOLLM3, "olmoe": SMOLLM3, "phi": SMOLLM3,
-                                     "glm4_moe": SMOLLM3, "minimax_m2": SMOLLM3, "gpt_oss": SMOLLM3}.get(
+                                     "glm4_moe": SMOLLM3, "minimax_m2": SMOLLM3, "gpt_oss": SMOLLM3,
+                                     "granitemoe": SMOLLM3, "granitemoeshared": SMOLLM3}.get(
         family, COMMON), **kwargs}))
     with torch.no_grad():  # random init leaves biases at zero and norms at one: make them count
         for name, p in model.named_parameters():

@@ -61,6 +61,10 @@ FAMILIES = {
                 "num_experts_per_tok": 2, "swiglu_limit": 1.0,
                 "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 1.5e5, "truncate": False,
                                     "original_max_position_embeddings": 16}},
+    # Granite MoE with a shared MLP: stacked experts without biases, Granite's multipliers.
+    "granitemoeshared": {"architectures": ["GraniteMoeSharedForCausalLM"], "num_local_experts": 4,
+                         "num_experts_per_tok": 2, "shared_intermediate_size": 48, "embedding_multiplier": 2.0,
+                         "attention_multiplier": 0.3, "residual_multiplier": 0.6, "logits_scaling": 1.5},
 }
 POLICIES = {
     "default": {},  # decode steps of up to 64 rows in one kernel call, other steps op by op
@@ -71,10 +75,10 @@ POLICIES = {
 }
 
 
-def tiny_model(family: str, dtype: torch.dtype = torch.float32) -> DecoderLM:
+def tiny_model(family: str, dtype: torch.dtype = torch.float32, **edits) -> DecoderLM:
     cfg = DecoderConfig.from_dict(dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, **FAMILIES[family]))
+        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, **{**FAMILIES[family], **edits}))
     torch.manual_seed(11)
     model = DecoderLM(cfg)
     with torch.no_grad():
@@ -277,12 +281,18 @@ def test_bfloat16_fast_path_is_as_close_to_float32_as_the_bfloat16_reference(fam
     """bfloat16 rounds differently on each path (oneDNN prepacked matmuls, bf16 SDPA on bf16
     KV): the fast path's distance to float32 must stay that of the plain bf16 computation.
     One sequence's worst row is noise (the two paths' ratio ranges 0.6-1.9 over sequences),
-    so the mean of eight sequences' worst rows is compared, on sequences of the test's own."""
+    so the mean of eight sequences' worst rows is compared, on sequences of the test's own.
+    A mixture of experts chooses every expert here: its top-k choice between close router
+    logits flips under bfloat16's rounding, on either path at random, and one flipped expert
+    moves a row's logits far more than rounding does (GPT-OSS's and Granite MoE's worst rows
+    then ranged 0.13-1.3 on both paths), which would hide the arithmetic this compares."""
     local = np.random.default_rng(17)
     seqs = [local.integers(0, VOCAB, size=37).tolist() for _ in range(8)]
+    experts = FAMILIES[family].get("num_local_experts")
+    every_expert = {} if experts is None else {"num_experts_per_tok": experts}
 
     def run(dtype: str, reference: bool) -> list[np.ndarray]:
-        model = tiny_model(family, torch.float32 if dtype == "float32" else torch.bfloat16)
+        model = tiny_model(family, torch.float32 if dtype == "float32" else torch.bfloat16, **every_expert)
         ex = LlmExecutor(LlmExecutorConfig(model_dir=f"/nonexistent/{family}", dtype=dtype, block_size=BLOCK,
                                            num_blocks=128), model, reference=reference)
         loop = asyncio.new_event_loop()

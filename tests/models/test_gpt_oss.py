@@ -4,7 +4,8 @@ matrix) dequantized at load, as transformers dequantizes them.
 test_families.py serves the tiny unquantized GPT-OSS against transformers over gRPC (its
 sinks, biased router, stacked experts and clamped SwiGLU); here the MXFP4 files: the values,
 a checkpoint of them served against transformers holding the same dequantized experts, its
-digest and its tensor-parallel slices, and what is refused.
+digest and its tensor-parallel slices, and what is refused; PEFT adapters on the attention of
+the models whose experts are stacked (GPT-OSS, Granite MoE).
 """
 
 from __future__ import annotations
@@ -167,15 +168,17 @@ def test_gpt_oss_holds_transformers_parameter_names():
 
 
 @pytest.mark.parametrize("reference", [False, True], ids=["fast", "reference"])
-def test_an_attention_adapter_on_gpt_oss_against_peft(reference, tmp_path):
-    """A mixture of experts takes adapters on attention: q/k/v/o, whose biases and sinks stay
-    the base model's; rows under the adapter and rows without it in one step."""
+@pytest.mark.parametrize("family", ["gpt_oss", "granitemoe"])
+def test_an_attention_adapter_on_stacked_experts_models_against_peft(family, reference, tmp_path):
+    """A mixture of experts takes adapters on attention: q/k/v/o, whose biases and sinks
+    (GPT-OSS) or multipliers (Granite MoE: o_proj's delta scaled by the residual multiplier too)
+    stay the base model's; rows under the adapter and rows without it in one step."""
     from peft import LoraConfig, get_peft_model
 
     from executors.lora import LoraTargets, build_adapter, read_peft_dir
     from tests.models.test_lora import forward
 
-    base = build("gpt_oss", tmp_path / "base")
+    base = build(family, tmp_path / "base")
     model = load_model(tmp_path / "base", torch.float32, "cpu")
     torch.manual_seed(3)
     peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],

@@ -230,3 +230,46 @@ def test_glm4_moe_router_and_shared_experts_match_transformers_block(tmp_path):
     order, got_order = their_experts.sort(-1), got_experts.sort(-1)
     assert torch.equal(order.values, got_order.values)
     torch.testing.assert_close(got_weights.gather(1, got_order.indices), their_weights.gather(1, order.indices))
+
+
+def test_granite_moe_files_under_transformers_module_names_load_alike(tmp_path):
+    """Granite MoE's published names (input_linear, output_linear, router.layer, shared_mlp's
+    fused input) and transformers' module names for them (experts.gate_up_proj, ...) serve the
+    same model."""
+    import asyncio
+
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    from executors.types import PrefillInput
+
+    oracle = build("granitemoeshared", tmp_path / "published")
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    (renamed / "config.json").write_text((tmp_path / "published" / "config.json").read_text())
+    weights = load_file(tmp_path / "published" / "model.safetensors")
+    names = {"block_sparse_moe.input_linear.weight": "block_sparse_moe.experts.gate_up_proj",
+             "block_sparse_moe.output_linear.weight": "block_sparse_moe.experts.down_proj",
+             "block_sparse_moe.router.layer.weight": "block_sparse_moe.router.weight",
+             "shared_mlp.output_linear.weight": "block_sparse_moe.shared_mlp.down_proj.weight"}
+    moved = {}
+    for name, tensor in weights.items():
+        if name.endswith("shared_mlp.input_linear.weight"):
+            prefix, half = name.removesuffix("shared_mlp.input_linear.weight"), tensor.shape[0] // 2
+            moved[f"{prefix}block_sparse_moe.shared_mlp.gate_proj.weight"] = tensor[:half].clone()
+            moved[f"{prefix}block_sparse_moe.shared_mlp.up_proj.weight"] = tensor[half:].clone()
+            continue
+        theirs = next((t for t in names if name.endswith(t)), None)
+        moved[name if theirs is None else name.removesuffix(theirs) + names[theirs]] = tensor
+    assert set(moved) != set(weights)
+    save_file(moved, renamed / "model.safetensors", metadata={"format": "pt"})
+    tokens = [3, 17, 5, 99, 12, 7, 250, 31]
+    with torch.no_grad():
+        want = oracle(torch.tensor([tokens])).logits[0, -1].numpy()
+    for model_dir in (tmp_path / "published", renamed):
+        ex = LlmExecutor(LlmExecutorConfig(model_dir=str(model_dir), num_blocks=16))
+        try:
+            got = asyncio.run(ex.prefill(PrefillInput(input_ids=tokens))).logits.logits.array
+        finally:
+            ex.worker.close()
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

@@ -5,7 +5,8 @@ microsoft/Phi-3-mini-4k-instruct, microsoft/Phi-4-mini-instruct, google/gemma-2-
 ibm-granite/granite-3.1-2b-instruct, google/gemma-2b, HuggingFaceTB/SmolLM3-3B,
 allenai/OLMo-2-1124-7B, allenai/Olmo-3-1025-7B LGAI-EXAONE/EXAONE-4.0-32B, THUDM/GLM-4-9B-0414,
 CohereForAI/c4ai-command-r-v01, CohereForAI/c4ai-command-r-plus, CohereForAI/c4ai-command-r7b-12-2024 (with its keys transformers
-does not read), stabilityai/stablelm-2-1_6b, bigcode/starcoder2-3b, allenai/OLMoE-1B-7B-0924, microsoft/phi-2, zai-org/GLM-4.5-Air, openai/gpt-oss-20b and Qwen/Qwen3-8B with the YaRN setting its
+does not read), stabilityai/stablelm-2-1_6b, bigcode/starcoder2-3b, allenai/OLMoE-1B-7B-0924, microsoft/phi-2, zai-org/GLM-4.5-Air, openai/gpt-oss-20b,
+ibm-granite/granite-3.1-1b-a400m-instruct and Qwen/Qwen3-8B with the YaRN setting its
 model card gives for 131072 tokens (transformers 4's
 layout: top-level rope_theta, no layer_types; the LongRoPE factor lists stand in for the published
 48 numbers: their count and place are what is read here). The tiny random models of the
@@ -431,3 +432,25 @@ def test_gpt_oss_20b_alternates_128_token_windows_with_sinks_and_routes_to_4_of_
     assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob) == (32, 4, 2880, True)
     assert moe.stacked and moe.router_name == "router" and (moe.swiglu_limit, moe.swiglu_alpha) == (7.0, 1.702)
     assert moe.sparse_layers == (True,) * 24 and c.eos_token_ids == (200002,)
+
+
+GRANITE_31_1B_A400M = {
+    "architectures": ["GraniteMoeForCausalLM"], "model_type": "granitemoe", "attention_bias": False,
+    "attention_dropout": 0.1, "attention_multiplier": 0.015625, "bos_token_id": 0, "embedding_multiplier": 12.0,
+    "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 512,
+    "logits_scaling": 6.0, "max_position_embeddings": 131072, "num_attention_heads": 16, "num_experts_per_tok": 8,
+    "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False,
+    "pad_token_id": 0, "residual_multiplier": 0.22, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 10000000.0, "router_aux_loss_coef": 0.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "use_cache": True, "vocab_size": 49155,
+}
+
+
+def test_granite_3_1_1b_a400m_routes_to_8_of_32_stacked_experts_under_granites_multipliers():
+    c = DecoderConfig.from_dict(GRANITE_31_1B_A400M)
+    assert (c.embed_scale, c.attn_scale, c.residual_scale, c.logits_divisor) == (12.0, 0.015625, 0.22, 6.0)
+    assert c.tie_word_embeddings and not c.qkv_bias and not c.o_bias and c.rope_theta == 1e7
+    moe = c.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob) == (32, 8, 512, True)
+    assert moe.stacked and not moe.biased and moe.module_name == "block_sparse_moe" and moe.router_name == "router"
+    assert moe.shared_intermediate_size == 0 and moe.sparse_layers == (True,) * 24

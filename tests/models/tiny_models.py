@@ -8,7 +8,8 @@ ungated MLP; OLMoE's experts under OLMo's q/k norms; Phi's parallel layers, unga
 lm_head bias; GLM-4.5's grouped sigmoid router and shared experts; the text models of Gemma 3's and
 Mistral Small 3.1's multimodal checkpoints (a tiny vision tower beside them); MiniMax-M2's sigmoid
 router under q/k norms over every head; Qwen2.5-VL's and Qwen3-VL's text models (their mrope);
-GPT-OSS's attention sinks and stacked, biased experts."""
+GPT-OSS's attention sinks and stacked, biased experts; Granite MoE's stacked experts under
+Granite's multipliers, with a shared MLP (GraniteMoeShared)."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8
          "cohere": 22, "cohere2": 23, "stablelm": 24, "starcoder2": 25,
          "olmoe": 26, "phi": 27, "glm4_moe": 28,
          "gemma3_multimodal": 29, "mistral3": 30, "minimax_m2": 31,
-         "command_r_plus": 32, "qwen2_5_vl": 33, "qwen3_vl": 34, "gpt_oss": 35}
+         "command_r_plus": 32, "qwen2_5_vl": 33, "qwen3_vl": 34, "gpt_oss": 35,
+         "granitemoe": 36, "granitemoeshared": 37}
 # phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
 LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
@@ -279,4 +281,15 @@ def _new_family(tf, family: str, common: dict):
                                  rope_parameters=rope, pad_token_id=0, bos_token_id=1, eos_token_id=2)
         config._attn_implementation = "eager"
         return tf.GptOssForCausalLM(config)
+    if family in ("granitemoe", "granitemoeshared"):
+        # Granite MoE: Granite's four multipliers, 4 stacked experts in every layer (top 2 by the
+        # softmax of the router's top logits), q/k/v/o biases; GraniteMoeShared a gated shared
+        # MLP beside them.
+        shared = family == "granitemoeshared"
+        cls, config_cls = ((tf.GraniteMoeSharedForCausalLM, tf.GraniteMoeSharedConfig) if shared
+                           else (tf.GraniteMoeForCausalLM, tf.GraniteMoeConfig))
+        return cls(config_cls(**dict(common, intermediate_size=32), num_local_experts=4, num_experts_per_tok=2,
+                              attention_bias=True, embedding_multiplier=3.0, attention_multiplier=0.2,
+                              residual_multiplier=0.5, logits_scaling=2.0, pad_token_id=0, bos_token_id=1,
+                              eos_token_id=2, **({"shared_intermediate_size": 48} if shared else {})))
     raise ValueError(family)
