@@ -8,7 +8,9 @@ same number of multiply-adds through either. At batch 1 both read the same weigh
 step; at larger batches the MoE's rows spread over more experts, and it reads more of its
 (experts / top_k times larger) weights. Decode steps (ARGMAX, context ~64) alternate
 between the two executors; each reports its median step in-process, and the MoE's experts
-touched per layer and step.
+touched per layer and step. `--architecture granitemoe` builds the MoE as Granite MoE's
+stacked experts (one [E, 2I, hidden] tensor a layer) instead of Mixtral's module per expert;
+`--quantization int8` serves both models' weights as int8 panels.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ def model(experts: int, top_k: int, args, device: str) -> DecoderLM:
                num_experts_per_tok=top_k, sliding_window=None)  # full attention, as the MoE side
     if experts == 0:  # dense: a Mistral-shaped model with one MLP as wide as the active experts
         cfg.update(architectures=["MistralForCausalLM"], intermediate_size=args.expert_size * top_k)
+    elif args.architecture == "granitemoe":  # stacked experts; Granite's multipliers at 1
+        cfg.update(architectures=["GraniteMoeForCausalLM"])
+        cfg.pop("sliding_window")
     torch.manual_seed(0)
     with torch.device(device):
         m = DecoderLM(DecoderConfig.from_dict(cfg))
@@ -40,6 +45,7 @@ def model(experts: int, top_k: int, args, device: str) -> DecoderLM:
         for name, p in m.named_parameters():
             # Norms at 1 (not random around 0), so that the router sees the hidden states' spread.
             p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
+    m.quantize_weights = args.quantization == "int8"  # (the executor's config must say int8 too)
     return m.eval()
 
 
@@ -56,12 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--architecture", choices=("mixtral", "granitemoe"), default="mixtral")
+    p.add_argument("--quantization", choices=("none", "int8"), default="none")
     args = p.parse_args(argv)
     executors = {}
     for name, experts in (("dense", 0), ("moe", args.experts)):
         m = model(experts, args.top_k, args, args.device)
         cfg = LlmExecutorConfig(model_dir=f"/bench/{name}", device=args.device, dtype=args.dtype, num_blocks=1024,
-                                prefix_caching=False)
+                                prefix_caching=False, quantization=args.quantization)
         executors[name] = LlmExecutor(cfg, m.to(cfg.torch_dtype))
         total = sum(t.numel() for t in m.parameters())
         print(f"{name}: {total / 1e6:.1f} M parameters, {m.config.moe or 'dense MLPs'}", flush=True)

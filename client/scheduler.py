@@ -38,7 +38,8 @@ schedulers, joined by the `_handoff` hook and a cache move).
 
 This module holds the Scheduler: its API and the loop that plans, runs and releases. The
 parts: client/scheduler_types.py (SchedulerConfig, Completion, SchedulerStats),
-client/sequence.py (a request's state and its RequestStream), client/step_planner.py
+client/sequence.py (a request's state and its RequestStream), client/scheduler_endings.py
+(finishing, reaping and releasing sequences), client/step_planner.py
 (admission, preemption, the plan of a step), client/step_runner.py (a step's call, its
 retries, results and failures) and client/batch_runner.py (run_batch).
 """
@@ -58,6 +59,7 @@ from .batch_runner import run_batch
 from .convert import metadata_from_proto
 from .errors import ExecutorError, ResourceExhaustedError
 from .router import AsyncExecutorRouter
+from .scheduler_endings import SequenceEndings
 from .scheduler_types import Completion, SchedulerConfig, SchedulerStats, _Replica
 from .sequence import RequestStream, _Seq
 from .step_planner import plan_step
@@ -67,7 +69,7 @@ from .types import LogitsPolicy, Penalties
 __all__ = ["Completion", "RequestStream", "Scheduler", "SchedulerConfig", "SchedulerStats", "run_batch"]
 
 
-class Scheduler:
+class Scheduler(SequenceEndings):
     """Continuous batching over one executor (an AsyncExecutorClient) or several (an AsyncExecutorRouter)."""
 
     def __init__(self, executor: AsyncExecutorClient | AsyncExecutorRouter,
@@ -295,59 +297,3 @@ class Scheduler:
         """Hook after a token: True takes the sequence, cache and all, out of this scheduler
         (client/disaggregated.py moves it to a decode executor); the stream goes on."""
         return False
-
-    # -- endings --------------------------------------------------------------------------
-    def _finish(self, s: _Seq, reason: str, error: BaseException | None = None) -> None:
-        if s.done:
-            return
-        s.done = True
-        c = s.completion
-        c.finish_reason = reason
-        c.error = error if isinstance(error, ExecutorError) else (
-            ExecutorError(str(error)) if error is not None else None)
-        c.finished_at = time.monotonic()
-        self.stats.finished += 1
-        s.stream._finish(c)
-
-    async def _reap(self) -> None:
-        """Between steps: finish cancelled requests; free caches of any that ended."""
-        if any(s.cancelled for s in self._waiting):
-            for s in [s for s in self._waiting if s.cancelled]:
-                self._waiting.remove(s)
-                if s.cache_id is not None and s.blocks:
-                    await self._release([s])
-                self._finish(s, "cancelled")
-        ended = [s for s in self._running if s.cancelled or s.done]
-        if ended:
-            for s in ended:
-                self._finish(s, "cancelled")
-            await self._release(ended)
-            self._running = [s for s in self._running if not s.done]
-
-    async def _release(self, seqs: list[_Seq]) -> None:
-        """ReleaseCache for each (concurrently); a cache already gone is fine."""
-        async def one(s: _Seq) -> None:
-            cid, s.cache_id = s.cache_id, None
-            if cid is None:
-                return
-            rep = self.replicas[s.replica] if s.replica is not None else None
-            held, s.blocks = s.blocks, 0
-            try:
-                result = await self.router.release_cache(cid)
-                if rep is not None:
-                    rep.free_blocks += result.freed_blocks
-            except ExecutorError:
-                self.router.forget(cid)
-                if rep is not None:
-                    rep.free_blocks += held
-                    rep.stale = True
-
-        await asyncio.gather(*(one(s) for s in seqs))
-
-    async def _release_all(self) -> None:
-        seqs = list(self._running) + [s for s in self._waiting if s.cache_id is not None]
-        for s in list(self._running) + list(self._waiting):
-            self._finish(s, "cancelled")
-        self._running, self._waiting = [], collections.deque()
-        if seqs:
-            await asyncio.shield(asyncio.wait_for(self._release(seqs), 10))

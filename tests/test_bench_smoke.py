@@ -254,3 +254,19 @@ def test_the_one_call_bench_times_both_paths(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if "one call" in line]
     assert len(lines) == 8 and all("op by op" in line and "GB/s" in line for line in lines)
     assert [line.split()[0] for line in lines] == [f for f in ("gemma2", "olmo2", "cohere", "starcoder2") for _ in "ab"]
+
+
+@pytest.mark.parametrize("architecture, quantization", [("mixtral", "none"), ("granitemoe", "int8")])
+def test_the_moe_bench_times_both_models(architecture, quantization, capsys):
+    """bench.moe at tiny sizes: both models built (Granite's stacked experts, int8 where asked
+    and the kernels build), a line a batch with both times."""
+    from bench import moe
+    from executors.cpu_kernels import cpu_kernels
+
+    if quantization == "int8" and cpu_kernels() is None:
+        pytest.skip("int8 weights run on the CPU kernels, which cannot be built here")
+    assert moe.main(["--batches", "1,2", "--rounds", "1", "--hidden", "256", "--layers", "2", "--vocab", "300",
+                     "--expert-size", "64", "--architecture", architecture, "--quantization", quantization]) == 0
+    out = capsys.readouterr().out
+    assert f"style='{'granite' if architecture == 'granitemoe' else 'mixtral'}'" in out
+    assert out.count("batch  1: dense") == 1 and out.count("batch  2: dense") == 1

@@ -266,4 +266,7 @@ def checkpoint_parameters(model_dir: str | Path, dtype: torch.dtype,
                 tensor = found[name].get_tensor(stored_as[name])
             # as the loader: served, then the dtype
             tensor = served(name, tensor, config).to(_serving_dtype(name, dtype))
-            yield name, quantize(tensor).unpack() if name in int8 else tensor
+            if name in int8:  # stacked experts: each expert's matrix quantized on its own, as packed
+                tensor = torch.stack([quantize(t).unpack() for t in tensor]) if tensor.dim() == 3 else \
+                    quantize(tensor).unpack()
+            yield name, tensor

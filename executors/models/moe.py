@@ -161,14 +161,12 @@ class MoeWeights(NamedTuple):
     router_bias: torch.Tensor | None = None
     expert_biases: tuple[torch.Tensor, torch.Tensor] | None = None
     clamp: tuple[float, float] | None = None
-    stacked: bool = False  # the experts are the stacks themselves (GPT-OSS, Granite): never panels
+    stacked: bool = False  # the experts' parameters are the stacks themselves (GPT-OSS, Granite)
 
     def matrices(self) -> list[torch.Tensor]:
         """The expert weights still held as tensors (each expert's gate/up and down, the shared
-        expert's): what the CPU kernels would pack. Stacked experts (GPT-OSS's, Granite's) stay
-        torch's, their parameters being the stacks: only a shared MLP's then."""
-        stacks = () if self.stacked else (*(self.gate_up if self.gate_up is not None else ()),
-                                          *(self.down if self.down is not None else ()))
+        expert's): what the CPU kernels would pack."""
+        stacks = (*(self.gate_up if self.gate_up is not None else ()), *(self.down if self.down is not None else ()))
         return [t for t in (*stacks, self.shared_gate_up, self.shared_down) if t is not None]
 
 

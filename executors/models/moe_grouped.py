@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from executors.models.stacked_experts import clamped_swiglu
+
 if TYPE_CHECKING:
     from executors.models.moe import MoeWeights
 
@@ -73,12 +75,19 @@ def grouped_swiglu_loop(xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.T
 
 def experts_on_panels(xs: torch.Tensor, counts: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     """grouped_swiglu_loop through the CPU kernels: each expert with rows streams its panels once,
-    the activation applied as the down matmul packs its input."""
-    kernels, out, start = w.kernels, torch.empty_like(xs), 0
+    the activation applied as the down matmul packs its input (GPT-OSS's biases added by the
+    kernels, its clamped SwiGLU in torch between them)."""
+    kernels, out, start, biases = w.kernels, torch.empty_like(xs), 0, w.expert_biases
     for e, n in enumerate(counts.tolist()):
         if n:
             gate_up, down = w.expert_panels[e]
-            out[start:start + n] = kernels.linear(kernels.linear(xs[start:start + n], gate_up), down, glu=w.glu)
+            rows = xs[start:start + n]
+            if biases is None and w.clamp is None:
+                out[start:start + n] = kernels.linear(kernels.linear(rows, gate_up), down, glu=w.glu)
+            else:
+                gu = kernels.linear(rows, gate_up, None if biases is None else biases[0][e])
+                h = clamped_swiglu(gu, *w.clamp) if w.clamp is not None else kernels.glu(gu, w.glu)
+                out[start:start + n] = kernels.linear(h, down, None if biases is None else biases[1][e])
             start += n
     return out
 

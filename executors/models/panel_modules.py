@@ -4,10 +4,11 @@ With the kernels of executors/cpu_kernels built, DecoderLM.fuse() packs every ma
 (the fused q/k/v, o, the fused gate/up, down, a sparse layer's experts and shared expert,
 and the lm_head; a tied lm_head with the embedding) into panels (cpu_kernels/panels.py),
 layer by layer, and drops the row-major tensors: the panels are the weights' one copy, and
-what status counts. The nn.Linear modules become PanelLinear, which keep the modules' names,
-logical shapes and state_dict keys, and give their [out, in] weight back on request
-(unpacked, a new tensor) for what reads it outside the fast forward: the reference forward,
-the weights' digest, `unpack_model` before the model moves to another device or dtype.
+what status counts. The nn.Linear modules become PanelLinear, stacked experts' matrices
+PanelStack (panel_layers.py): they keep the modules' names, logical shapes and state_dict
+keys, and give their weights back on request (unpacked, new tensors) for what reads them
+outside the fast forward: the reference forward, the weights' digest, `unpack_model` before
+the model moves to another device or dtype.
 
 With `quantized` (DecoderLM.quantize_weights, `--quantization int8`), the same weights are
 stored as int8 16-column panels with their float32 scales instead (cpu_kernels/qpanels.py): the
@@ -22,80 +23,20 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from executors.cpu_kernels.panels import PANEL, Panels, pack, panels_numel
 from executors.cpu_kernels.qpanels import Q8PANEL, QPanels, qpanels_numel, quantize
+from executors.models.panel_layers import PanelEmbedding, PanelLinear, PanelStack, stored
 from kvcache import host_memory
 
 if TYPE_CHECKING:
     from executors.models.decoder import DecoderLM
     from executors.models.moe import MoeWeights
 
-
-class _OverPanels(nn.Module):
-    """What PanelLinear and PanelEmbedding share: a state_dict loads into row-major modules only."""
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        error_msgs.append(f"{prefix.rstrip('.')}: the weights are stored as panels; load a state_dict before "
-                          "fuse(), or call panel_modules.unpack_model() first")
-
-
-def _stored(panels: nn.Parameter, scales: nn.Parameter | None, n: int) -> Panels | QPanels:
-    """The weight a module's parameters hold: float32 panels, or int8 ones with their scales."""
-    if scales is None:
-        return Panels(panels.detach(), n)
-    return QPanels(panels.detach(), scales.detach(), n)
-
-
-class PanelLinear(_OverPanels):
-    """nn.Linear over rows [lo, hi) of panels shared with its siblings (q/k/v, gate/up)."""
-
-    def __init__(self, panels: nn.Parameter, n: int, lo: int, hi: int, bias: nn.Parameter | None,
-                 scales: nn.Parameter | None = None) -> None:
-        super().__init__()
-        self.panels = panels  # the same Parameter in every sibling: counted once
-        self.scales = scales  # int8 panels' scales (the same Parameter in every sibling), else None
-        self.n, self.lo, self.hi = n, lo, hi
-        self.bias = bias
-        self.in_features, self.out_features = panels.shape[1], hi - lo
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The [out, in] weight (unpacked, dequantized where int8: a new tensor on each access)."""
-        return _stored(self.panels, self.scales, self.n).unpack(self.lo, self.hi)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "weight"] = self.weight
-        if self.bias is not None:
-            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
-
-
-class PanelEmbedding(_OverPanels):
-    """nn.Embedding over a tied embedding stored as the lm_head's panels."""
-
-    def __init__(self, panels: nn.Parameter, n: int, scales: nn.Parameter | None = None) -> None:
-        super().__init__()
-        self.panels = panels
-        self.scales = scales
-        self.num_embeddings, self.embedding_dim = n, panels.shape[1]
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return _stored(self.panels, self.scales, self.num_embeddings).unpack()
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            raise IndexError(f"token ids must lie in [0, {self.num_embeddings})")
-        return _stored(self.panels, self.scales, self.num_embeddings).embedding(ids)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "weight"] = self.weight
+# Stacked experts' parameters in the order they are registered (stacked_experts.StackedExperts):
+# the order the digest reads them in, packed or not.
+STACKED_ORDER = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
 def _parameters(p: Panels | QPanels) -> tuple[nn.Parameter, nn.Parameter | None]:
@@ -112,7 +53,7 @@ def _replace(owner: nn.Module, names: list[str], panels: Panels | QPanels) -> Pa
         rows = linear.out_features
         setattr(owner, name, PanelLinear(shared, panels.n, row, row + rows, linear.bias, scales))
         row += rows
-    return _stored(shared, scales, panels.n)
+    return stored(shared, scales, panels.n)
 
 
 class _Arena:
@@ -139,6 +80,24 @@ class _Arena:
             return pack(w, self._take(0, panels_numel(*w.shape)))
         size, floats = qpanels_numel(*w.shape)
         return quantize(w, self._take(0, size), self._take(1, floats))
+
+    def pack_stack(self, stack: torch.Tensor) -> PanelStack:
+        """Each expert's matrix of stack [E, n, k] packed in turn, consecutively: a PanelStack."""
+        experts = [self.pack(w) for w in stack]
+        first = experts[0]
+        panels = self._consecutive([p.data for p in experts])
+        scales = self._consecutive([p.scales for p in experts]) if self.quantized else None
+        return PanelStack(nn.Parameter(panels, requires_grad=False),
+                          None if scales is None else nn.Parameter(scales, requires_grad=False), first.n)
+
+    @staticmethod
+    def _consecutive(parts: list[torch.Tensor]) -> torch.Tensor:
+        """Equal tensors cut one after another from one buffer, as one [len(parts), ...] view of it."""
+        first = parts[0]
+        size = first.numel() * first.element_size()
+        if any(p.data_ptr() != first.data_ptr() + i * size for i, p in enumerate(parts)):
+            raise AssertionError("a stack's panels must lie one after another in the arena")
+        return torch.as_strided(first, (len(parts), *first.shape), (first.numel(), *first.stride()))
 
 
 def pack_model(model: DecoderLM, quantized: bool = False) -> None:
@@ -174,7 +133,7 @@ def pack_model(model: DecoderLM, quantized: bool = False) -> None:
         packed = arena.pack(head.detach())
         shared, scales = _parameters(packed)
         model.model.embed_tokens = PanelEmbedding(shared, packed.n, scales)
-        table = _stored(shared, scales, packed.n)
+        table = stored(shared, scales, packed.n)
         model.head_panels = table if model.head_rows is None else table.rows(*model.head_rows)
     else:  # tied_apart
         model.head_panels = arena.pack(head)  # int8 rows are quantized one by one: the table's own rows
@@ -190,20 +149,21 @@ def pack_model(model: DecoderLM, quantized: bool = False) -> None:
 
 
 def _pack_experts(moe: nn.Module, w: MoeWeights, arena: _Arena, model: DecoderLM) -> MoeWeights:
-    """A sparse layer's experts (and shared expert) as panels, their modules PanelLinear; the
-    stacks they were views of go (the panels are the one copy). Stacked experts (GPT-OSS's,
-    Granite's) stay the stacks: their shared MLP alone becomes panels."""
-    if w.stacked:
-        s = moe.shared
-        shared = (_replace(s, ["gate_proj", "up_proj"], arena.pack(w.shared_gate_up)),
-                  _replace(s, ["down_proj"], arena.pack(w.shared_down)))
-        return w._replace(shared_gate_up=None, shared_down=None, shared_panels=shared, kernels=model.cpu_kernels,
-                          glu=model.config.hidden_act)
-    panels = []
-    for i, expert in enumerate(moe.experts):
-        gate, up, down = expert.names
-        panels.append((_replace(expert, [gate, up], arena.pack(w.gate_up[i])),
-                       _replace(expert, [down], arena.pack(w.down[i]))))
+    """A sparse layer's experts (and shared expert) as panels, their modules PanelLinear (stacked
+    experts': PanelStack); the stacks they were views of go (the panels are the one copy)."""
+    if w.stacked:  # GPT-OSS, Granite: the stacked parameters become PanelStacks
+        stacks = []
+        for name, stack in (("gate_up_proj", w.gate_up), ("down_proj", w.down)):
+            del moe.experts._parameters[name]
+            setattr(moe.experts, name, arena.pack_stack(stack))
+            stacks.append(getattr(moe.experts, name))
+        panels = [(stacks[0].expert(e), stacks[1].expert(e)) for e in range(stacks[0].shape[0])]
+    else:
+        panels = []
+        for i, expert in enumerate(moe.experts):
+            gate, up, down = expert.names
+            panels.append((_replace(expert, [gate, up], arena.pack(w.gate_up[i])),
+                           _replace(expert, [down], arena.pack(w.down[i]))))
     shared = None
     if w.shared_gate_up is not None:
         s = moe.shared
@@ -214,8 +174,20 @@ def _pack_experts(moe: nn.Module, w: MoeWeights, arena: _Arena, model: DecoderLM
 
 
 def unpack_model(model: DecoderLM) -> None:
-    """Undo pack_model: nn.Linear / nn.Embedding modules with row-major weights again."""
+    """Undo pack_model: nn.Linear / nn.Embedding modules with row-major weights again (stacked
+    experts' parameters, in their order)."""
     for module in list(model.modules()):
+        stacks = {name: child for name, child in module.named_children() if isinstance(child, PanelStack)}
+        if stacks:
+            params = dict(module._parameters)
+            for name in stacks:
+                del module._modules[name]
+            module._parameters.clear()
+            for name in STACKED_ORDER:
+                if name in stacks:
+                    module._parameters[name] = nn.Parameter(stacks[name].weight, requires_grad=False)
+                elif params.get(name) is not None:
+                    module._parameters[name] = params[name]
         for name, child in list(module.named_children()):
             if isinstance(child, PanelLinear):
                 linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
@@ -237,6 +209,14 @@ def logical_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     seen: set[int] = set()
     for prefix, module in model.named_modules():
         dot = prefix + "." if prefix else ""
+        if isinstance(module, PanelStack):
+            continue  # its owner gave it, in order
+        if any(isinstance(child, PanelStack) for child in module.children()):  # packed stacked experts
+            for name in STACKED_ORDER:
+                held = getattr(module, name, None)
+                if held is not None:
+                    yield dot + name, held.weight if isinstance(held, PanelStack) else held
+            continue
         if isinstance(module, (PanelLinear, PanelEmbedding)):
             yield dot + "weight", module.weight
             if getattr(module, "bias", None) is not None and id(module.bias) not in seen:
@@ -251,8 +231,9 @@ def logical_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 def int8_weight_names(model: nn.Module) -> frozenset[str]:
     """Names (as named_parameters() gives them) of the weights the model serves as int8 panels."""
-    return frozenset(f"{prefix}.weight" for prefix, module in model.named_modules()
-                     if isinstance(module, (PanelLinear, PanelEmbedding)) and module.scales is not None)
+    return frozenset(prefix if isinstance(module, PanelStack) else f"{prefix}.weight"
+                     for prefix, module in model.named_modules()
+                     if isinstance(module, (PanelLinear, PanelEmbedding, PanelStack)) and module.scales is not None)
 
 
 def logical_numel(model: nn.Module) -> int:
@@ -263,6 +244,9 @@ def logical_numel(model: nn.Module) -> int:
             total += module.in_features * module.out_features
         elif isinstance(module, PanelEmbedding):
             total += module.num_embeddings * module.embedding_dim
+        elif isinstance(module, PanelStack):
+            experts, n, k = module.shape
+            total += experts * n * k
         for name, p in module.named_parameters(recurse=False):
             if name not in ("panels", "scales") and id(p) not in seen:
                 seen.add(id(p))

@@ -17,7 +17,7 @@ from executors.cpu_kernels.panels import PANEL
 from executors.llm import LlmExecutor, LlmExecutorConfig
 from executors.models.attention import Segment, StepContext
 from executors.models.decoder import DecoderLM
-from executors.models.panel_modules import PanelEmbedding, PanelLinear
+from executors.models.panel_modules import PanelEmbedding, PanelLinear, PanelStack
 from tests.models.test_cpu_paths import FAMILIES, TOL, tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels do not build here "
@@ -46,10 +46,12 @@ def test_the_panels_are_the_only_copy(family):
         assert model.head_panels.data.data_ptr() == model.model.embed_tokens.panels.data_ptr()
     stored = sum(p.numel() for p in model.parameters())
     padding = stored - logical
-    assert 0 <= padding < 16 * sum(m.in_features for m in model.modules() if isinstance(m, PanelLinear)) + 16 * 64
+    stacks = sum(m.shape[0] * m.shape[2] for m in model.modules() if isinstance(m, PanelStack))  # experts x inputs
+    assert 0 <= padding < 16 * sum(m.in_features for m in model.modules() if isinstance(m, PanelLinear)) + 16 * 64 \
+        + 16 * stacks
     assert model.num_parameters() == logical and model.packed_bytes() == 0
     # One allocation (host_memory's huge pages when large enough) holds every packed weight.
-    arenas = {m.panels.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, PanelLinear)}
+    arenas = {m.panels.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, (PanelLinear, PanelStack))}
     assert arenas == {model.head_panels.data.untyped_storage().data_ptr()}
 
 
@@ -124,3 +126,32 @@ def test_loading_a_state_dict_into_panels_says_what_to_do():
     model = tiny_model("qwen3").fuse()
     with pytest.raises(RuntimeError, match="stored as panels"):
         model.load_state_dict(model.state_dict())
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "granitemoeshared"])
+def test_stacked_experts_move_back_to_tensors_and_panels_again(family):
+    """GPT-OSS's and Granite's stacked experts: packed as PanelStacks, tensors again (in their
+    parameters' order) when the model moves, packed once more; the digest's names, order and
+    values the unpacked model's throughout."""
+    model = tiny_model(family)
+    plain = [(name, t.detach().clone()) for name, t in model.named_parameters()]
+    model.fuse()
+    experts = model.model.layers[0].mlp.experts if family == "gpt_oss" else model.model.layers[0].block_sparse_moe.experts
+    assert isinstance(experts.gate_up_proj, PanelStack) and isinstance(experts.down_proj, PanelStack)
+    tokens = [7, 3, 9, 4]
+    before = forward(model, tokens)
+
+    def same_as_plain():
+        got = list(model.logical_parameters())
+        assert [n for n, _ in got] == [n for n, _ in plain]
+        for (_, a), (_, b) in zip(got, plain):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+    same_as_plain()
+    model.to(torch.float64)  # not the kernels' dtype: the stacks are parameters again
+    assert isinstance(experts.gate_up_proj, nn.Parameter)
+    assert [n for n, _ in experts.named_parameters()][:2] == ["gate_up_proj", "down_proj"]
+    model.to(torch.float32)
+    assert isinstance(experts.gate_up_proj, PanelStack)
+    same_as_plain()
+    torch.testing.assert_close(forward(model, tokens), before, atol=1e-6, rtol=0)
