@@ -81,7 +81,8 @@ class SparseMoe(nn.Module):
         moe = self.config = config.moe
         self.top_k, self.norm_topk_prob, self.num_experts = moe.top_k, moe.norm_topk_prob, moe.num_experts
         sigmoid = moe.scoring == "sigmoid"
-        # (GPT-OSS's router is mlp.router, with a bias; the others' mlp.gate or block_sparse_moe.gate)
+        # (GPT-OSS's router is mlp.router, with a bias; Granite's block_sparse_moe.router; the
+        # others' mlp.gate or block_sparse_moe.gate)
         setattr(self, moe.router_name, Router(config.hidden_size, moe.num_experts,
                                               sigmoid and not moe.correction_on_block, bias=moe.biased))
         if sigmoid and moe.correction_on_block:  # MiniMax-M2's: on the block, not its router
@@ -100,7 +101,7 @@ class SparseMoe(nn.Module):
 
     @property
     def router(self) -> Router:
-        """mlp.gate, block_sparse_moe.gate or (GPT-OSS) mlp.router: the module, under its checkpoint name."""
+        """The router module, under its checkpoint name (moe_config.MoeConfig.router_name)."""
         return self._modules[self.config.router_name]
 
     @property

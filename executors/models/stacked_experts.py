@@ -16,6 +16,9 @@ up]) and `output_linear` [E, hidden, I], without biases: the decoder's layout al
 under transformers' names (`experts.gate_up_proj`, `experts.down_proj`;
 checkpoint_sections.py renames them).
 
+On a CPU in float32 (or int8) the two matrices become PanelStacks (panel_layers.py): each
+expert's matrices as the CPU kernels' panels, the stack given back unpacked on request.
+
 The activation (GptOssExperts._apply_gate): the gate clamped above at `limit`, up clamped to
 [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate).
 """
