@@ -64,7 +64,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, spec: La
     key_start..start+n-1, within spec's window, with its scale, soft-cap and sinks (None: none)."""
     n, length = q.shape[0], k.shape[0]
     window, scale = (None, None) if spec is None else (spec.window, spec.scale)
-    if spec is not None and (spec.softcap is not None or spec.sinks is not None):
+    if spec is not None and spec.scored:
         return explicit(q, k, v, visibility(n, start, length, key_start, window, q.device), scale, spec.softcap,
                         spec.sinks)
     qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)

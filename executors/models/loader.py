@@ -115,9 +115,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for stored in f.keys():
+                progress.add(sizes[path].get(stored, 0))  # read, or skipped: done with it either way
                 name = text_tensor_name(stored, config)  # a multimodal checkpoint's text model by our names
                 if name is None:  # its vision tower or projector: not served
-                    progress.add(sizes[path].get(stored, 0))
                     continue
                 if name in sections:
                     parts = sections[name]
@@ -131,11 +131,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                         mine = fused[lo:hi] if plan is None else plan.read(part, RowWindow(fused, lo, hi),
                                                                           (hi - lo, *shape[1:]))
                         state[part] = _converted(served(part, mine, config), dtype, device)
-                    progress.add(sizes[path].get(stored, 0))
                     continue
                 quantized = _mxfp4_part(name, config)
                 if quantized is not None and quantized[0] in expected:
-                    progress.add(sizes[path].get(stored, 0))
                     base, part = quantized
                     halves.setdefault(base, {})[part] = f.get_tensor(stored)
                     if len(halves[base]) < 2:
@@ -150,16 +148,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                     tied_head = name == "lm_head.weight" and config.tie_word_embeddings
                     if not tied_head and not name.endswith(IGNORED_SUFFIXES) and not _extra_layer(name, config):
                         unexpected.append(stored)
-                    progress.add(sizes[path].get(stored, 0))  # skipped: done with it too
                     continue
                 elif plan is None:
                     tensor = f.get_tensor(stored)
                     shape = tuple(tensor.shape)
-                    progress.add(sizes[path].get(stored, 0))
                 else:
                     piece = f.get_slice(stored)
                     shape = tuple(piece.get_shape())
-                    progress.add(sizes[path].get(stored, 0))
                 want = stored_shape(name, expected_full[name], config)
                 if shape != want:
                     raise UnsupportedModel(f"{path.name}: tensor {stored} has shape {shape}, the config implies {want}")

@@ -195,13 +195,19 @@ def _glm4_moe(cfg: dict[str, Any], layers: int) -> MoeConfig:
                      shared_gated=False)
 
 
-def _gpt_oss(cfg: dict[str, Any], layers: int) -> MoeConfig:
-    """GptOssConfig's reading (its defaults where the file omits a key)."""
-    experts, top_k = cfg.get("num_local_experts", 128), cfg.get("num_experts_per_tok", 4)
+def _local_experts(cfg: dict[str, Any], experts: int, top_k: int) -> tuple[int, int]:
+    """num_local_experts and num_experts_per_tok, checked, the class's defaults where the file omits them."""
+    experts, top_k = cfg.get("num_local_experts", experts), cfg.get("num_experts_per_tok", top_k)
     if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
         raise UnsupportedModel(f"num_local_experts must be an integer >= 1, got {experts!r}")
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
         raise UnsupportedModel(f"num_experts_per_tok must be between 1 and num_local_experts ({experts}), got {top_k!r}")
+    return experts, top_k
+
+
+def _gpt_oss(cfg: dict[str, Any], layers: int) -> MoeConfig:
+    """GptOssConfig's reading (its defaults where the file omits a key)."""
+    experts, top_k = _local_experts(cfg, 128, 4)
     limit, alpha = cfg.get("swiglu_limit", 7.0), cfg.get("swiglu_alpha", 1.702)
     for key, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
@@ -212,11 +218,7 @@ def _gpt_oss(cfg: dict[str, Any], layers: int) -> MoeConfig:
 
 def _granite_moe(cfg: dict[str, Any], layers: int, shared: bool) -> MoeConfig:
     """GraniteMoeConfig's (GraniteMoeSharedConfig's) reading, their defaults where the file omits a key."""
-    experts, top_k = cfg.get("num_local_experts", 8), cfg.get("num_experts_per_tok", 2)
-    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
-        raise UnsupportedModel(f"num_local_experts must be an integer >= 1, got {experts!r}")
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
-        raise UnsupportedModel(f"num_experts_per_tok must be between 1 and num_local_experts ({experts}), got {top_k!r}")
+    experts, top_k = _local_experts(cfg, 8, 2)
     width = cfg.get("shared_intermediate_size", 0) if shared else 0
     if not isinstance(width, int) or isinstance(width, bool) or width < 0:
         raise UnsupportedModel(f"shared_intermediate_size must be an integer >= 0, got {width!r}")

@@ -124,7 +124,7 @@ def pack_model(model: DecoderLM, quantized: bool = False) -> None:
         if w.gate_up is not None:
             changes.update(gate_up=_replace(ffn, ffn.gate_up_names, arena.pack(w.gate_up)),
                            down=_replace(ffn, ["down_proj"], arena.pack(w.down)))
-        if w.moe is not None and w.moe.matrices():
+        if w.moe is not None:
             changes.update(moe=_pack_experts(ffn, w.moe, arena, model))
         model.fused[i] = w._replace(**changes)
     if not c.tie_word_embeddings:

@@ -9,8 +9,8 @@ Megatron-style tensor parallelism over N ranks, named by the checkpoint's tensor
   row-parallel bias stays whole on rank 0 and is zero elsewhere, so it is added once;
 - the lm_head split by vocabulary rows (ceil(V / N) per rank, the last one shorter), the
   logits gathered on rank 0;
-- GPT-OSS's stacked experts split like the others (each expert's intermediate rows,
-  stacked_experts.rank_part), its attention sinks by query heads;
+- GPT-OSS's and Granite's stacked experts split like the others (each expert's intermediate
+  rows, stacked_experts.rank_part), GPT-OSS's attention sinks by query heads;
 - replicated: the embedding, every norm, per-head q/k norms, the experts' router, the shared
   expert's gate. OLMo 2's q/k norms span every head: each rank holds its heads' part of
   their weights, and averages its mean squares with the other ranks' (TpGroup.mean). The embedding is replicated rather than split: a vocabulary-parallel
@@ -124,7 +124,7 @@ class ShardPlan:
             return tensor_slice[lo:hi]
         if name.endswith("self_attn.sinks"):  # GPT-OSS: a logit per query head, split with q's heads
             return tensor_slice[self.rank * self.heads:(self.rank + 1) * self.heads]
-        if stacked_experts.is_stacked(name):  # GPT-OSS: every expert in one tensor, by intermediate rows
+        if stacked_experts.is_stacked(name):  # GPT-OSS, Granite: every expert in one tensor, by intermediate rows
             inter = self.full.moe.intermediate_size
             n = inter // self.world
             return stacked_experts.rank_part(name, tensor_slice, self.rank * n, (self.rank + 1) * n, inter,

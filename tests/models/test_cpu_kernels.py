@@ -237,28 +237,50 @@ def test_decode_attention_caps_the_scores_as_gemma2_does(kernels, bs):
     explicit computation; a cap that bites (scores of +-10 under a cap of 3) on windowed,
     fragmented and one-key rows."""
     g = torch.Generator().manual_seed(bs)
-    heads, kv_heads, d, blocks, cap, scale = 8, 2, 32, 40, 3.0, 0.5
-    kpool, vpool = torch.randn(blocks, bs, kv_heads, d, generator=g), torch.randn(blocks, bs, kv_heads, d, generator=g)
+    heads, d, cap, scale = 8, 32, 3.0, 0.5
     bounds = [(0, 29), (0, 1), (9, 23)]
-    tables = torch.stack([torch.randperm(blocks, generator=g)[:8] for _ in bounds]).to(torch.int32)
-    lo = torch.tensor([b[0] for b in bounds], dtype=torch.int32)
-    hi = torch.tensor([b[1] for b in bounds], dtype=torch.int32)
-    q = torch.randn(3, heads, d, generator=g)
+    q, kpool, vpool, tables, lo, hi = random_paged_rows(g, bounds, heads, 2, d, bs)
     out = torch.full((3, heads * d), float("nan"))
     kernels.decode_attention(q, kpool, vpool, tables, lo, hi, scale, out, softcap=cap)
     uncapped = torch.empty_like(out)
     kernels.decode_attention(q, kpool, vpool, tables, lo, hi, scale, uncapped)
     for r, (a, b) in enumerate(bounds):
-        slots = [int(tables[r, p // bs]) * bs + p % bs for p in range(a, b)]
-        k = kpool.reshape(-1, kv_heads, d)[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
-        v = vpool.reshape(-1, kv_heads, d)[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
-        scores = (q[r].unsqueeze(1) @ k.transpose(1, 2)) * scale  # [H, 1, L]
+        scores, v = row_scores(q[r], kpool, vpool, tables[r], a, b, scale)
         weights = torch.softmax(torch.tanh(scores / cap) * cap, dim=-1)
         torch.testing.assert_close(out[r], (weights @ v).flatten(), atol=1e-5, rtol=1e-5)
         if b - a > 1:
             assert (out[r] - uncapped[r]).abs().max() > 1e-2  # the cap changed the answer
     with pytest.raises(ValueError, match="softcap must be positive"):
         kernels.decode_attention(q, kpool, vpool, tables, lo, hi, scale, out, softcap=0.0)
+
+
+def random_paged_rows(g: torch.Generator, bounds: list[tuple[int, int]], heads: int, kv_heads: int, d: int,
+                      bs: int, blocks: int = 40):
+    """A random pool, a query and a random table of 8 blocks per row of `bounds` (its keys
+    lo..hi - 1): (q, kpool, vpool, tables, lo, hi), for checks against explicit scores."""
+    kpool, vpool = torch.randn(blocks, bs, kv_heads, d, generator=g), torch.randn(blocks, bs, kv_heads, d, generator=g)
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:8] for _ in bounds]).to(torch.int32)
+    lo = torch.tensor([b[0] for b in bounds], dtype=torch.int32)
+    hi = torch.tensor([b[1] for b in bounds], dtype=torch.int32)
+    return torch.randn(len(bounds), heads, d, generator=g), kpool, vpool, tables, lo, hi
+
+
+def row_scores(q: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, table: torch.Tensor, lo: int, hi: int,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's scaled scores [H, 1, L] over its keys lo..hi - 1, and their values [H, L, D]
+    (each query head against its KV head's), gathered through its block table."""
+    bs, kv_heads, d = kpool.shape[1:]
+    group = q.shape[0] // kv_heads
+    slots = [int(table[p // bs]) * bs + p % bs for p in range(lo, hi)]
+    k = kpool.reshape(-1, kv_heads, d)[slots].repeat_interleave(group, 1).transpose(0, 1)
+    v = vpool.reshape(-1, kv_heads, d)[slots].repeat_interleave(group, 1).transpose(0, 1)
+    return (q.unsqueeze(1) @ k.transpose(1, 2)) * scale, v
+
+
+def prompt_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: slice):
+    """One prompt's rows as heads: q [H, n, D], and k, v repeated for each query head of their KV head."""
+    group = q.shape[1] // k.shape[1]
+    return (q[rows].transpose(0, 1), *(t[rows].repeat_interleave(group, 1).transpose(0, 1) for t in (k, v)))
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -273,13 +295,9 @@ def test_decode_attention_normalises_over_gpt_oss_sinks(kernels, rows):
     an explicit computation, on windowed, fragmented and one-key rows; sinks far above every
     score (near-zero outputs) and far below (none) included; they bite."""
     g = torch.Generator().manual_seed(rows)
-    heads, kv_heads, d, bs, blocks, scale = 8, 2, 32, 4, 40, 0.5
-    kpool, vpool = torch.randn(blocks, bs, kv_heads, d, generator=g), torch.randn(blocks, bs, kv_heads, d, generator=g)
+    heads, d, scale = 8, 32, 0.5
     bounds = [(0, 29), (0, 1), (9, 23), (0, 12), (3, 30), (0, 2), (5, 6), (0, 31)][:rows]
-    tables = torch.stack([torch.randperm(blocks, generator=g)[:8] for _ in bounds]).to(torch.int32)
-    lo = torch.tensor([b[0] for b in bounds], dtype=torch.int32)
-    hi = torch.tensor([b[1] for b in bounds], dtype=torch.int32)
-    q = torch.randn(rows, heads, d, generator=g)
+    q, kpool, vpool, tables, lo, hi = random_paged_rows(g, bounds, heads, 2, d, 4)
     sinks = torch.randn(heads, generator=g) * 2
     sinks[0], sinks[5] = 80.0, -80.0
     out = torch.full((rows, heads * d), float("nan"))
@@ -287,10 +305,7 @@ def test_decode_attention_normalises_over_gpt_oss_sinks(kernels, rows):
     plain = torch.empty_like(out)
     kernels.decode_attention(q, kpool, vpool, tables, lo, hi, scale, plain)
     for r, (a, b) in enumerate(bounds):
-        slots = [int(tables[r, p // bs]) * bs + p % bs for p in range(a, b)]
-        k = kpool.reshape(-1, kv_heads, d)[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
-        v = vpool.reshape(-1, kv_heads, d)[slots].repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
-        scores = (q[r].unsqueeze(1) @ k.transpose(1, 2)) * scale  # [H, 1, L]
+        scores, v = row_scores(q[r], kpool, vpool, tables[r], a, b, scale)
         torch.testing.assert_close(out[r], (softmax_with_sinks(scores, sinks) @ v).flatten(), atol=1e-5, rtol=1e-5)
     assert (out - plain).abs().max() > 1e-2
     with pytest.raises(ValueError, match="sinks must be a float32 CPU vector"):
@@ -309,11 +324,9 @@ def test_prefill_attention_normalises_over_gpt_oss_sinks(kernels, count, n):
     out, plain = torch.full_like(q, float("nan")), torch.empty_like(q)
     kernels.prefill_attention(q, k, v, count, scale, out, sinks=sinks)
     kernels.prefill_attention(q, k, v, count, scale, plain)
-    group = heads // kv_heads
     for c in range(count):
         rows = slice(c * n, (c + 1) * n)
-        qh = q[rows].transpose(0, 1)  # [H, n, D]
-        kh, vh = (t[rows].repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))
+        qh, kh, vh = prompt_heads(q, k, v, rows)
         scores = (qh @ kh.transpose(1, 2) * scale).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(),
                                                               float("-inf"))
         expected = (softmax_with_sinks(scores, sinks) @ vh).transpose(0, 1)
@@ -355,11 +368,9 @@ def test_prefill_attention_caps_the_scores_as_gemma2_does(kernels, count, n):
     out, uncapped = torch.full_like(q, float("nan")), torch.empty_like(q)
     kernels.prefill_attention(q, k, v, count, scale, out, softcap=cap)
     kernels.prefill_attention(q, k, v, count, scale, uncapped)
-    group = heads // kv_heads
     for c in range(count):
         rows = slice(c * n, (c + 1) * n)
-        qh = q[rows].transpose(0, 1)  # [H, n, D]
-        kh, vh = (t[rows].repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))
+        qh, kh, vh = prompt_heads(q, k, v, rows)
         scores = torch.tanh(qh @ kh.transpose(1, 2) * scale / cap) * cap
         scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
         expected = (torch.softmax(scores, dim=-1) @ vh).transpose(0, 1)
