@@ -52,7 +52,8 @@ FAMILY_TYPES = {"llama": ModelType.LLAMA, "qwen2": ModelType.QWEN, "qwen3": Mode
                 "stablelm": ModelType.CUSTOM, "starcoder2": ModelType.CUSTOM, "olmoe": ModelType.CUSTOM,
                 "phi": ModelType.PHI, "glm4_moe": ModelType.CUSTOM,
                 "minimax_m2": ModelType.CUSTOM, "gpt_oss": ModelType.CUSTOM,
-                "granitemoe": ModelType.CUSTOM, "granitemoeshared": ModelType.CUSTOM}  # model_type_name says which
+                "granitemoe": ModelType.CUSTOM, "granitemoeshared": ModelType.CUSTOM,
+                "deepseek_v2": ModelType.CUSTOM, "deepseek_v3": ModelType.CUSTOM}  # model_type_name says which
 # Models whose every layer slides: a cache keeps this many positions before its window, so
 # that a truncation by up to this many tokens (rejected speculative drafts) still has the
 # K and V it needs; blocks further back go back to the pool (KvCacheManager.slide).

@@ -60,6 +60,8 @@ class LoraTargets:
     @classmethod
     def _for_text_model(cls, config: DecoderConfig) -> LoraTargets:
         hidden, inter = config.hidden_size, config.intermediate_size
+        if config.mla is not None:  # DeepSeek: o_proj alone (the latent projections take none, mla.py)
+            return cls(config.num_layers, {"o_proj": (config.num_heads * config.mla.v_head_dim, hidden)})
         q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         orders = {"q_proj": row_order(q, config), "k_proj": row_order(kv, config)} if reorders(config) else {}
         scale = config.residual_scale

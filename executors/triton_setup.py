@@ -68,7 +68,9 @@ def fused_ops(config: LlmExecutorConfig, model: DecoderLM) -> tuple[QkvPrologue 
 
     c = model.config
     prologue = glu = None
-    if c.qk_norm_across_heads:
+    if c.mla is not None:
+        problem = "its latent attention rotates its own rope dimensions (DeepSeek, mla.py), not the cached rows' heads"
+    elif c.qk_norm_across_heads:
         problem = "its q/k norms span every head (OLMo 2), where the kernel norms each head alone"
     elif c.qk_norm and c.layer_norm:
         problem = "its q/k norms are LayerNorms with a weight per head (Command R+), where the kernel's are RMSNorms"

@@ -270,3 +270,17 @@ def test_the_moe_bench_times_both_models(architecture, quantization, capsys):
     out = capsys.readouterr().out
     assert f"style='{'granite' if architecture == 'granitemoe' else 'mixtral'}'" in out
     assert out.count("batch  1: dense") == 1 and out.count("batch  2: dense") == 1
+
+
+def test_the_mla_bench_gives_the_cache_the_kernel_and_both_sides_steps(capsys):
+    """bench.mla at tiny sizes: the cache lines, a kernel line a context, and a decode line a
+    context and batch with both sides' steps and ours alone."""
+    pytest.importorskip("transformers")
+    from bench import mla
+    from executors.cpu_kernels import cpu_kernels
+
+    assert mla.main(["--contexts", "24", "--batches", "1,2", "--rounds", "1", "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "cache, DeepSeek-V2-Lite" in out and "(35.6x ours)" in out
+    assert out.count("kernel, context    24") == (1 if cpu_kernels() is not None else 0)
+    assert out.count("decode, context    24, batch") == 2 and out.count("ours alone") == 2

@@ -76,7 +76,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
     for family in ("qwen3", "llama", "qwen2", "qwen2_moe", "gemma2", "gemma3", "phi3", "phi4_mini", "granite",
                    "smollm3", "olmo2", "olmo3", "exaone4", "glm4", "cohere", "cohere2", "stablelm", "starcoder2", "olmoe",
                    "phi", "glm4_moe", "gemma3_multimodal", "minimax_m2", "command_r_plus", "qwen3_vl", "gpt_oss",
-                   "granitemoeshared"):
+                   "granitemoeshared", "deepseek_v3", "deepseek_v2"):
         build(family, root / family)
         dirs[family] = root / family
     build_mqa(root / "mqa")
@@ -189,7 +189,8 @@ def stop_and_check(server) -> None:
                                   "phi4_mini", "granite", "smollm3", "olmo2",
                                   "olmo3", "exaone4", "glm4", "cohere", "cohere2", "stablelm", "starcoder2",
                                   "olmoe", "phi", "glm4_moe", "gemma3_multimodal", "minimax_m2",
-                                  "command_r_plus", "qwen3_vl", "gpt_oss", "granitemoeshared"])
+                                  "command_r_plus", "qwen3_vl", "gpt_oss", "granitemoeshared", "deepseek_v3",
+                                  "deepseek_v2"])
 def test_two_ranks_answer_every_rpc_as_one_process(name, models, references):
     server = serve_tp(models[name])
     try:

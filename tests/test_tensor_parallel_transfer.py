@@ -51,7 +51,7 @@ def test_each_kv_head_is_read_from_one_rank_that_holds_it(kv_heads, world, owner
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2_moe", "mixtral", "gemma3", "phi3", "phi4_mini",
                                     "granite", "glm4", "cohere", "stablelm", "starcoder2", "phi",
                                     "glm4_moe", "mistral3", "minimax_m2", "command_r_plus", "qwen2_5_vl", "gpt_oss",
-                                    "granitemoe", "granitemoeshared"])
+                                    "granitemoe", "granitemoeshared", "deepseek_v3", "deepseek_v2"])
 def test_the_checkpoint_names_the_weights_as_the_loaded_model_does(family, tmp_path):
     """A tensor-parallel rank 0 digests the checkpoint; one process digests what it loaded."""
     build(family, tmp_path / family)

@@ -38,23 +38,27 @@ static inline int64_t run_at(const float *pool, const int32_t *table, int64_t bs
     return n < 8 ? n : 8;
 }
 
-/* One row's query heads over KV heads [kv0, kv1): q and out hold the row's [heads, d];
- * scores: (kv1 - kv0) * group * keys floats. Block by block, each K and V block (all its KV
+/* One row's query heads [h0, h1) over their KV heads (query head h reads KV head h / group): q
+ * and out hold the row's [heads, d]; scores: (h1 - h0) * keys floats. A task may take whole
+ * KV heads' groups or part of one (one KV head's 16 heads split over the threads: DeepSeek's
+ * latent rows). Block by block, each K and V block (all its KV
  * heads: a contiguous run of the pool) is read once, in order, while it sits in L1.
  * softcap > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax
  * (Gemma 2); 0: none. sinks: one logit per query head of the model (GPT-OSS's attention
  * sinks), a key with no value that each head's softmax also normalises over; NULL: none. */
 static inline void attend_row(const float *q, int64_t group, int64_t d, const float *kpool, const float *vpool,
-                       int64_t bs, int64_t kv_heads, int64_t kv0, int64_t kv1, const int32_t *table, int64_t lo,
+                       int64_t bs, int64_t kv_heads, int64_t h0, int64_t h1, const int32_t *table, int64_t lo,
                        int64_t hi, float scale, float softcap, const float *sinks, float *scores, float *out) {
     const int64_t keys = hi - lo;
     const int64_t stride = kv_heads * d;  /* floats between consecutive slots of a block */
-    const int64_t heads = (kv1 - kv0) * group;  /* query heads of this task, from kv0 * group */
+    const int64_t heads = h1 - h0;  /* query heads of this task */
     const __m256 vscale = _mm256_set1_ps(scale);
-    const int whole = kv0 == 0 && kv1 == kv_heads;  /* the task reads whole slots */
-    q += kv0 * group * d;
-    out += kv0 * group * d;
-    if (sinks) sinks += kv0 * group;
+    const int whole = h0 == 0 && h1 == kv_heads * group;  /* the task reads whole slots */
+    q += h0 * d;
+    out += h0 * d;
+    if (sinks) sinks += h0;
+    int64_t kv_offset[MAX_HEADS];  /* floats into a slot of each head's KV head: no division in the loops */
+    for (int64_t h = 0; h < heads; h++) kv_offset[h] = ((h0 + h) / group) * d;
     /* Scores, a run of slots of one block (up to 8) at a time. A task that reads whole slots
      * reads the next run in order while this one's scores are computed, a share before each
      * head (bench/RESULTS.md run 15: 30 layers from memory 11.0 -> 10.1 ms at 32 rows); the
@@ -72,7 +76,7 @@ static inline void attend_row(const float *q, int64_t group, int64_t d, const fl
                 const int64_t from = h * share < ahead ? h * share : ahead, to = (h + 1) * share;
                 touch(next, from, h == heads - 1 || to > ahead ? ahead : to);
             }
-            const float *k = slot + (kv0 + h / group) * d;
+            const float *k = slot + kv_offset[h];
             /* A constant 8 unrolls scores8's loop over the slots: its accumulators stay in registers. */
             const __m256 raw = n == 8 ? scores8(q + h * d, k, stride, 8, d) : scores8(q + h * d, k, stride, (int)n, d);
             const __m256 s = _mm256_mul_ps(raw, vscale);
@@ -121,7 +125,7 @@ static inline void attend_row(const float *q, int64_t group, int64_t d, const fl
     for (int64_t p = lo; p < hi; p++) {
         const float *slot = vpool + ((int64_t)table[p / bs] * bs + p % bs) * stride;
         for (int64_t h = 0; h < heads; h++) {
-            const float *v = slot + (kv0 + h / group) * d;
+            const float *v = slot + kv_offset[h];
             const __m256 w = _mm256_set1_ps(scores[h * keys + (p - lo)]);
             float *o = out + h * d;
             for (int64_t c = 0; c < chunks; c++)

@@ -143,7 +143,7 @@ int me_decode_step_f32(const me_decoder *m, const me_step *s, int threads) {
                     const int64_t r = task / split, kv0 = split == 1 ? 0 : task % split, kv1 = split == 1 ? kvh : kv0 + 1;
                     const int64_t hi = s->positions[r] + 1, lo = window > 0 && hi > window ? hi - window : 0;
                     if (!s->zero_count) rotate_and_store(m, s, l, r, kv0, kv1, kpool, vpool, inv_rms);
-                    attend_row(s->qkv + r * width, group, d, kpool, vpool, s->block_size, kvh, kv0, kv1,
+                    attend_row(s->qkv + r * width, group, d, kpool, vpool, s->block_size, kvh, kv0 * group, kv1 * group,
                                s->tables + r * s->ldt, lo, hi, m->scales[l], m->softcaps ? m->softcaps[l] : 0.0f, NULL,
                                scores, s->attn + r * hq);
                     __atomic_add_fetch(&attended, 1, __ATOMIC_RELEASE);

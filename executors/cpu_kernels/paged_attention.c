@@ -3,8 +3,9 @@
  * torch's path gathers each row's blocks into a padded copy (index_select) and then runs
  * SDPA over the copy, reading every key and value twice and paying ~60 us of set-up per
  * call; at batch 32 and context ~128 that was ~39 ms of a 126 ms step on the 2-core EPYC
- * of bench/RESULTS.md. Here each task (a row, or one KV head of a row when rows are too few
- * to share out) walks the row's block table and reads each key and value once, in place and
+ * of bench/RESULTS.md. Here each task (a row; one KV head of a row when rows are too few
+ * to share out; a share of one KV head's query heads when even those are too few, as
+ * DeepSeek's latent rows, one KV head of 16 query heads) walks the row's block table and reads each key and value once, in place and
  * in order: scores for every query head (grouped-query heads share their KV head's reads),
  * an exact softmax (max, exp, sum), then the weighted values.
  *
@@ -32,20 +33,32 @@ int me_decode_attention_f32(const float *q, int64_t rows, int64_t ldq, int64_t h
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++) longest = hi[r] - lo[r] > longest ? hi[r] - lo[r] : longest;
     /* Enough rows to keep every thread busy: a task is a row (all its heads, each block read
-     * once, in order); otherwise a task is one KV head of a row. */
-    const int64_t split = rows >= 2 * threads ? 1 : kv_heads;
+     * once, in order); otherwise a task is one KV head of a row. Threads where rows x keys x
+     * KV heads reach 4096. */
+    int64_t split = rows >= 2 * threads ? 1 : kv_heads;
+    int parallel = rows * longest * kv_heads >= 4096;
+    /* Where even the KV heads are fewer than the threads and one serves 16 query heads or more
+     * (DeepSeek's latent rows: one KV head of 16 to 128), a task is an equal share of a row's
+     * query heads, threaded from 2^21 query-head-dimension products (~230 keys there). Each
+     * share reads all of the KV head's keys (the second from L3), which pays where many heads'
+     * scores and values a key outweigh the reads: 1.35-1.6x on 16 heads of 576, nothing on 8
+     * heads of 256 (bench/RESULTS.md run 32). */
+    if (rows * split < threads && group >= 16 && rows * longest * heads * d >= (1 << 21)) {
+        split = heads < threads ? heads : threads;
+        parallel = 1;
+    }
     const int64_t tasks = rows * split;
     int failed = 0;
-    #pragma omp parallel num_threads(threads) if (tasks >= 2 && tasks * longest * (kv_heads / split) >= 4096)
+    #pragma omp parallel num_threads(threads) if (tasks >= 2 && parallel)
     {
         float *scores = thread_scratch(heads * (longest + 8), &failed);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             if (!scores) continue;
-            const int64_t r = task / split, kv0 = split == 1 ? 0 : task % split;
-            const int64_t kv1 = split == 1 ? kv_heads : kv0 + 1;
-            attend_row(q + r * ldq, group, d, kpool, vpool, bs, kv_heads, kv0, kv1, tables + r * ldt, lo[r], hi[r],
-                       scale, softcap, sinks, scores, out + r * ldo);
+            const int64_t r = task / split, part = task % split;
+            attend_row(q + r * ldq, group, d, kpool, vpool, bs, kv_heads, part * heads / split,
+                       (part + 1) * heads / split, tables + r * ldt, lo[r], hi[r], scale, softcap, sinks, scores,
+                       out + r * ldo);
         }
         free(scores);
     }

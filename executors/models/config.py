@@ -16,6 +16,7 @@ are fields here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,11 +41,13 @@ from executors.models.families import (
     text_config,
 )
 from executors.models.family_defaults import FAMILY_DEFAULTS
+from executors.models.fp8_blocks import block_size
 from executors.models.layer_kinds import layer_kinds
+from executors.models.mla_config import MlaConfig, mla_from_dict
 from executors.models.moe_config import MoeConfig, moe_from_dict
 from executors.models.rope_config import RopeScaling, positive_number, read_rope, rotary_dim_of
 
-__all__ = ["ARCHITECTURES", "DecoderConfig", "MoeConfig", "RopeScaling", "UnsupportedModel"]
+__all__ = ["ARCHITECTURES", "DecoderConfig", "MlaConfig", "MoeConfig", "RopeScaling", "UnsupportedModel"]
 
 @dataclass(frozen=True, slots=True)
 class DecoderConfig:
@@ -127,6 +130,12 @@ class DecoderConfig:
     # The text model of a multimodal checkpoint (`architecture` names the whole; the loader
     # reads language_model.* under the decoder's names and skips the vision tower).
     multimodal: bool = False
+    # DeepSeek V2 and V3: multi-head latent attention (mla_config.py, mla.py). head_dim is then a
+    # cached latent row's width and num_kv_heads 1: what the pool and the attention paths see.
+    mla: MlaConfig | None = None
+    # Block-wise FP8 checkpoints (DeepSeek V3's, Qwen3's FP8 releases): the (rows, columns) of
+    # each scale's block, dequantized as the weights load (fp8_blocks.py); None: unquantized.
+    fp8_block: tuple[int, int] | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def window(self, layer: int) -> int | None:
@@ -135,6 +144,13 @@ class DecoderConfig:
     def rotates(self, layer: int) -> bool:
         """Whether the layer applies rotary embeddings to q and k (not on a NoPE layer)."""
         return layer not in self.nope_layers
+
+    def rope_view(self) -> DecoderConfig:
+        """The config the rotary tables are built from: MLA rotates the qk_rope_head_dim
+        dimensions of its queries and its shared key, not the latent rows."""
+        if self.mla is None:
+            return self
+        return dataclasses.replace(self, head_dim=self.mla.qk_rope_head_dim, rotary_dim=None, rope_interleaved=False)
 
     @property
     def all_layers_sliding(self) -> bool:
@@ -192,11 +208,16 @@ class DecoderConfig:
         # default: a wrong guess is refused by the loader's shape check, never served.
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
-        if heads % kv_heads:
+        mla = mla_from_dict(cfg, family)
+        if heads % kv_heads and mla is None:  # (MLA's KV heads are its latent rows: its num_key_value_heads is not read)
             raise UnsupportedModel(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         max_positions = int(cfg.get("max_position_embeddings", defaults.max_position_embeddings))
-        rotary_dim = rotary_dim_of(cfg, family, head_dim)
-        theta, scaling, local_theta = read_rope(cfg, family, defaults, max_positions, rotary_dim or head_dim)
+        if mla is None:
+            rotary_dim = rotary_dim_of(cfg, family, head_dim)
+            rotated = rotary_dim or head_dim
+        else:  # the pool holds one latent row a token; the rotation is of the rope dimensions alone
+            head_dim, kv_heads, rotary_dim, rotated = mla.latent_dim, 1, None, mla.qk_rope_head_dim
+        theta, scaling, local_theta = read_rope(cfg, family, defaults, max_positions, rotated)
         if scaling is not None and scaling.kind == "yarn":
             # YaRN stretches the original context by its factor: the positions it is made for
             # (Qwen3's model cards set 4 x 32768 over a max_position_embeddings of 40960), as
@@ -252,7 +273,7 @@ class DecoderConfig:
             pre_norms=family not in POST_NORM_FAMILIES,
             qk_norm_across_heads=family in ACROSS_HEADS_QK_NORM_FAMILIES,
             attn_scale=(positive_number(cfg, "query_pre_attn_scalar", defaults.query_pre_attn_scalar) ** -0.5
-                        if sandwich else granite("attention_multiplier")),
+                        if sandwich else mla.scale if mla is not None else granite("attention_multiplier")),
             final_softcap=(_positive(cfg, "final_logit_softcapping", defaults.final_logit_softcapping) if sandwich
                            else None),
             attn_softcap=(_positive(cfg, "attn_logit_softcapping", defaults.attn_logit_softcapping)
@@ -270,6 +291,8 @@ class DecoderConfig:
             lm_head_bias=family == "phi",
             attention_sinks=family == "gpt_oss",
             multimodal=wrapper is not None,
+            mla=mla,
+            fp8_block=block_size(cfg),
             raw=cfg,
         )
 

@@ -103,7 +103,7 @@ def apply(model: DecoderLM, speedups: dict[str, float]) -> list[str]:
             chosen_here = chosen
         if "qkv" in chosen_here:
             changes["qkv"] = column_major(w.qkv)
-            _reparent([a.q_proj, a.k_proj, a.v_proj], changes["qkv"])
+            _reparent([getattr(a, name) for name in a.fused_names], changes["qkv"])
         if "gate_up" in chosen_here:
             changes["gate_up"] = column_major(w.gate_up)
             _reparent([getattr(mlp, name) for name in mlp.gate_up_names], changes["gate_up"])

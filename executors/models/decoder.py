@@ -95,7 +95,8 @@ class DecoderLM(nn.Module):
         """The rotary tables and the expert-load counters (not in checkpoints: made here, on
         `device`, also after a load onto the meta device)."""
         c = self.config
-        self.rope = RotaryEmbedding(c).to(device) if device is not None else RotaryEmbedding(c)
+        rope = c.rope_view()  # MLA: the tables of its rope dimensions, not of the latent rows
+        self.rope = RotaryEmbedding(rope).to(device) if device is not None else RotaryEmbedding(rope)
         self.rope_local = None
         if c.local_rope_theta is not None:
             self.rope_local = RotaryEmbedding(c, local=True)
@@ -180,7 +181,7 @@ class DecoderLM(nn.Module):
         return w if self.head_rows is None else w[self.head_rows[0]:self.head_rows[1]]
 
     def _matmul_weights(self) -> list[torch.Tensor]:
-        dense = [t for w in self.fused for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]
+        dense = [t for w in self.fused for t in (w.qkv, w.q_b, w.o, w.gate_up, w.down) if t is not None]
         experts = [t for w in self.fused if w.moe is not None for t in w.moe.matrices()]
         return [*dense, *experts, self.head_weight()]
 

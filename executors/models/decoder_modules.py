@@ -27,6 +27,7 @@ from executors.models.attention import StepContext
 from executors.models.attention_reference import attend_reference
 from executors.models.config import DecoderConfig
 from executors.models.layers import MLP, HeadLayerNorm, RMSNorm, RotaryEmbedding, norm, rms_norm_across_heads
+from executors.models.mla import LatentAttention
 from executors.models.moe import SparseMoe
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the tensor-parallel ranks, in place
@@ -53,6 +54,11 @@ class Attention(nn.Module):
                 c.head_dim, c.head_dim)
             self.q_norm = RMSNorm(q_width, c.rms_norm_eps, c.norm_offset)
             self.k_norm = RMSNorm(k_width, c.rms_norm_eps, c.norm_offset)
+
+    @property
+    def fused_names(self) -> tuple[str, str, str]:
+        """The projections of the hidden state, fused into the fast forward's one matmul (its `qkv`)."""
+        return "q_proj", "k_proj", "v_proj"
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding | None,
                 ctx: StepContext, mean_over_ranks: Reduce | None = None) -> torch.Tensor:
@@ -88,7 +94,8 @@ class DecoderLayer(nn.Module):
         h = config.hidden_size
         if config.pre_norms:  # not OLMo 2's layers
             self.input_layernorm = norm(config, h)
-        self.self_attn = Attention(config, layer)
+        # DeepSeek: multi-head latent attention (mla.py)
+        self.self_attn = Attention(config, layer) if config.mla is None else LatentAttention(config, layer)
         # Gemma 2 and 3, OLMo 2: the norm of attention's output; elsewhere the norm before the
         # MLP, but for a parallel layer (Cohere), whose MLP reads the input norm's output.
         self.parallel = config.parallel_residual

@@ -42,6 +42,8 @@ ARCHITECTURES = {
     "GptOssForCausalLM": ("gpt_oss", False),
     "GraniteMoeForCausalLM": ("granitemoe", False),
     "GraniteMoeSharedForCausalLM": ("granitemoeshared", False),
+    "DeepseekV2ForCausalLM": ("deepseek_v2", False),  # multi-head latent attention (mla_config.py)
+    "DeepseekV3ForCausalLM": ("deepseek_v3", False),  # and Kimi K2's, Moonlight's
 }
 # Granite's multipliers (embedding, attention, residual, logits): its dense and MoE models.
 GRANITE_FAMILIES = ("granite", "granitemoe", "granitemoeshared")
@@ -133,19 +135,24 @@ def refuse_unserved_options(cfg: dict[str, Any], family: str) -> None:
     """Options that change the layer in ways the decoder does not compute: q/k LayerNorms
     (StableLM 2 12B's, a LayerNorm module per head; Phi's), a tied lm_head beside
     Phi's lm_head bias, OLMoE's clipped q/k/v; weights quantized by a method the loader does
-    not read (all but GPT-OSS's MXFP4 experts, which it dequantizes)."""
+    not read (all but GPT-OSS's MXFP4 experts and block-wise FP8 weights, which it dequantizes)."""
     quant = cfg.get("quantization_config")
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        if not (family == "gpt_oss" and method == "mxfp4"):
+        if not (family == "gpt_oss" and method == "mxfp4") and method != "fp8":
             raise UnsupportedModel(f"quantization_config with quant_method {method!r} is not supported: the loader "
-                                   "reads unquantized safetensors (and GPT-OSS's MXFP4 experts); --quantization "
-                                   "int8 quantizes float32 weights as they load")
+                                   "reads unquantized safetensors (and GPT-OSS's MXFP4 experts, block-wise FP8 "
+                                   "weights); --quantization int8 quantizes float32 weights as they load")
     for key, fam, what in (("qk_layernorm", "stablelm", "q/k LayerNorms with a weight per head"),
                            ("qk_layernorm", "phi", "q/k LayerNorms")):
         if family == fam and cfg.get(key):
             raise UnsupportedModel(f"{key}: true ({what}) is not supported")
     if family == "phi" and cfg.get("tie_word_embeddings"):  # its lm_head's bias would have no module
         raise UnsupportedModel("tie_word_embeddings: true is not supported for PhiForCausalLM (its lm_head has a bias)")
+    if family in ("deepseek_v2", "deepseek_v3") and cfg.get("attention_bias") and cfg.get("q_lora_rank", 1) is None:
+        raise UnsupportedModel("attention_bias: true with q_lora_rank: null is not supported (q_proj has no bias, "
+                               "kv_a_proj_with_mqa would)")
+    if family == "deepseek_v2" and cfg.get("mlp_bias"):  # the shared experts would carry it too
+        raise UnsupportedModel("mlp_bias: true is not supported for DeepseekV2ForCausalLM")
     if family == "olmoe" and cfg.get("clip_qkv") is not None:
         raise UnsupportedModel(f"clip_qkv: {cfg['clip_qkv']!r} (q, k and v clamped) is not supported; null is")

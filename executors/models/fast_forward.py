@@ -75,11 +75,14 @@ def hidden_states(model: DecoderLM, x: torch.Tensor, positions: torch.Tensor, ct
         attention_partial = None  # tensor parallelism, a parallel layer: o_proj's partial sum, not yet reduced
         h = x if w.input_norm is None else norm(x, w.input_norm, eps)  # OLMo, EXAONE 4: no input norm
         qkv = linear(h, w.qkv, w.qkv_bias)
-        if lora is not None:  # deltas into the fused output's column slices, before q/k norm and rope
+        if lora is not None and c.mla is None:  # deltas into the fused output's column slices, before q/k norm and rope
             lora.apply(i, "q_proj", h, qkv[:, :hq])
             lora.apply(i, "k_proj", h, qkv[:, hq:hq + hk])
             lora.apply(i, "v_proj", h, qkv[:, hq + hk:])
-        if prologue is not None and rotates:  # K and V go straight to the pool (triton_prologue.py)
+        if c.mla is not None:  # DeepSeek: qkv is q_a_proj's and kv_a_proj_with_mqa's outputs (mla.py)
+            q_b = None if w.q_b is None else lambda q, weight=w.q_b: linear(q, weight, None)
+            a = model.model.layers[i].self_attn.attend(qkv, positions, model.rope, ctx, attend, q_b)
+        elif prologue is not None and rotates:  # K and V go straight to the pool (triton_prologue.py)
             a = attend(i, prologue(i, qkv, positions, ctx, sliding), None, None, ctx)
         else:
             if c.qk_norm_across_heads:  # OLMo 2 and 3: each of q and k normed as one vector

@@ -146,6 +146,8 @@ class FusedDecode:
 def unsupported(model: DecoderLM) -> str | None:
     """Why the model's decode steps cannot run as one kernel call; None when they can."""
     c = model.config
+    if c.mla is not None:
+        return "multi-head latent attention"
     if c.hidden_act not in GLU_ACTIVATIONS:
         return f"activation {c.hidden_act}"
     if c.head_dim % 8 or c.head_dim > MAX_ROPE_DIM or c.num_heads > MAX_HEADS or c.num_heads % c.num_kv_heads:

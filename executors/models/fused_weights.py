@@ -42,6 +42,9 @@ class FusedLayer(NamedTuple):
     pre_ff_norm: torch.Tensor | None = None  # Gemma's norms before and after the MLP (OLMo 2: after only)
     post_ff_norm: torch.Tensor | None = None
     moe: MoeWeights | None = None  # a sparse layer's router and stacked experts
+    # DeepSeek's latent attention (qkv: q_a_proj's and kv_a_proj_with_mqa's rows): q_b_proj's
+    # weight, the layer's one other plain matmul (kv_b_proj's is read per head, mla.py).
+    q_b: torch.Tensor | None = None
 
 
 def _fuse(modules: list[nn.Linear], bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -64,7 +67,8 @@ def fuse_layers(model: DecoderModel, config: DecoderConfig) -> list[FusedLayer]:
     fused = []
     for layer in model.layers:
         a, ffn = layer.self_attn, layer.ffn
-        qkv, qkv_bias = _fuse([a.q_proj, a.k_proj, a.v_proj], c.qkv_bias)
+        # (DeepSeek's latent attention: q_a_proj and kv_a_proj_with_mqa, mla.py)
+        qkv, qkv_bias = _fuse([getattr(a, name) for name in a.fused_names], c.qkv_bias)
         dense = {"gate_up": None, "gate_up_bias": None, "down": None, "down_bias": None}
         if not layer.sparse:
             # An ungated MLP (StarCoder2): up alone, in gate_up's place.
@@ -83,5 +87,6 @@ def fuse_layers(model: DecoderModel, config: DecoderConfig) -> list[FusedLayer]:
             pre_ff_norm=layer.pre_feedforward_layernorm.fused_weight() if pre else None,
             post_ff_norm=layer.post_feedforward_layernorm.fused_weight() if post else None,
             moe=stack(ffn) if layer.sparse else None,
+            q_b=a.q_b_proj.weight.detach() if hasattr(a, "q_b_proj") else None,
         ))
     return fused

@@ -4,7 +4,8 @@ Tensors are read through safetensors' memory map, one at a time, converted to th
 dtype and moved to the device, so peak host memory stays near one copy of the weights.
 Every expected tensor must be present with its exact shape; anything else is an error
 that names the tensor, raised at start-up. GPT-OSS's MXFP4 experts (a `_blocks` and a
-`_scales` tensor each) are dequantized as they are read (mxfp4.py).
+`_scales` tensor each) and block-wise FP8 weights (a `weight_scale_inv` beside each) are
+dequantized as they are read (mxfp4.py, fp8_blocks.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from executors.cpu_kernels.qpanels import QGROUP, quantize
-from executors.models import mxfp4
+from executors.models import fp8_blocks, mxfp4
 from executors.models.checkpoint_sections import RowWindow, fused_sections, fused_shape, text_tensor_name
 from executors.models.config import DecoderConfig, UnsupportedModel
 from executors.models.decoder import DecoderLM
@@ -34,8 +35,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Families whose checkpoints hold layers past num_hidden_layers that transformers does not
-# load either: GLM-4.5's multi-token-prediction layer(s) (num_nextn_predict_layers).
-EXTRA_LAYER_FAMILIES = ("glm4_moe",)
+# load either: GLM-4.5's and DeepSeek V3's multi-token-prediction layer(s).
+EXTRA_LAYER_FAMILIES = ("glm4_moe", "deepseek_v3")
 # Parameters kept in float32 whatever the serving dtype, as transformers keeps them: GLM-4.5's
 # router correction, which decides between close scores.
 FLOAT32_SUFFIXES = ("e_score_correction_bias",)
@@ -92,7 +93,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         # A rank's row-parallel matmuls (o, down) take a slice of the inputs: int8 groups of
         # 32 inputs match the whole model's only where every slice starts at a multiple of 32.
         local = plan.local_config()
-        for name, inputs in (("attention output", local.num_heads * local.head_dim),
+        value_width = local.head_dim if local.mla is None else local.mla.v_head_dim  # o_proj's inputs a head
+        for name, inputs in (("attention output", local.num_heads * value_width),
                              ("MLP down", local.intermediate_size)):
             if inputs % QGROUP:
                 raise UnsupportedModel(f"int8 weights under tensor parallelism need each rank's {name} inputs to be a "
@@ -110,6 +112,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     state: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     halves: dict[str, dict[str, torch.Tensor]] = {}  # an MXFP4 matrix's blocks or scales, till both are read
+    fp8 = fp8_blocks.ScaledWeights(files, config.fp8_block)
     progress, started = _Progress(model_dir.name, total), time.perf_counter()
     sections = fused_sections(config)  # Phi-3's qkv_proj, GLM-4's gate_up_proj and norms: cut or renamed
     for path in files:
@@ -119,10 +122,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                 name = text_tensor_name(stored, config)  # a multimodal checkpoint's text model by our names
                 if name is None:  # its vision tower or projector: not served
                     continue
+                if fp8.is_scale(stored):  # read with its weight
+                    continue
                 if name in sections:
                     parts = sections[name]
                     # One process reads the whole tensor; a rank only its rows of each part.
-                    fused = f.get_tensor(stored) if plan is None else f.get_slice(stored)
+                    fused = fp8.weight(f, path, stored) if plan is None or fp8.scaled(stored) else f.get_slice(stored)
                     shape = tuple(fused.shape) if plan is None else tuple(fused.get_shape())
                     want = fused_shape(parts, expected_full)
                     if shape != want:
@@ -149,8 +154,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                     if not tied_head and not name.endswith(IGNORED_SUFFIXES) and not _extra_layer(name, config):
                         unexpected.append(stored)
                     continue
-                elif plan is None:
-                    tensor = f.get_tensor(stored)
+                elif plan is None or fp8.scaled(stored):  # (an FP8 matrix: dequantized whole, then a rank's part)
+                    tensor = piece = fp8.weight(f, path, stored)
                     shape = tuple(tensor.shape)
                 else:
                     piece = f.get_slice(stored)
@@ -237,12 +242,24 @@ def checkpoint_parameters(model_dir: str | Path, dtype: torch.dtype,
     with contextlib.ExitStack() as files:  # each file opened once, for every tensor it holds
         found = {}
         stored_as = {}  # our name -> the file's (a multimodal checkpoint's text model)
+        fp8_scales = {}  # a block-wise FP8 checkpoint's scales: stored name -> its open file
         for path in weight_files(model_dir):
             f = files.enter_context(safe_open(str(path), framework="pt", device="cpu"))
             for stored in f.keys():
+                if config.fp8_block is not None and stored.endswith(fp8_blocks.SCALE_SUFFIX):
+                    fp8_scales[stored] = f
+                    continue
                 name = text_tensor_name(stored, config)
                 if name is not None:
                     found[name], stored_as[name] = f, stored
+
+        def read(name: str) -> torch.Tensor:  # as the loader reads it: FP8 dequantized
+            stored = stored_as[name]
+            tensor = found[name].get_tensor(stored)
+            scale = fp8_scales.get(stored + fp8_blocks.SCALE_SUFFIX)
+            return tensor if scale is None else fp8_blocks.dequantize(
+                tensor, scale.get_tensor(stored + fp8_blocks.SCALE_SUFFIX), config.fp8_block)
+
         missing = [name for name in names if sections.get(name, (name,))[0] not in found
                    and not {name + mxfp4.BLOCKS, name + mxfp4.SCALES} <= set(found)]
         if missing:
@@ -252,13 +269,13 @@ def checkpoint_parameters(model_dir: str | Path, dtype: torch.dtype,
             if name in sections:
                 fused, lo, hi = sections[name]
                 if last_fused is None or last_fused[0] != fused:
-                    last_fused = (fused, found[fused].get_tensor(stored_as[fused]))
+                    last_fused = (fused, read(fused))
                 tensor = last_fused[1][lo:hi]
             elif name not in found:  # GPT-OSS's MXFP4 experts, as the loader reads them
                 blocks, scales = (found[name + s].get_tensor(stored_as[name + s]) for s in (mxfp4.BLOCKS, mxfp4.SCALES))
                 tensor = mxfp4.dequantize(blocks, scales, _mxfp4_dtype(dtype)).transpose(1, 2)
             else:
-                tensor = found[name].get_tensor(stored_as[name])
+                tensor = read(name)
             # as the loader: served, then the dtype
             tensor = served(name, tensor, config).to(_serving_dtype(name, dtype))
             if name in int8:  # stacked experts: each expert's matrix quantized on its own, as packed

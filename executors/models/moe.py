@@ -7,8 +7,8 @@ the experts' weights stacked into [E, 2I, hidden] (gate and up) and [E, hidden, 
 tensors whose slices the expert modules' parameters become (one copy, as decoder.py's
 fused q/k/v):
 
-1. the router's softmax and top-k pick k (expert, weight) pairs per row (GLM-4.5: its
-   sigmoid scores, corrected, within the best groups, `route`);
+1. the router's softmax and top-k pick k (expert, weight) pairs per row (DeepSeek's and
+   GLM-4.5's: within the best groups, `route`);
 2. the M*k pairs are sorted by expert (a stable sort), so each expert's rows are one
    contiguous slice of a gathered [M*k, hidden] matrix;
 3. every expert with rows runs one gate/up matmul and one down matmul over its slice
@@ -43,7 +43,7 @@ from executors.descriptions import ExpertLoad
 from executors.models.config import DecoderConfig
 from executors.models.layers import MLP, activation
 from executors.models.moe_grouped import experts_on_panels, grouped_swiglu
-from executors.models.moe_routing import SigmoidRouting, expert_counts, route
+from executors.models.moe_routing import GroupedRouting, expert_counts, route
 from executors.models.stacked_experts import StackedExperts, gated
 from executors.models.step_ops import add_rows_
 
@@ -108,16 +108,19 @@ class SparseMoe(nn.Module):
     def shared(self) -> MLP | None:
         return getattr(self, self.config.shared_name, None)
 
-    def sigmoid_routing(self) -> SigmoidRouting | None:
+    def grouped_routing(self) -> GroupedRouting | None:
+        """DeepSeek's routing (sigmoid scores, or groups, or a scale); None: a plain softmax top k."""
         m = self.config
-        if m.scoring != "sigmoid":
+        if not m.grouped:
             return None
+        sigmoid = m.scoring == "sigmoid"
         owner = self if m.correction_on_block else self.router
-        return SigmoidRouting(owner.e_score_correction_bias.detach(), m.n_group, m.topk_group, m.routed_scaling_factor)
+        correction = owner.e_score_correction_bias.detach() if sigmoid else None
+        return GroupedRouting(sigmoid, correction, m.n_group, m.topk_group, m.routed_scaling_factor)
 
     def forward(self, x: torch.Tensor, load: torch.Tensor | None = None) -> torch.Tensor:
         """The reference: each expert over the rows that picked it, in expert order."""
-        weights, experts = route(x, self.router.weight, self.top_k, self.norm_topk_prob, self.sigmoid_routing(),
+        weights, experts = route(x, self.router.weight, self.top_k, self.norm_topk_prob, self.grouped_routing(),
                                  self.router.bias)
         if load is not None:
             load += expert_counts(experts, self.num_experts)
@@ -156,7 +159,7 @@ class MoeWeights(NamedTuple):
     shared_panels: tuple | None = None
     kernels: object | None = None
     glu: str = "silu"
-    sigmoid: SigmoidRouting | None = None  # GLM-4.5's router, else a softmax
+    grouped: GroupedRouting | None = None  # DeepSeek's routers (GLM-4.5's), else a plain softmax
     # GPT-OSS: the router's bias [E], the experts' biases (gate/up's [E, 2I], down's [E, hidden])
     # and their clamped SwiGLU's (limit, alpha).
     router_bias: torch.Tensor | None = None
@@ -198,17 +201,17 @@ def stack(moe: SparseMoe) -> MoeWeights:
         g.weight = nn.Parameter(gate_up[i, :inter], requires_grad=False)
         u.weight = nn.Parameter(gate_up[i, inter:], requires_grad=False)
         d.weight = nn.Parameter(down[i], requires_grad=False)
-    sigmoid = moe.sigmoid_routing()
+    grouped = moe.grouped_routing()
     router = moe.router.weight.detach()
-    if sigmoid is not None:  # its logits are float32 (moe_routing): the weight converted once, not every step
+    if grouped is not None:  # its logits are float32 (moe_routing): the weight converted once, not every step
         router = router.float()
     return MoeWeights(router, gate_up, down, shared_gate_up, shared_down, shared_gate, moe.top_k, moe.norm_topk_prob,
-                      sigmoid=sigmoid)
+                      grouped=grouped)
 
 
 def moe_forward(x: torch.Tensor, w: MoeWeights, act: Callable, load: torch.Tensor | None = None) -> torch.Tensor:
     """[M, hidden] -> [M, hidden]: routed experts grouped by expert (module docstring), plus the shared expert."""
-    weights, experts = route(x, w.router, w.top_k, w.norm_topk_prob, w.sigmoid, w.router_bias)
+    weights, experts = route(x, w.router, w.top_k, w.norm_topk_prob, w.grouped, w.router_bias)
     flat = experts.flatten()
     counts = expert_counts(flat, w.router.shape[0])
     if load is not None:

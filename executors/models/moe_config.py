@@ -1,6 +1,6 @@
 """MoeConfig: how a mixture-of-experts checkpoint routes, read from its config.json.
 
-Six layouts, all top-k routing over the scores of one linear router:
+The layouts, all top-k routing over the scores of one linear router:
 
 - Qwen3-MoE (`Qwen3MoeForCausalLM`): `mlp.gate` and `mlp.experts.N.{gate,up,down}_proj`;
   `norm_topk_prob` renormalises the k weights to sum to 1; layers listed in
@@ -25,11 +25,15 @@ Six layouts, all top-k routing over the scores of one linear router:
   (`block_sparse_moe.input_linear` [E, 2I, hidden], gate then up, and `output_linear`; read
   as GPT-OSS's stacked experts, stacked_experts.py), every layer sparse; `GraniteMoeShared`
   adds a gated `shared_mlp` beside them (`shared_intermediate_size` wide, no gate on its sum).
-- GLM-4.5 (`Glm4MoeForCausalLM`; DeepSeek V3's router): sigmoid scores, the experts chosen
-  by score plus `mlp.gate.e_score_correction_bias` among the `topk_group` best of `n_group`
-  groups (a group scored by its two best), their scores renormalised and times
-  `routed_scaling_factor`; `mlp.shared_experts` (`n_shared_experts` experts wide, no gate)
-  beside them; the first `first_k_dense_replace` layers dense.
+- GLM-4.5 (`Glm4MoeForCausalLM`) and DeepSeek V3 (`DeepseekV3ForCausalLM`, Kimi K2's too):
+  sigmoid scores, the experts chosen by score plus `mlp.gate.e_score_correction_bias` among
+  the `topk_group` best of `n_group` groups (a group scored by its two best), their scores
+  renormalised and times `routed_scaling_factor`; `mlp.shared_experts` (`n_shared_experts`
+  experts wide, no gate) beside them; the first `first_k_dense_replace` layers dense.
+- DeepSeek V2 (`DeepseekV2ForCausalLM`): GLM-4.5's layout with a softmax router, its
+  top k over every expert (`topk_method: greedy`) or within the `topk_group` best groups, a
+  group scored by its best (`group_limited_greedy`), the weights times
+  `routed_scaling_factor` and never renormalised (as transformers reads it).
 
 Router options a family's transformers model does not read (grouped top-k, sigmoid scoring,
 scaling factors on the softmax families) are refused by name rather than served wrongly.
@@ -43,7 +47,7 @@ from typing import Any
 from executors.models.errors import UnsupportedModel
 
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "gpt_oss", "granitemoe",
-                "granitemoeshared")
+                "granitemoeshared", "deepseek_v2", "deepseek_v3")
 # Router options of other MoE families (DeepSeek, GLM, ...): a config that sets one to
 # something other than its plain-softmax value is refused.
 _PLAIN_ROUTER = {"scoring_func": (None, "softmax"), "topk_method": (None, "greedy"), "n_group": (None, 1), "topk_group": (None, 1),
@@ -78,6 +82,11 @@ class MoeConfig:
     # (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: act(gate) * up.
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+
+    @property
+    def grouped(self) -> bool:
+        """Routed as DeepSeek's routers are (moe_routing.GroupedRouting), not as a plain softmax top k."""
+        return self.scoring == "sigmoid" or self.n_group > 1 or self.routed_scaling_factor != 1.0
 
     @property
     def stacked(self) -> bool:
@@ -124,8 +133,10 @@ class MoeConfig:
 def moe_from_dict(cfg: dict[str, Any], family: str, layers: int) -> MoeConfig | None:
     if family not in MOE_FAMILIES:
         return None
-    if family == "glm4_moe":
-        return _glm4_moe(cfg, layers)
+    if family in _SIGMOID_DEFAULTS:
+        return _sigmoid_groups(cfg, layers, _SIGMOID_DEFAULTS[family])
+    if family == "deepseek_v2":
+        return _deepseek_v2(cfg, layers)
     if family == "gpt_oss":
         return _gpt_oss(cfg, layers)
     if family in ("granitemoe", "granitemoeshared"):
@@ -165,34 +176,80 @@ def moe_from_dict(cfg: dict[str, Any], family: str, layers: int) -> MoeConfig | 
     return MoeConfig(experts, top_k, int(cfg["moe_intermediate_size"]), norm, shared, sparse, "qwen")
 
 
-def _glm4_moe(cfg: dict[str, Any], layers: int) -> MoeConfig:
-    """Glm4MoeConfig's reading (its defaults where the file omits a key)."""
-    def count(key: str, default: int, least: int = 1) -> int:
-        value = cfg.get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise UnsupportedModel(f"{key} must be an integer >= {least}, got {value!r}")
-        return value
+# The config classes' defaults (Glm4MoeConfig, DeepseekV3Config) where the file omits a key.
+_SIGMOID_DEFAULTS = {
+    "glm4_moe": {"n_routed_experts": 128, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+                 "routed_scaling_factor": 1.0, "norm_topk_prob": True, "moe_intermediate_size": 1408,
+                 "first_k_dense_replace": 1, "n_shared_experts": 1},
+    "deepseek_v3": {"n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+                    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "moe_intermediate_size": 2048,
+                    "first_k_dense_replace": 3, "n_shared_experts": 1},
+}
 
-    experts, top_k = count("n_routed_experts", 128), count("num_experts_per_tok", 8)
-    groups, chosen = count("n_group", 1), count("topk_group", 1)
-    if experts % groups or experts // groups < 2:
+
+def _count(cfg: dict[str, Any], key: str, default: int | None, least: int = 1) -> int:
+    value = cfg.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise UnsupportedModel(f"{key} must be an integer >= {least}, got {value!r}")
+    return value
+
+
+def _groups(cfg: dict[str, Any], defaults: dict[str, Any]) -> tuple[int, int, int, int, float]:
+    """(experts, top_k, n_group, topk_group, routed_scaling_factor), checked: the groups split
+    the experts evenly, and the best ones hold k experts to choose from."""
+    experts, top_k = _count(cfg, "n_routed_experts", defaults["n_routed_experts"]), _count(
+        cfg, "num_experts_per_tok", defaults["num_experts_per_tok"])
+    groups, chosen = _count(cfg, "n_group", defaults["n_group"]), _count(cfg, "topk_group", defaults["topk_group"])
+    if experts % groups or (groups > 1 and experts // groups < 2):
         raise UnsupportedModel(f"n_group {groups} must divide n_routed_experts {experts} into groups of 2 or more")
     if chosen > groups or top_k > chosen * (experts // groups):
         raise UnsupportedModel(f"num_experts_per_tok {top_k} from topk_group {chosen} of n_group {groups} groups of "
                                f"{experts // groups} experts cannot be chosen")
-    scale = cfg.get("routed_scaling_factor", 1.0)
+    scale = cfg.get("routed_scaling_factor", defaults["routed_scaling_factor"])
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0:
         raise UnsupportedModel(f"routed_scaling_factor must be a positive number, got {scale!r}")
-    norm = cfg.get("norm_topk_prob", True)
+    return experts, top_k, groups, chosen, float(scale)
+
+
+def _sigmoid_groups(cfg: dict[str, Any], layers: int, defaults: dict[str, Any]) -> MoeConfig:
+    """Glm4MoeConfig's and DeepseekV3Config's reading (their defaults where the file omits a key;
+    as transformers, a file's scoring_func and topk_method are not read: the router is theirs)."""
+    experts, top_k, groups, chosen, scale = _groups(cfg, defaults)
+    norm = cfg.get("norm_topk_prob", defaults["norm_topk_prob"])
     if not isinstance(norm, bool):
         raise UnsupportedModel(f"norm_topk_prob must be true or false, got {norm!r}")
-    inter = count("moe_intermediate_size", 1408)
-    dense = count("first_k_dense_replace", 1, least=0)
+    inter = _count(cfg, "moe_intermediate_size", defaults["moe_intermediate_size"])
+    dense = _count(cfg, "first_k_dense_replace", defaults["first_k_dense_replace"], least=0)
     # (0 would make transformers' shared experts zero-width matrices, which its files then hold)
-    shared = count("n_shared_experts", 1) * inter
+    shared = _count(cfg, "n_shared_experts", defaults["n_shared_experts"]) * inter
     return MoeConfig(experts, top_k, inter, norm, shared, tuple(i >= dense for i in range(layers)), "qwen",
-                     scoring="sigmoid", n_group=groups, topk_group=chosen, routed_scaling_factor=float(scale),
+                     scoring="sigmoid", n_group=groups, topk_group=chosen, routed_scaling_factor=scale,
                      shared_gated=False)
+
+
+_V2_DEFAULTS = {"n_routed_experts": 64, "num_experts_per_tok": None, "n_group": None, "topk_group": None,
+                "routed_scaling_factor": 1.0}
+
+
+def _deepseek_v2(cfg: dict[str, Any], layers: int) -> MoeConfig:
+    """DeepseekV2Config's reading (its defaults where the file omits a key)."""
+    method = cfg.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise UnsupportedModel(f"topk_method {method!r} is not supported for DeepseekV2ForCausalLM "
+                               "(greedy, group_limited_greedy)")
+    if cfg.get("norm_topk_prob"):  # DeepseekV2TopkRouter never renormalises; DeepSeek's own code would
+        raise UnsupportedModel("norm_topk_prob: true is not supported for DeepseekV2ForCausalLM "
+                               "(its transformers router does not renormalise)")
+    if cfg.get("moe_layer_freq", 1) != 1:  # transformers makes every layer from first_k_dense_replace sparse
+        raise UnsupportedModel(f"moe_layer_freq {cfg['moe_layer_freq']!r} is not supported; 1 is")
+    # greedy: every expert a candidate (the file's n_group and topk_group not read)
+    reading = cfg if method == "group_limited_greedy" else {**cfg, "n_group": 1, "topk_group": 1}
+    experts, top_k, groups, chosen, scale = _groups(reading, _V2_DEFAULTS)
+    inter = _count(cfg, "moe_intermediate_size", 1407)
+    dense = _count(cfg, "first_k_dense_replace", 0, least=0)
+    shared = _count(cfg, "n_shared_experts", 2) * inter
+    return MoeConfig(experts, top_k, inter, False, shared, tuple(i >= dense for i in range(layers)), "qwen",
+                     n_group=groups, topk_group=chosen, routed_scaling_factor=scale, shared_gated=False)
 
 
 def _local_experts(cfg: dict[str, Any], experts: int, top_k: int) -> tuple[int, int]:

@@ -2,7 +2,8 @@
 
 With the kernels of executors/cpu_kernels built, DecoderLM.fuse() packs every matmul weight
 (the fused q/k/v, o, the fused gate/up, down, a sparse layer's experts and shared expert,
-and the lm_head; a tied lm_head with the embedding) into panels (cpu_kernels/panels.py),
+DeepSeek's q_b_proj, and the lm_head; a tied lm_head with the embedding; not DeepSeek's
+kv_b_proj, which batched matmuls read head by head, mla.py) into panels (cpu_kernels/panels.py),
 layer by layer, and drops the row-major tensors: the panels are the weights' one copy, and
 what status counts. The nn.Linear modules become PanelLinear, stacked experts' matrices
 PanelStack (panel_layers.py): they keep the modules' names, logical shapes and state_dict
@@ -114,13 +115,15 @@ def pack_model(model: DecoderLM, quantized: bool = False) -> None:
     tied_apart = c.tie_word_embeddings and not tied_view
     embedding = model.model.embed_tokens.weight
     experts = [tuple(t.shape) for w in model.fused if w.moe is not None for t in w.moe.matrices()]
-    arena = _Arena([tuple(t.shape) for w in model.fused for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]
+    arena = _Arena([tuple(t.shape) for w in model.fused for t in (w.qkv, w.q_b, w.o, w.gate_up, w.down) if t is not None]
                    + experts + [tuple(head.shape)] + ([tuple(embedding.shape)] if tied_apart and quantized else []),
                    quantized)
     for i, (layer, w) in enumerate(zip(model.model.layers, model.fused)):
         a, ffn = layer.self_attn, layer.ffn
-        changes = dict(qkv=_replace(a, ["q_proj", "k_proj", "v_proj"], arena.pack(w.qkv)),
+        changes = dict(qkv=_replace(a, list(a.fused_names), arena.pack(w.qkv)),
                        o=_replace(a, ["o_proj"], arena.pack(w.o)))
+        if w.q_b is not None:  # DeepSeek's q_b_proj
+            changes.update(q_b=_replace(a, ["q_b_proj"], arena.pack(w.q_b)))
         if w.gate_up is not None:
             changes.update(gate_up=_replace(ffn, ffn.gate_up_names, arena.pack(w.gate_up)),
                            down=_replace(ffn, ["down_proj"], arena.pack(w.down)))

@@ -10,13 +10,15 @@ agree on what is served.
   then rounded once to the serving dtype), and costs nothing per step; in its MoE models,
   every expert's down projection and the shared MLP's.
 - GPT-OSS's stacked experts: transposed, gate and up de-interleaved (stacked_experts.py).
+- DeepSeek's latent attention: the rope rows of the queries and of the shared key, from
+  interleaved pairs to halves (mla.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from executors.models import stacked_experts
+from executors.models import mla, stacked_experts
 from executors.models.config import DecoderConfig
 from executors.models.partial_rotary import ROTATED, reorder_rows, reorders
 
@@ -26,7 +28,9 @@ RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.dow
 
 def served(name: str, tensor: torch.Tensor, config: DecoderConfig) -> torch.Tensor:
     """Checkpoint tensor `name` (or one rank's part of it: whole heads, any columns) as served."""
-    if reorders(config) and name.endswith(ROTATED):
+    if config.mla is not None:
+        tensor = mla.served(name, tensor, config)
+    elif reorders(config) and name.endswith(ROTATED):
         # Command R+'s q/k norm weights hold a row per head: reordered as one row of all heads
         per_head = tensor.dim() == 2 and name.endswith("norm.weight")
         tensor = reorder_rows(tensor.reshape(-1), config).view(tensor.shape) if per_head else reorder_rows(tensor, config)

@@ -159,6 +159,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def packed(w: FusedLayer) -> FusedLayer:
     """The layer with its matmul weights prepacked (a sparse layer's experts stay as they are)."""
     dense = {} if w.gate_up is None else dict(gate_up=pack(w.gate_up), down=pack(w.down))
+    if w.q_b is not None:  # DeepSeek's q_b_proj
+        dense["q_b"] = pack(w.q_b)
     return w._replace(qkv=pack(w.qkv), o=pack(w.o), **dense)
 
 

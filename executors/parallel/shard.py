@@ -18,6 +18,9 @@ Megatron-style tensor parallelism over N ranks, named by the checkpoint's tensor
   bench/RESULTS.md run 8, an estimated ~1.2 ms of a 51 ms step) to save (N - 1) / N of V * hidden per
   rank (65 MB at 32k x 1024 fp32), and a tied lm_head reads its slice of the replicated
   embedding as a view, at no cost;
+- DeepSeek's latent attention: q_b_proj (or q_proj) and kv_b_proj by query heads, q_a_proj
+  and kv_a_proj_with_mqa replicated: every rank caches the whole latent rows (its one KV
+  head, replicated as below) and absorbs its own heads' queries;
 - KV heads: KVH / N per rank; with fewer KV heads than ranks (N a multiple of KVH), each
   rank holds the one KV head its query heads read, replicated N / KVH times, as vLLM does.
 
@@ -36,7 +39,9 @@ from executors.models import stacked_experts
 from executors.models.config import DecoderConfig
 from executors.models.errors import UnsupportedModel
 
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "q_b_proj", "kv_b_proj")
+# Split by query heads: rows of q (and, for DeepSeek's latent attention, of q_b_proj and kv_b_proj).
+BY_HEADS = ("q_proj", "q_b_proj", "kv_b_proj")
 ROW_PARALLEL = ("o_proj", "down_proj", "w2")
 ROUTER_SUFFIXES = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
 
@@ -96,11 +101,22 @@ class ShardPlan:
                                    intermediate_size=c.intermediate_size // self.world, moe=moe)
 
     # -- weights ------------------------------------------------------------------------
+    def head_width(self, module: str) -> int:
+        """The rows (o_proj: columns) a query head has in `module`: head_dim, or for DeepSeek's
+        latent attention (whose head_dim is the cached rows') the query's, the expansion's
+        (each head's key and value rows in kv_b_proj) and the value's."""
+        m = self.full.mla
+        if m is None:
+            return self.full.head_dim
+        return {"q_proj": m.qk_head_dim, "q_b_proj": m.qk_head_dim, "kv_b_proj": m.qk_nope_head_dim + m.v_head_dim,
+                "o_proj": m.v_head_dim}[module]
+
     def rows_of(self, module: str, out_features: int) -> tuple[int, int]:
         """This rank's output rows of a column-parallel projection with out_features rows."""
         d = self.full.head_dim
-        if module == "q_proj":
-            return self.rank * self.heads * d, (self.rank + 1) * self.heads * d
+        if module in BY_HEADS:
+            width = self.head_width(module)
+            return self.rank * self.heads * width, (self.rank + 1) * self.heads * width
         if module in ("k_proj", "v_proj"):
             return self.first_kv_head * d, (self.first_kv_head + self.kv_heads) * d
         n = out_features // self.world
@@ -109,7 +125,7 @@ class ShardPlan:
     def columns_of(self, module: str, in_features: int) -> tuple[int, int]:
         """This rank's input columns of a row-parallel projection."""
         if module == "o_proj":
-            d = self.full.head_dim
+            d = self.head_width(module)
             return self.rank * self.heads * d, (self.rank + 1) * self.heads * d
         n = in_features // self.world
         return self.rank * n, (self.rank + 1) * n

@@ -49,6 +49,10 @@ GEMMA_PER_TYPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope
 QWEN3_MOE = {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 MINIMAX_M2 = {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}
 GPT_OSS = {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}
+# DeepSeek: every head its own KV head for transformers (it repeats the expanded keys by the ratio).
+DSV3 = {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+        "v_head_dim": 12, "n_routed_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+DSV2 = {**DSV3, "q_lora_rank": None, "num_experts_per_tok": 3}
 GLM4_MOE = {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
             "use_qk_norm": True, "attention_bias": True}
 
@@ -266,6 +270,27 @@ CASES = {
         "embedding_multiplier": 5.0, "attention_multiplier": 0.1, "logits_scaling": 3.0}, {}, 40, None),
     "gpt_oss_window_and_clamp": ("gpt_oss", {**GPT_OSS, "sliding_window": 8, "swiglu_limit": 0.05,
                                              "swiglu_alpha": 1.0}, {"layer_types": DEL}, 40, None),
+    # 28. DeepSeek V3: its router's defaults (8 groups, the best 4 kept, renormalised, times 2.5,
+    # one shared expert, layers 0-2 dense) and rope_interleave's (true) without those keys; rope
+    # pairs as halves, YaRN whose mscale_all_dim scales the scores. DeepSeek V2: greedy top k
+    # (its groups not read), weights as scored; group_limited_greedy; settings it cannot serve.
+    "deepseek_v3_defaults": ("deepseek_v3", {**DSV3, "num_hidden_layers": 4}, {
+        "n_group": DEL, "topk_group": DEL, "norm_topk_prob": DEL, "routed_scaling_factor": DEL,
+        "n_shared_experts": DEL, "first_k_dense_replace": DEL, "rope_interleave": DEL, "rms_norm_eps": DEL,
+        "rope_parameters": DEL}, 40, None),
+    "deepseek_v3_halves_yarn": ("deepseek_v3", {**DSV3, "rope_interleave": False, "first_k_dense_replace": 1,
+                                                "n_group": 2, "topk_group": 1, "rope_parameters": {
+                                                    "rope_type": "yarn", "factor": 8.0, "mscale": 0.9,
+                                                    "mscale_all_dim": 1.3, "original_max_position_embeddings": 64,
+                                                    "rope_theta": 1e4}}, {}, 40, None),
+    "deepseek_v2_greedy": ("deepseek_v2", {**DSV2, "n_group": 4, "topk_group": 1, "routed_scaling_factor": 2.0},
+                           {"first_k_dense_replace": DEL, "n_shared_experts": DEL, "rope_parameters": DEL}, 40, None),
+    "deepseek_v2_grouped": ("deepseek_v2", {**DSV2, "topk_method": "group_limited_greedy", "n_group": 4,
+                                            "topk_group": 2, "first_k_dense_replace": 1}, {}, 40, None),
+    "deepseek_v2_renormalised": ("deepseek_v2", DSV2, {"norm_topk_prob": True}, 20, "norm_topk_prob: true"),
+    "deepseek_v2_noaux": ("deepseek_v2", DSV2, {"topk_method": "noaux_tc"}, 20, "topk_method 'noaux_tc'"),
+    "deepseek_v2_layer_freq": ("deepseek_v2", DSV2, {"moe_layer_freq": 2}, 20, "moe_layer_freq 2"),
+    "deepseek_v3_bad_groups": ("deepseek_v3", DSV3, {"n_group": 3}, 20, "n_group 3 must divide n_routed_experts 16"),
 }
 
 MODELS = {
@@ -286,6 +311,8 @@ MODELS = {
     "minimax_m2": ("MiniMaxM2ForCausalLM", "MiniMaxM2Config"), "gpt_oss": ("GptOssForCausalLM", "GptOssConfig"),
     "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeConfig"),
     "granitemoeshared": ("GraniteMoeSharedForCausalLM", "GraniteMoeSharedConfig"),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config"),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config"),
 }
 
 
@@ -297,7 +324,8 @@ def save_tiny(family: str, kwargs: dict, edits: dict, out):
                                      "cohere": SMOLLM3, "cohere2": SMOLLM3, "stablelm": SMOLLM3,
                                      "starcoder2": SMOLLM3, "olmoe": SMOLLM3, "phi": SMOLLM3,
                                      "glm4_moe": SMOLLM3, "minimax_m2": SMOLLM3, "gpt_oss": SMOLLM3,
-                                     "granitemoe": SMOLLM3, "granitemoeshared": SMOLLM3}.get(
+                                     "granitemoe": SMOLLM3, "granitemoeshared": SMOLLM3,
+                                     "deepseek_v2": SMOLLM3, "deepseek_v3": SMOLLM3}.get(
         family, COMMON), **kwargs}))
     with torch.no_grad():  # random init leaves biases at zero and norms at one: make them count
         for name, p in model.named_parameters():
@@ -453,7 +481,9 @@ def test_family_bias_layout_matches_transformers_modeling(family):
     renames = RENAMED.get(family, {})  # Phi's dense, fc1, fc2: read as the decoder's o_proj, up_proj, down_proj
     names = {next((n.replace(t, o) for t, o in renames.items() if f".{t}." in n), n) for n in names}
     switchable = ours.attention_bias_key is not None
-    q_bias = {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.qkv_proj.bias"} & names  # Phi-3: qkv
+    # Phi-3: qkv_proj; DeepSeek's latent attention: q_a_proj's and kv_a_proj_with_mqa's
+    q_bias = {f"model.layers.0.self_attn.{p}.bias" for p in ("q_proj", "qkv_proj", "q_a_proj", "kv_a_proj_with_mqa")
+              } & names
     assert bool(q_bias) == (switchable or ours.attention_bias), family
     assert ("model.layers.0.self_attn.o_proj.bias" in names) == (ours.o_proj_bias or bool(ours.o_proj_bias_key)), family
     mlp_biases = {n for n in names if n.endswith("bias") and ("mlp" in n or "sparse_moe" in n)}

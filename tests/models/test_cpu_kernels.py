@@ -312,6 +312,24 @@ def test_decode_attention_normalises_over_gpt_oss_sinks(kernels, rows):
         kernels.decode_attention(q, kpool, vpool, tables, lo, hi, scale, out, sinks=sinks[:4])
 
 
+@pytest.mark.parametrize("heads,d,keys", [(16, 576, 300), (17, 64, 2000)])  # DeepSeek's latent rows; 8 and 9 heads
+def test_one_row_of_one_kv_head_splits_its_query_heads_over_the_threads(kernels, heads, d, keys):
+    """A decode row of a model with one KV head (DeepSeek's latent rows, MQA) is shared out by
+    query heads (9 heads: 4 and 5), each share with its own queries, outputs and sinks; long
+    enough a context that the threads take it."""
+    g = torch.Generator().manual_seed(keys)
+    bs, blocks = 16, 256
+    kpool, vpool = torch.randn(blocks, bs, 1, d, generator=g), torch.randn(blocks, bs, 1, d, generator=g)
+    tables = torch.randperm(blocks, generator=g).to(torch.int32).view(1, -1)
+    lo, hi = torch.tensor([0], dtype=torch.int32), torch.tensor([keys], dtype=torch.int32)
+    q = torch.randn(1, heads, d, generator=g) * 0.1
+    sinks = torch.randn(heads, generator=g) * 3
+    out = torch.full((1, heads * d), float("nan"))
+    kernels.decode_attention(q, kpool, vpool, tables, lo, hi, 0.2, out, sinks=sinks)
+    scores, v = row_scores(q[0], kpool, vpool, tables[0], 0, keys, 0.2)
+    torch.testing.assert_close(out[0], (softmax_with_sinks(scores, sinks) @ v).flatten(), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("count,n", [(1, 37), (2, 13)])
 def test_prefill_attention_normalises_over_gpt_oss_sinks(kernels, count, n):
     """sinks on a prompt's causal attention, against an explicit computation; they bite."""

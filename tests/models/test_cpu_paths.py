@@ -65,6 +65,18 @@ FAMILIES = {
     "granitemoeshared": {"architectures": ["GraniteMoeSharedForCausalLM"], "num_local_experts": 4,
                          "num_experts_per_tok": 2, "shared_intermediate_size": 48, "embedding_multiplier": 2.0,
                          "attention_multiplier": 0.3, "residual_multiplier": 0.6, "logits_scaling": 1.5},
+    # DeepSeek V3: latent attention (rows of 40 in the pool, one KV head) with its q_lora_rank;
+    # 8 experts in 4 groups under the sigmoid router, layer 0 dense. V2: queries from q_proj,
+    # the softmax router within groups.
+    "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], "q_lora_rank": 48, "kv_lora_rank": 32,
+                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 24, "moe_intermediate_size": 32,
+                    "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3,
+                    "first_k_dense_replace": 1},
+    "deepseek_v2": {"architectures": ["DeepseekV2ForCausalLM"], "q_lora_rank": None, "kv_lora_rank": 32,
+                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 24, "moe_intermediate_size": 32,
+                    "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 2,
+                    "topk_method": "group_limited_greedy", "routed_scaling_factor": 1.5,
+                    "first_k_dense_replace": 1},
 }
 POLICIES = {
     "default": {},  # decode steps of up to 64 rows in one kernel call, other steps op by op

@@ -25,7 +25,7 @@ FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "mistral", "gemma", "gemma2", "
             "olmo3", "exaone4", "glm4", "ministral",
             "helium", "seed_oss", "cohere", "cohere2", "stablelm", "starcoder2", "olmoe", "phi",
             "glm4_moe", "gemma3_multimodal", "mistral3", "minimax_m2", "command_r_plus",
-            "qwen2_5_vl", "qwen3_vl", "gpt_oss", "granitemoe", "granitemoeshared"]
+            "qwen2_5_vl", "qwen3_vl", "gpt_oss", "granitemoe", "granitemoeshared", "deepseek_v3", "deepseek_v2"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

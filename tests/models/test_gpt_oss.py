@@ -134,7 +134,8 @@ GPT_OSS = {"architectures": ["GptOssForCausalLM"], "hidden_size": 64, "intermedi
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100}
 
 
-@pytest.mark.parametrize("config,method", [(LLAMA, "awq"), (LLAMA, "mxfp4"), (GPT_OSS, "fp8"), (LLAMA, "bitsandbytes")])
+@pytest.mark.parametrize("config,method", [(LLAMA, "awq"), (LLAMA, "mxfp4"), (GPT_OSS, "compressed-tensors"),
+                                           (LLAMA, "bitsandbytes")])
 def test_other_quantized_checkpoints_are_refused_by_their_method(config, method):
     with pytest.raises(UnsupportedModel, match=f"quant_method '{method}' is not supported"):
         DecoderConfig.from_dict({**config, "quantization_config": {"quant_method": method}})

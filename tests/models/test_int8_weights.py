@@ -141,7 +141,7 @@ def test_int8_fast_path_matches_the_reference_over_the_same_weights(family, one_
 
 
 @needs_kernels
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "granitemoeshared"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "granitemoeshared", "deepseek_v3"])
 def test_int8_experts_match_the_reference_over_the_same_weights(family, tmp_path):
     """A mixture of experts' routed and shared experts are int8 panels too, run expert by expert
     (GPT-OSS's and Granite's stacked experts: each expert's matrices of the stacks)."""
@@ -153,7 +153,7 @@ def test_int8_experts_match_the_reference_over_the_same_weights(family, tmp_path
     both = lambda method, *args: [loop.run_until_complete(getattr(ex, method)(*args)) for ex in (fast, ref)]  # noqa: E731
     try:
         moe = next(w.moe for w in fast.model.fused if w.moe is not None)
-        shared = [moe.shared_panels] if family in ("qwen2_moe", "granitemoeshared") else []
+        shared = [moe.shared_panels] if family in ("qwen2_moe", "granitemoeshared", "deepseek_v3") else []
         assert moe.gate_up is None and all(type(p) is QPanels for pair in [*moe.expert_panels, *shared]
                                            for p in pair)
         outs = both("batch_prefill", [Prefill(input_ids=rng.integers(0, VOCAB, size=n).tolist()) for n in (1, 7, 19)])

@@ -224,7 +224,7 @@ def test_glm4_moe_router_and_shared_experts_match_transformers_block(tmp_path):
         want = theirs(x[None])[0]
         _, their_weights, their_experts = theirs.gate(x)
         got_weights, got_experts = moe.route(x, block.gate.weight, block.top_k, block.norm_topk_prob,
-                                             block.sigmoid_routing())
+                                             block.grouped_routing())
         torch.testing.assert_close(block(x), want, atol=TOL, rtol=0)
         torch.testing.assert_close(moe.moe_forward(x, weights, ours.act), want, atol=TOL, rtol=0)
     order, got_order = their_experts.sort(-1), got_experts.sort(-1)

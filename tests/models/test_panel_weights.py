@@ -36,11 +36,16 @@ def test_the_panels_are_the_only_copy(family):
     logical = sum(p.numel() for p in model.parameters())
     model.fuse()
     assert model.cpu_kernels is not None and model.head_panels is not None
+    # (an untied embedding is no matmul's; DeepSeek's kv_b_proj is read per head by batched matmuls)
     assert not [name for name, m in model.named_modules() if type(m) in (nn.Linear, nn.Embedding)
-                and not (name == "model.embed_tokens" and not model.config.tie_word_embeddings)]
+                and not (name == "model.embed_tokens" and not model.config.tie_word_embeddings)
+                and not name.endswith("self_attn.kv_b_proj")]
     attn = model.model.layers[0].self_attn
-    assert attn.q_proj.panels is attn.k_proj.panels is attn.v_proj.panels  # one fused q/k/v
-    assert model.fused[0].qkv.data.data_ptr() == attn.q_proj.panels.data_ptr()
+    first, *others = (getattr(attn, name) for name in attn.fused_names)  # DeepSeek's: q_a_proj (q_proj), kv_a_proj
+    assert all(p.panels is first.panels for p in others)  # one fused q/k/v
+    assert model.fused[0].qkv.data.data_ptr() == first.panels.data_ptr()
+    if model.fused[0].q_b is not None:
+        assert model.fused[0].q_b.data.data_ptr() == attn.q_b_proj.panels.data_ptr()
     if model.config.tie_word_embeddings:
         assert isinstance(model.model.embed_tokens, PanelEmbedding)
         assert model.head_panels.data.data_ptr() == model.model.embed_tokens.panels.data_ptr()

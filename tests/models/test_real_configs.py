@@ -6,7 +6,7 @@ ibm-granite/granite-3.1-2b-instruct, google/gemma-2b, HuggingFaceTB/SmolLM3-3B,
 allenai/OLMo-2-1124-7B, allenai/Olmo-3-1025-7B LGAI-EXAONE/EXAONE-4.0-32B, THUDM/GLM-4-9B-0414,
 CohereForAI/c4ai-command-r-v01, CohereForAI/c4ai-command-r-plus, CohereForAI/c4ai-command-r7b-12-2024 (with its keys transformers
 does not read), stabilityai/stablelm-2-1_6b, bigcode/starcoder2-3b, allenai/OLMoE-1B-7B-0924, microsoft/phi-2, zai-org/GLM-4.5-Air, openai/gpt-oss-20b,
-ibm-granite/granite-3.1-1b-a400m-instruct and Qwen/Qwen3-8B with the YaRN setting its
+ibm-granite/granite-3.1-1b-a400m-instruct, deepseek-ai/DeepSeek-V3, deepseek-ai/DeepSeek-V2-Lite-Chat and Qwen/Qwen3-8B with the YaRN setting its
 model card gives for 131072 tokens (transformers 4's
 layout: top-level rope_theta, no layer_types; the LongRoPE factor lists stand in for the published
 48 numbers: their count and place are what is read here). The tiny random models of the
@@ -454,3 +454,66 @@ def test_granite_3_1_1b_a400m_routes_to_8_of_32_stacked_experts_under_granites_m
     assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob) == (32, 8, 512, True)
     assert moe.stacked and not moe.biased and moe.module_name == "block_sparse_moe" and moe.router_name == "router"
     assert moe.shared_intermediate_size == 0 and moe.sparse_layers == (True,) * 24
+
+
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+    "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1,
+    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02,
+    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                            "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}
+
+
+def test_deepseek_v3_caches_576_numbers_a_token_a_layer_and_reads_its_fp8_blocks():
+    c = DecoderConfig.from_dict(DEEPSEEK_V3)
+    m = c.mla
+    assert (c.num_heads, c.num_kv_heads, c.head_dim) == (128, 1, 576)  # the pool's one latent row
+    assert (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (1536, 512, 128,
+                                                                                                      64, 128)
+    assert m.interleaved and c.fp8_block == (128, 128) and not c.qkv_bias and not c.o_bias
+    assert math.isclose(c.attn_scale, 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2)
+    r = c.rope_scaling
+    assert (r.kind, r.factor, r.original_max_position_embeddings, r.attention_factor) == ("yarn", 40.0, 4096, 1.0)
+    assert c.max_position_embeddings == 163840 and c.rope_view().head_dim == 64
+    moe = c.moe
+    assert (moe.num_experts, moe.top_k, moe.n_group, moe.topk_group, moe.routed_scaling_factor) == (256, 8, 8, 4, 2.5)
+    assert moe.scoring == "sigmoid" and moe.norm_topk_prob and moe.shared_intermediate_size == 2048
+    assert moe.sparse_layers == (False,) * 3 + (True,) * 58 and c.eos_token_ids == (1,)
+
+
+DEEPSEEK_V2_LITE_CHAT = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "attention_bias": False,
+    "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "bos_token_id": 100000, "eos_token_id": 100001,
+    "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 10944, "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": False,
+    "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16,
+    "pretraining_tp": 1, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                                            "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                                            "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16",
+    "use_cache": True, "v_head_dim": 128, "vocab_size": 102400,
+}
+
+
+def test_deepseek_v2_lite_takes_queries_from_q_proj_and_routes_greedily_to_6_of_64_experts():
+    c = DecoderConfig.from_dict(DEEPSEEK_V2_LITE_CHAT)
+    assert c.mla.q_lora_rank is None and c.head_dim == 576 and c.fp8_block is None
+    assert math.isclose(c.attn_scale, 192 ** -0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2)
+    moe = c.moe
+    assert (moe.num_experts, moe.top_k, moe.n_group, moe.routed_scaling_factor) == (64, 6, 1, 1.0)
+    assert moe.scoring == "softmax" and not moe.norm_topk_prob and not moe.grouped
+    assert moe.shared_intermediate_size == 2 * 1408 and moe.sparse_layers == (False,) + (True,) * 26

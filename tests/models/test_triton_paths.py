@@ -69,8 +69,9 @@ class Trio:
 # smollm3: a NoPE layer skips the fused prologue; olmo2: its q/k norms keep the prologue off;
 # cohere: LayerNorms and parallel attention and MLP around the prologue; starcoder2: an ungated
 # MLP, which the fused GLU kernel does not take; gpt_oss: attention sinks in the kernels, a
-# sliding layer, stacked experts with biases
-@pytest.fixture(params=["llama", "qwen3", "smollm3", "olmo2", "cohere", "starcoder2", "gpt_oss"])
+# sliding layer, stacked experts with biases; deepseek_v3: latent rows (one KV head of 40,
+# not a power of two) through the kernels, the prologue off
+@pytest.fixture(params=["llama", "qwen3", "smollm3", "olmo2", "cohere", "starcoder2", "gpt_oss", "deepseek_v3"])
 def trio(request):
     t = Trio(request.param)
     yield t

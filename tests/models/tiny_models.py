@@ -9,7 +9,8 @@ lm_head bias; GLM-4.5's grouped sigmoid router and shared experts; the text mode
 Mistral Small 3.1's multimodal checkpoints (a tiny vision tower beside them); MiniMax-M2's sigmoid
 router under q/k norms over every head; Qwen2.5-VL's and Qwen3-VL's text models (their mrope);
 GPT-OSS's attention sinks and stacked, biased experts; Granite MoE's stacked experts under
-Granite's multipliers, with a shared MLP (GraniteMoeShared)."""
+Granite's multipliers, with a shared MLP (GraniteMoeShared); DeepSeek V3's and V2's latent
+attention and grouped routers."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ SEEDS = {"qwen3_moe": 4, "qwen2_moe": 5, "mixtral": 6, "mistral": 7, "gemma3": 8
          "olmoe": 26, "phi": 27, "glm4_moe": 28,
          "gemma3_multimodal": 29, "mistral3": 30, "minimax_m2": 31,
          "command_r_plus": 32, "qwen2_5_vl": 33, "qwen3_vl": 34, "gpt_oss": 35,
-         "granitemoe": 36, "granitemoeshared": 37}
+         "granitemoe": 36, "granitemoeshared": 37, "deepseek_v3": 38, "deepseek_v2": 39}
 # phi4_mini's LongRoPE: short factors up to this many positions, long ones from there.
 LONGROPE_ORIGINAL = 24
 WINDOW = 8  # the sliding families' window: prompts of 30+ tokens span it several times
@@ -292,4 +293,32 @@ def _new_family(tf, family: str, common: dict):
                               attention_bias=True, embedding_multiplier=3.0, attention_multiplier=0.2,
                               residual_multiplier=0.5, logits_scaling=2.0, pad_token_id=0, bos_token_id=1,
                               eos_token_id=2, **({"shared_intermediate_size": 48} if shared else {})))
+    if family in ("deepseek_v3", "deepseek_v2"):
+        return _deepseek(tf, family, common)
     raise ValueError(family)
+
+
+def _deepseek(tf, family: str, common: dict):
+    """DeepSeek V3: latent attention through a q_lora_rank (biases on q_a_proj, kv_a_proj_with_mqa
+    and o_proj), its rope pairs interleaved, YaRN whose mscale_all_dim scales the scores; 8
+    experts in 4 groups, 3 chosen from the best 2 groups by sigmoid scores plus a correction,
+    renormalised, times 2.5; one shared expert; layer 0 dense. DeepSeek V2: V2-Lite's queries
+    straight from q_proj; a softmax router choosing 2 within the best 2 of 4 groups
+    (group_limited_greedy), weights times 1.5; two shared experts. Values as wide as 24,
+    keys' non-rotary part 16: what reads one as the other fails. (transformers repeats the
+    expanded keys by num_attention_heads / num_key_value_heads: one KV head per head.)"""
+    common = {**common, "num_key_value_heads": common["num_attention_heads"]}
+    mla = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, moe_intermediate_size=32,
+               n_routed_experts=8, n_group=4, topk_group=2, first_k_dense_replace=1, pad_token_id=0,
+               bos_token_id=1, eos_token_id=2)
+    if family == "deepseek_v3":
+        rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 1e4}
+        config = tf.DeepseekV3Config(**common, **mla, q_lora_rank=48, num_experts_per_tok=3, n_shared_experts=1,
+                                     routed_scaling_factor=2.5, attention_bias=True, rope_parameters=rope)
+        config._attn_implementation = "eager"
+        return tf.DeepseekV3ForCausalLM(config)
+    config = tf.DeepseekV2Config(**common, **mla, q_lora_rank=None, num_experts_per_tok=2, n_shared_experts=2,
+                                 topk_method="group_limited_greedy", routed_scaling_factor=1.5)
+    config._attn_implementation = "eager"
+    return tf.DeepseekV2ForCausalLM(config)
