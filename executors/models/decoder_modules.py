@@ -12,7 +12,8 @@ reads the same parameters through the fused tensors of fused_weights.py.
 Family flags reach the layers here: a sparse layer's MLP is a SparseMoe (moe.py), Gemma 2 and 3's
 sandwich norms are two more RMSNorms around the MLP, its attention output normed before the add,
 and OLMo 2 keeps only the norms of attention's and the MLP's outputs (no input_layernorm) and
-norms q and k over all heads at once.
+norms q and k over all heads at once. DeepSeek's layers hold a LatentAttention (mla.py) in
+self_attn's place.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ step, and the planned attention of attention.py. step_ops.for_step picks those o
 kernels accept runs whole in FusedDecode instead (fused_decode.py). It computes what the
 reference forward of decoder_modules.py computes.
 
+DeepSeek's latent attention (mla.py) takes the fused matmul's output (q_a_proj's and
+kv_a_proj_with_mqa's rows) through its module's `attend`, q_b_proj by the step's matmul op.
+
 LoRA deltas go into the column slices of the fused qkv and gate_up outputs (before q/k
 norm, rope and the SiLU), and o/down deltas straight into the residual stream after its
 fused add; without adapters each fused projection pays one `is not None` test. Gemma's
