@@ -6,12 +6,12 @@ and vocabulary shrunk (`--intermediate`, `--vocab`) so that a step is mostly att
 float32, the same weights on both sides:
 
 - `cache`: the KV bytes a token a layer at DeepSeek-V2-Lite's and V3's shapes: the latent
-  rows as this executor caches them (each as the pool's K and its V), a K-only layout of the
-  same rows, and every head's expanded key and value (transformers 4's cache, vLLM's before
-  its MLA backends). Arithmetic, printed for the record.
+  rows as this executor caches them (once: the pool's V half is its K half), and every
+  head's expanded key and value (transformers 4's cache, vLLM's before its MLA backends).
+  Arithmetic, printed for the record.
 - `kernel`: the CPU kernels' paged decode attention for one row over the latent rows (16
-  query heads over one KV head of 576), float32, `--contexts` keys (median of 8 rounds of 20
-  calls), with the bytes of K and V it reads once a call over the time.
+  query heads over one KV head of 576, its values the keys, as the pool holds them), float32,
+  `--contexts` keys (median of 8 rounds of 20 calls), with the rows' bytes over the time.
 - `decode`: ARGMAX decode steps at batch B over contexts of L tokens, this executor (the
   queries absorbed into the latent space, the CPU kernels over the cached rows) and
   transformers' DeepseekV2ForCausalLM with its DynamicCache (which caches the latents too and
@@ -20,8 +20,8 @@ float32, the same weights on both sides:
   that follows one of transformers' is slowed by its threads, which spin on both cores after
   its last op (bench/RESULTS.md run 23): ours is also timed alone first, `--rounds` steps in
   a row, and given as tokens/s and the bandwidth it achieved: the weights' bytes plus the
-  cached rows' (each K and V half of every context token in every layer; the embedding's
-  whole table counted, of which a step reads a row) over the step.
+  cached rows' (every context token's row in every layer, once; the embedding's whole table
+  counted, of which a step reads a row) over the step.
 """
 
 from __future__ import annotations
@@ -46,9 +46,8 @@ def cache_bytes() -> None:
     for name, layers, heads in (("DeepSeek-V2-Lite", 27, 16), ("DeepSeek-V3", 61, 128)):
         latent = (RANK + ROPE) * 2  # bfloat16
         expanded = heads * (NOPE + ROPE + VALUE) * 2
-        print(f"cache, {name}: latent rows as K and V {2 * latent} B a token a layer "
-              f"({2 * latent * layers / 1024:.1f} KiB a token), K only {latent} B, expanded keys and values "
-              f"{expanded} B ({expanded / (2 * latent):.1f}x ours)", flush=True)
+        print(f"cache, {name}: latent rows {latent} B a token a layer ({latent * layers / 1024:.1f} KiB a token), "
+              f"expanded keys and values {expanded} B ({expanded / latent:.1f}x ours)", flush=True)
 
 
 def kernel(args) -> None:
@@ -61,7 +60,7 @@ def kernel(args) -> None:
     g, bs, d = torch.Generator().manual_seed(0), 16, RANK + ROPE
     for context in args.contexts:
         blocks = -(-context // bs)
-        kpool, vpool = torch.randn(blocks, bs, 1, d, generator=g), torch.randn(blocks, bs, 1, d, generator=g)
+        rows = torch.randn(blocks, bs, 1, d, generator=g)  # keys and values both
         tables = torch.randperm(blocks, generator=g).to(torch.int32).view(1, -1)
         lo, hi = torch.zeros(1, dtype=torch.int32), torch.full((1,), context, dtype=torch.int32)
         q, out = torch.randn(1, HEADS, d, generator=g), torch.empty(1, HEADS * d)
@@ -69,12 +68,12 @@ def kernel(args) -> None:
         for r in range(9):
             t0 = time.perf_counter()
             for _ in range(20):
-                kernels.decode_attention(q, kpool, vpool, tables, lo, hi, 0.1, out)
+                kernels.decode_attention(q, rows, rows, tables, lo, hi, 0.1, out)
             if r:  # round 0 warms up
                 rounds.append((time.perf_counter() - t0) / 20)
         seconds = statistics.median(rounds)
-        print(f"kernel, context {context:5d}: {seconds * 1e6:8.1f} us ({2 * context * d * 4 / seconds / 1e9:4.1f} GB/s "
-              f"of K and V)", flush=True)
+        print(f"kernel, context {context:5d}: {seconds * 1e6:8.1f} us ({context * d * 4 / seconds / 1e9:4.1f} GB/s "
+              f"of rows)", flush=True)
 
 
 def transformers_model(args, directory: str):
@@ -161,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 release_all(loop, {"ours": ours}, {"ours": handles["ours"]})
                 mine, them = (statistics.median(times[k]) * 1e3 for k in ("ours", "transformers"))
                 solo = statistics.median(alone) * 1e3
-                read = weight_bytes(ours) + batch * (context + args.rounds // 2) * args.layers * 2 * (RANK + ROPE) * 4
+                read = weight_bytes(ours) + batch * (context + args.rounds // 2) * args.layers * (RANK + ROPE) * 4
                 print(f"decode, context {context:5d}, batch {batch:2d}: ours {mine:8.2f} ms, transformers {them:8.2f} ms "
                       f"({them / mine:.2f}x) alternating; ours alone {solo:6.2f} ms ({batch / solo * 1e3:4.0f} tokens/s, "
                       f"{read / solo / 1e6:4.1f} GB/s); transformers' prefill {prefill:.1f} s", flush=True)

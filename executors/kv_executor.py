@@ -97,6 +97,7 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
         device: str = "cpu",
         prefix_caching: bool = True,
         scratch_blocks: int = 0,
+        values_are_keys: bool = False,
     ) -> None:
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
@@ -105,12 +106,12 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
         self.kv = KvCacheManager(num_blocks, block_size, prefix_caching=prefix_caching)
         # Said before the allocation, which takes seconds for a large pool (zero-filled).
         pool_bytes = (num_blocks + scratch_blocks) * kv_bytes_per_block(num_layers, num_kv_heads, head_dim, kv_dtype,
-                                                                        block_size)
+                                                                        block_size, values_are_keys)
         log.info("allocating the KV pool: %d blocks of %d tokens (%d tokens), %.1f MiB of %s on %s", num_blocks,
                  block_size, num_blocks * block_size, pool_bytes / 2**20, str(kv_dtype).removeprefix("torch."), device)
         started = time.perf_counter()
         self.pool = self.pool_class(num_layers, num_blocks, block_size, num_kv_heads, head_dim, kv_dtype, device,
-                                scratch_blocks)
+                                    scratch_blocks, values_are_keys)
         if (took := time.perf_counter() - started) > 1:
             log.info("KV pool allocated in %.1f s", took)
         self.worker = SerialWorker(self.name)

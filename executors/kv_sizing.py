@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kvcache.kv_pool import kv_halves
+
 if TYPE_CHECKING:
     from executors.lora import LoraTargets
     from executors.models.decoder import DecoderLM
@@ -54,10 +56,11 @@ GIB = 1 << 30
 
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       block_size: int) -> int:
-    """K and V of one block over all layers, as PagedKvPool lays them out."""
+                       block_size: int, values_are_keys: bool = False) -> int:
+    """K and V of one block over all layers, as PagedKvPool lays them out (K alone where
+    the values are the keys: DeepSeek's latent rows)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * num_kv_heads * head_dim * element * block_size
+    return kv_halves(values_are_keys) * num_layers * num_kv_heads * head_dim * element * block_size
 
 
 def lora_reserve_bytes(targets: LoraTargets, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
@@ -210,7 +213,8 @@ def auto_num_blocks(model: DecoderLM, *, device: str, kv_dtype: torch.dtype, blo
             return CPU_NUM_BLOCKS
         probe = CudaMemoryProbe(device)
     mc = model.config
-    per_block = kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, block_size)
+    per_block = kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, block_size,
+                                   mc.mla is not None)
     tokens = 0
 
     log.info("sizing the KV pool from %s's memory: one warm-up forward without a pool first", device)

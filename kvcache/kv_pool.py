@@ -17,6 +17,10 @@ class PagedKvPool:
     `scratch_blocks` extra blocks follow the num_blocks the allocator hands out: padding
     rows of a fixed-shape step (a CUDA graph's bucket) write their K and V there, where no
     sequence reads. The first is `scratch_block`.
+
+    `values_are_keys` (DeepSeek's latent attention, whose cached rows are their own values):
+    one half, `value[layer]` the very tensor `key[layer]` is, half the memory. The pool's
+    interface is unchanged: writes of V are dropped (they equal K), and reads of V are K's.
     """
 
     def __init__(
@@ -29,6 +33,7 @@ class PagedKvPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         scratch_blocks: int = 0,
+        values_are_keys: bool = False,
     ) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
@@ -38,17 +43,20 @@ class PagedKvPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.scratch_block = num_blocks if scratch_blocks else None
+        self.values_are_keys = values_are_keys
         # On huge pages on a CPU: decode attention streams this pool (host_memory's doc).
         self._storage = host_memory.zeros(
-            2, num_layers, num_blocks + scratch_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+            kv_halves(values_are_keys), num_layers, num_blocks + scratch_blocks, block_size, num_kv_heads, head_dim,
+            dtype=dtype, device=device
         )
         self.key = list(self._storage[0])  # key[layer]: [num_blocks, block_size, H, D]
-        self.value = list(self._storage[1])
+        self.value = self.key if values_are_keys else list(self._storage[1])
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self._storage.element_size()
+        """Bytes of K and V per token over all layers (of K alone where values are keys)."""
+        return self._storage.shape[0] * self.num_layers * self.num_kv_heads * self.head_dim * \
+            self._storage.element_size()
 
     @property
     def bytes_per_block(self) -> int:
@@ -67,7 +75,8 @@ class PagedKvPool:
         """Store k, v ([n, H, D]) at the given flat slots ([n], int64)."""
         kf, vf = self.flat(layer)
         kf.index_copy_(0, slots, k.to(self.dtype))
-        vf.index_copy_(0, slots, v.to(self.dtype))
+        if not self.values_are_keys:
+            vf.index_copy_(0, slots, v.to(self.dtype))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks, every layer's K and V: (source, destination) pairs (copy-on-write)."""
@@ -91,8 +100,15 @@ class PagedKvPool:
     def write_layers(self, layer_start: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([layers, n, H, D]) for layers layer_start.. at the given flat slots."""
         self._layers(0, layer_start, k.shape[0]).index_copy_(1, slots, k.to(self.dtype))
-        self._layers(1, layer_start, v.shape[0]).index_copy_(1, slots, v.to(self.dtype))
+        if not self.values_are_keys:
+            self._layers(1, layer_start, v.shape[0]).index_copy_(1, slots, v.to(self.dtype))
 
     def _layers(self, kv: int, layer_start: int, layer_count: int) -> torch.Tensor:
-        return self._storage[kv, layer_start:layer_start + layer_count].view(
+        half = 0 if self.values_are_keys else kv
+        return self._storage[half, layer_start:layer_start + layer_count].view(
             layer_count, -1, self.num_kv_heads, self.head_dim)
+
+
+def kv_halves(values_are_keys: bool) -> int:
+    """The pool's halves: K and V, or K alone where the values are the keys."""
+    return 1 if values_are_keys else 2

@@ -276,3 +276,11 @@ def test_cuda_probe_sizes_a_pool_that_fits():
         ex.worker.close()
         del ex
         torch.cuda.empty_cache()
+
+
+def test_a_block_of_rows_that_are_their_own_values_takes_half():
+    """DeepSeek's latent rows: the pool holds K alone (kvcache.kv_pool's values_are_keys)."""
+    from executors.kv_sizing import kv_bytes_per_block
+
+    both = kv_bytes_per_block(61, 1, 576, torch.bfloat16, 16)
+    assert both == 2 * 61 * 576 * 2 * 16 and kv_bytes_per_block(61, 1, 576, torch.bfloat16, 16, True) * 2 == both

@@ -16,8 +16,8 @@ and the pool caches one such row a token a layer, as DeepSeek's inference code d
 of every head's key and value (for DeepSeek V3, 576 numbers instead of 40,960). The value
 rows' rotary tail comes out of attention too and is dropped before the expansion.
 
-The pool stores each row as the token's K and as its V (the pool's two halves): twice the
-bytes a K-only layout would take, which no path here has.
+The pool holds each row once: its V half is its K half (kvcache.kv_pool's `values_are_keys`),
+so the paths that read a value read the key, and a V write is dropped.
 
 Rotary pairs: DeepSeek's are neighbours (2i, 2i + 1), which every path here rotates as NeoX
 halves: the loader reorders the rope rows of the query projection and of kv_a_proj_with_mqa

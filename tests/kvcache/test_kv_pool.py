@@ -152,3 +152,23 @@ def test_scratch_block_follows_the_allocators_blocks() -> None:
         assert torch.count_nonzero(pool.key[layer][:NB]) == 0
         assert torch.count_nonzero(pool.value[layer][:NB]) == 0
         assert torch.equal(pool.key[layer][NB], ones)
+
+
+def test_a_pool_whose_values_are_its_keys_holds_one_half() -> None:
+    """DeepSeek's latent rows are their own values: K alone, V the same tensors; V writes are
+    dropped (they equal K), reads, views and block copies of V give K's, and the bytes halve."""
+    pool = PagedKvPool(L, NB, BS, H, D, values_are_keys=True)
+    plain = make()
+    assert pool.total_bytes * 2 == plain.total_bytes and pool.bytes_per_token * 2 == plain.bytes_per_token
+    assert all(v is k for k, v in zip(pool.key, pool.value))
+    slots = torch.tensor([0, 5, 13])
+    k = torch.randn(3, H, D)
+    pool.write(1, slots, k, torch.full_like(k, 7.0))
+    got_k, got_v = pool.read(1, slots)
+    assert torch.equal(got_k, k) and torch.equal(got_v, k)
+    layers = torch.randn(2, 3, H, D)
+    pool.write_layers(0, slots, layers, torch.zeros_like(layers))
+    vk, vv = pool.view_layers(0, 2, 0, NB * BS)
+    assert torch.equal(vk[:, slots], layers) and torch.equal(vv[:, slots], layers)
+    pool.copy_blocks([(1, 6)])  # slot 5 is in block 1
+    assert torch.equal(pool.read(0, torch.tensor([6 * BS + 1]))[1], layers[0, 1:2])

@@ -22,14 +22,17 @@ TOKENS = [3, 17, 250, 9, 44, 101, 5, 77, 12, 300, 64, 2, 31]
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
 def test_the_pool_caches_one_latent_row_a_token(family, tmp_path):
-    """One KV head of kv_lora_rank + qk_rope_head_dim (32 + 8) a layer, whatever the heads:
-    transformers' expanded keys and values would be 4 heads of 24 + 24."""
+    """One KV head of kv_lora_rank + qk_rope_head_dim (32 + 8) a layer, whatever the heads,
+    stored once as K and read as V too: transformers' expanded keys and values would be 4
+    heads of (16 + 8) + 24."""
     build(family, tmp_path)
     ex = LlmExecutor(LlmExecutorConfig(model_dir=str(tmp_path), num_blocks=16, block_size=4))
     try:
         pool = ex.pool
         assert (pool.num_kv_heads, pool.head_dim) == (1, 40)
-        assert pool.bytes_per_token == 2 * 3 * 40 * 4  # K and V halves, 3 layers, float32
+        # The rows are their own values: K alone, 3 layers, float32; V is the same tensor.
+        assert pool.bytes_per_token == 3 * 40 * 4 and pool.value[0] is pool.key[0]
+        assert pool.total_bytes == 16 * 4 * 3 * 40 * 4
         assert ex.model_config.head_dim == 40 and ex.model_config.num_kv_heads == 1
     finally:
         ex.worker.close()
@@ -148,3 +151,32 @@ def test_the_one_call_decode_step_says_why_it_stays_off(tmp_path):
     build("deepseek_v2", tmp_path)
     model = load_model(tmp_path, torch.float32, "cpu")
     assert model.fused_decode is None and fused_decode.unsupported(model) == "multi-head latent attention"
+
+
+def test_a_moved_cache_of_latent_rows_continues_as_the_original(tmp_path):
+    """ExportKv sends each row as K and as V (the wire format of every model); the receiver's
+    pool of one half stores it once. The moved cache decodes as the original does."""
+    import numpy as np
+
+    from client import DecodeInput, ExecutorClient, LogitsPolicy, PrefillInput
+    from service.config import ServeConfig
+    from tests.conftest import start_server
+
+    build("deepseek_v3", tmp_path)
+    full = LogitsPolicy.full()
+    running = [start_server(ServeConfig(port=0, executor="llm", model=str(tmp_path)), LlmExecutor(
+        LlmExecutorConfig(model_dir=str(tmp_path), block_size=block, num_blocks=64))) for block in (4, 8)]
+    clients = [ExecutorClient(r.address, timeout=60) for r in running]
+    try:
+        a, b = clients
+        orig = a.prefill(PrefillInput(TOKENS, logits_policy=full)).kv_cache
+        moved = b.import_kv(a.export_kv(orig, max_chunk_bytes=900), "moved").kv_cache
+        for token in (5, 77, 200):
+            do, dm = (c.decode(DecodeInput(token, h, logits_policy=full)) for c, h in ((a, orig), (b, moved)))
+            np.testing.assert_allclose(do.logits.logits, dm.logits.logits, atol=1e-5, rtol=0)
+            orig, moved = do.kv_cache, dm.kv_cache
+    finally:
+        for c in clients:
+            c.close()
+        for r in running:
+            r.stop()
