@@ -208,8 +208,8 @@ class DecoderConfig:
         # default: a wrong guess is refused by the loader's shape check, never served.
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
-        mla = mla_from_dict(cfg, family)
-        if heads % kv_heads and mla is None:  # (MLA's KV heads are its latent rows: its num_key_value_heads is not read)
+        mla = mla_from_dict(cfg, family)  # (whose one KV head is its latent rows: num_key_value_heads not read)
+        if heads % kv_heads and mla is None:
             raise UnsupportedModel(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         max_positions = int(cfg.get("max_position_embeddings", defaults.max_position_embeddings))
         if mla is None:

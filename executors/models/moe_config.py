@@ -48,8 +48,8 @@ from executors.models.errors import UnsupportedModel
 
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "minimax_m2", "gpt_oss", "granitemoe",
                 "granitemoeshared", "deepseek_v2", "deepseek_v3")
-# Router options of other MoE families (DeepSeek, GLM, ...): a config that sets one to
-# something other than its plain-softmax value is refused.
+# Router options of the grouped families (DeepSeek's, GLM-4.5's): a config of a softmax family
+# that sets one to something other than its plain-softmax value is refused.
 _PLAIN_ROUTER = {"scoring_func": (None, "softmax"), "topk_method": (None, "greedy"), "n_group": (None, 1), "topk_group": (None, 1),
                  "routed_scaling_factor": (None, 1, 1.0), "moe_router_topk_scaling": (None,),
                  "n_shared_experts": (None, 0)}
