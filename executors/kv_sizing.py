@@ -214,7 +214,7 @@ def auto_num_blocks(model: DecoderLM, *, device: str, kv_dtype: torch.dtype, blo
         probe = CudaMemoryProbe(device)
     mc = model.config
     per_block = kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype, block_size,
-                                   mc.mla is not None)
+                                   mc.values_are_keys)
     tokens = 0
 
     log.info("sizing the KV pool from %s's memory: one warm-up forward without a pool first", device)

@@ -143,7 +143,7 @@ class LlmExecutor(KvCacheExecutor):
             device=config.device,
             prefix_caching=config.prefix_caching,
             scratch_blocks=1 if decode_graphs else 0,  # where a graph's padding rows write
-            values_are_keys=mc.mla is not None,  # DeepSeek's latent rows: K alone (mla.py)
+            values_are_keys=mc.values_are_keys,  # DeepSeek's latent rows: K alone (mla.py)
         )
         if mc.all_layers_sliding:
             self.kv.enable_sliding(max(mc.layer_windows), WINDOW_ROLLBACK_TOKENS)

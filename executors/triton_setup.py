@@ -101,5 +101,5 @@ def few_row_matmuls(config: LlmExecutorConfig, model: DecoderLM) -> FewRowMatmul
         return None
     from executors.models import few_row_matmuls as matmuls
 
-    weights = [t for w in model.fused for t in (w.qkv, w.o, w.gate_up, w.down) if t is not None]
+    weights = [t for w in model.fused for t in w.matmuls()]
     return matmuls.FewRowMatmuls(weights, timer=matmuls.device_ms if config.device.startswith("cuda") else None)

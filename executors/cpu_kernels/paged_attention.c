@@ -5,9 +5,10 @@
  * call; at batch 32 and context ~128 that was ~39 ms of a 126 ms step on the 2-core EPYC
  * of bench/RESULTS.md. Here each task (a row; one KV head of a row when rows are too few
  * to share out; a share of one KV head's query heads when even those are too few, as
- * DeepSeek's latent rows, one KV head of 16 query heads) walks the row's block table and reads each key and value once, in place and
- * in order: scores for every query head (grouped-query heads share their KV head's reads),
- * an exact softmax (max, exp, sum), then the weighted values.
+ * DeepSeek's latent rows, one KV head of 16 query heads) walks the row's block table and
+ * reads each key and value once, in place and in order: scores for every query head
+ * (grouped-query heads share their KV head's reads), an exact softmax (max, exp, sum), then
+ * the weighted values.
  *
  * The pool of one layer is [blocks, block_size, kv_heads, d] floats. Row r sees the keys
  * at positions lo[r] .. hi[r] - 1 (lo > 0 under a sliding window), found through its block

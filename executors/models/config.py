@@ -153,6 +153,11 @@ class DecoderConfig:
         return dataclasses.replace(self, head_dim=self.mla.qk_rope_head_dim, rotary_dim=None, rope_interleaved=False)
 
     @property
+    def values_are_keys(self) -> bool:
+        """The cached rows are their own values (MLA's latent rows): the pool holds K alone."""
+        return self.mla is not None
+
+    @property
     def all_layers_sliding(self) -> bool:
         """Every layer has a window: positions that left it are read by none."""
         return bool(self.layer_windows) and all(w is not None for w in self.layer_windows)
@@ -273,7 +278,8 @@ class DecoderConfig:
             pre_norms=family not in POST_NORM_FAMILIES,
             qk_norm_across_heads=family in ACROSS_HEADS_QK_NORM_FAMILIES,
             attn_scale=(positive_number(cfg, "query_pre_attn_scalar", defaults.query_pre_attn_scalar) ** -0.5
-                        if sandwich else mla.scale if mla is not None else granite("attention_multiplier")),
+                        if sandwich else mla.score_scale(scaling) if mla is not None
+                        else granite("attention_multiplier")),
             final_softcap=(_positive(cfg, "final_logit_softcapping", defaults.final_logit_softcapping) if sandwich
                            else None),
             attn_softcap=(_positive(cfg, "attn_logit_softcapping", defaults.attn_logit_softcapping)

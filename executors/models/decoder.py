@@ -181,7 +181,7 @@ class DecoderLM(nn.Module):
         return w if self.head_rows is None else w[self.head_rows[0]:self.head_rows[1]]
 
     def _matmul_weights(self) -> list[torch.Tensor]:
-        dense = [t for w in self.fused for t in (w.qkv, w.q_b, w.o, w.gate_up, w.down) if t is not None]
+        dense = [t for w in self.fused for t in w.matmuls()]
         experts = [t for w in self.fused if w.moe is not None for t in w.moe.matrices()]
         return [*dense, *experts, self.head_weight()]
 
@@ -191,7 +191,7 @@ class DecoderLM(nn.Module):
         if self.head_panels is not None:
             return self.head_panels.nbytes if self.head_copy else 0
         layers = [w for group in (self.fused_fp32_packed, self.fused) for w in group or ()]
-        tensors = [t for w in layers for t in (w.qkv, w.o, w.gate_up, w.down)]
+        tensors = [t for w in layers for t in w.matmuls()]
         tensors += [self.packed_head, self.packed_head_fp32]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None and t.is_mkldnn)
 

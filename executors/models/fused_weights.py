@@ -46,6 +46,11 @@ class FusedLayer(NamedTuple):
     # weight, the layer's one other plain matmul (kv_b_proj's is read per head, mla.py).
     q_b: torch.Tensor | None = None
 
+    def matmuls(self) -> list[torch.Tensor]:
+        """The layer's dense matmul weights (q/k/v, DeepSeek's q_b_proj, o, gate/up, down; not a
+        sparse layer's experts): what the CPU kernels pack, oneDNN prepacks, few-row matmuls time."""
+        return [t for t in (self.qkv, self.q_b, self.o, self.gate_up, self.down) if t is not None]
+
 
 def _fuse(modules: list[nn.Linear], bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate the modules' weights (and biases) and make each module's parameters views of the result."""

@@ -93,8 +93,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         # A rank's row-parallel matmuls (o, down) take a slice of the inputs: int8 groups of
         # 32 inputs match the whole model's only where every slice starts at a multiple of 32.
         local = plan.local_config()
-        value_width = local.head_dim if local.mla is None else local.mla.v_head_dim  # o_proj's inputs a head
-        for name, inputs in (("attention output", local.num_heads * value_width),
+        for name, inputs in (("attention output", local.num_heads * plan.head_width("o_proj")),
                              ("MLP down", local.intermediate_size)):
             if inputs % QGROUP:
                 raise UnsupportedModel(f"int8 weights under tensor parallelism need each rank's {name} inputs to be a "

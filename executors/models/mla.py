@@ -34,6 +34,7 @@ from torch import nn
 from executors.models.attention_reference import attend_reference
 from executors.models.config import DecoderConfig, MlaConfig
 from executors.models.layers import RMSNorm, RotaryEmbedding
+from executors.models.partial_rotary import head_order
 
 # q_a_layernorm's and kv_a_layernorm's epsilon: transformers' and DeepSeek's code leave those
 # norms at their class default, whatever rms_norm_eps says.
@@ -113,7 +114,7 @@ def expand_values(out: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
 def rope_rows(m: MlaConfig) -> torch.Tensor:
     """served rope row -> checkpoint rope row: DeepSeek's pairs (2i, 2i + 1) as NeoX halves."""
     r = m.qk_rope_head_dim
-    return torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)])
+    return torch.tensor(head_order(r, r, interleaved=True))
 
 
 def served(name: str, tensor: torch.Tensor, config: DecoderConfig) -> torch.Tensor:

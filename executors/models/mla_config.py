@@ -14,18 +14,16 @@ head of that width: DecoderConfig.head_dim is the latent row's width, num_kv_hea
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from executors.models.errors import UnsupportedModel
+from executors.models.rope_config import RopeScaling, yarn_mscale
 
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
-# The classes' defaults (DeepseekV2Config, DeepseekV3Config) where the file omits a key.
-_DEFAULTS = {"deepseek_v2": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-                             "qk_rope_head_dim": 64, "v_head_dim": 128},
-             "deepseek_v3": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-                             "qk_rope_head_dim": 64, "v_head_dim": 128}}
+# DeepseekV2Config's and DeepseekV3Config's defaults (the same) where the file omits a key.
+_DEFAULTS = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+             "v_head_dim": 128}
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +36,6 @@ class MlaConfig:
     # DeepSeek lays each rotary pair out as neighbours (2i, 2i + 1) (V2 always; V3 where
     # rope_interleave, its default): the loader reorders those rows into NeoX halves (mla.py).
     interleaved: bool
-    scale: float  # of q.k: qk_head_dim ** -0.5, times YaRN's mscale(mscale_all_dim) squared
 
     @property
     def latent_dim(self) -> int:
@@ -49,19 +46,25 @@ class MlaConfig:
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    def score_scale(self, scaling: RopeScaling | None) -> float:
+        """The scale of q.k: qk_head_dim ** -0.5, times YaRN's mscale of mscale_all_dim squared
+        (transformers' yarn_apply_mscale)."""
+        if scaling is None or scaling.kind != "yarn" or not scaling.mscale_all_dim:
+            return self.qk_head_dim ** -0.5
+        return self.qk_head_dim ** -0.5 * yarn_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
+
 
 def mla_from_dict(cfg: dict[str, Any], family: str) -> MlaConfig | None:
     if family not in MLA_FAMILIES:
         return None
-    defaults = _DEFAULTS[family]
 
     def size(key: str) -> int:
-        value = cfg.get(key, defaults[key])
+        value = cfg.get(key, _DEFAULTS[key])
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise UnsupportedModel(f"{key} must be an integer >= 1, got {value!r}")
         return value
 
-    q_rank = cfg.get("q_lora_rank", defaults["q_lora_rank"])
+    q_rank = cfg.get("q_lora_rank", _DEFAULTS["q_lora_rank"])
     q_rank = None if q_rank is None else size("q_lora_rank")
     rope = size("qk_rope_head_dim")
     if rope % 2:
@@ -70,17 +73,4 @@ def mla_from_dict(cfg: dict[str, Any], family: str) -> MlaConfig | None:
     if (latent + rope) % 8:  # the CPU kernels' rows and the Triton kernels' tiles
         raise UnsupportedModel(f"kv_lora_rank + qk_rope_head_dim ({latent + rope}) must be a multiple of 8")
     interleaved = family == "deepseek_v2" or bool(cfg.get("rope_interleave", True))
-    return MlaConfig(q_rank, latent, nope, rope, v, interleaved, (nope + rope) ** -0.5 * _mscale_squared(cfg))
-
-
-def _mscale_squared(cfg: dict[str, Any]) -> float:
-    """yarn_apply_mscale's factor: YaRN's mscale of `mscale_all_dim`, squared (1 without YaRN)."""
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if kind == "default":
-        return 1.0
-    all_dim, factor = rope.get("mscale_all_dim") or 0, rope.get("factor") or 1.0
-    if not all_dim or factor <= 1:
-        return 1.0
-    gain = 0.1 * all_dim * math.log(factor) + 1.0
-    return gain * gain
+    return MlaConfig(q_rank, latent, nope, rope, v, interleaved)

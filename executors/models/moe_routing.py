@@ -3,7 +3,8 @@
 A softmax over the router's logits and its top k (Qwen-MoE, Mixtral, OLMoE; renormalised
 where norm_topk_prob says), or DeepSeek's routers: V3's (GLM-4.5's) sigmoid scores, a
 correction added to choose but not to weigh, the choice made within the best groups of
-experts; V2's softmax, within the groups of the best single scores; the weights scaled. moe.py runs the chosen experts; `expert_counts` is the load GetStatus reports.
+experts; V2's softmax, within the groups of the best single scores; the weights scaled.
+moe.py runs the chosen experts; `expert_counts` is the load GetStatus reports.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def pack_model(model: DecoderLM, quantized: bool = False) -> None:
     tied_apart = c.tie_word_embeddings and not tied_view
     embedding = model.model.embed_tokens.weight
     experts = [tuple(t.shape) for w in model.fused if w.moe is not None for t in w.moe.matrices()]
-    arena = _Arena([tuple(t.shape) for w in model.fused for t in (w.qkv, w.q_b, w.o, w.gate_up, w.down) if t is not None]
+    arena = _Arena([tuple(t.shape) for w in model.fused for t in w.matmuls()]
                    + experts + [tuple(head.shape)] + ([tuple(embedding.shape)] if tied_apart and quantized else []),
                    quantized)
     for i, (layer, w) in enumerate(zip(model.model.layers, model.fused)):

@@ -40,6 +40,13 @@ class RopeScaling:
     beta_fast: float = 32.0  # YaRN's ramp: turns over the original context
     beta_slow: float = 1.0
     truncate: bool = True  # YaRN: the ramp's ends rounded outwards to whole dimensions
+    # DeepSeek's YaRN: yarn_mscale(factor, mscale_all_dim) squared scales MLA's scores (None: not given)
+    mscale_all_dim: float | None = None
+
+
+def yarn_mscale(factor: float, scale: float) -> float:
+    """YaRN's magnitude correction of a context stretched `factor` times: 0.1 scale ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
 
 
 def positive_number(cfg: dict[str, Any], key: str, default: float | None) -> float:
@@ -230,13 +237,11 @@ def _yarn(s: dict[str, Any], max_positions: int, truncate: bool) -> RopeScaling:
         raise UnsupportedModel(f"yarn original_max_position_embeddings must be a positive integer, got {original!r}")
     factor = _number(s, "factor", "yarn") or max_positions / original
     attention = _number(s, "attention_factor", "yarn")
+    mscale, mscale_all_dim = _number(s, "mscale", "yarn"), _number(s, "mscale_all_dim", "yarn")
     if attention is None:
-        mscale, mscale_all_dim = _number(s, "mscale", "yarn"), _number(s, "mscale_all_dim", "yarn")
-
-        def gain(scale: float) -> float:
-            return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
-
-        attention = gain(mscale) / gain(mscale_all_dim) if mscale and mscale_all_dim else gain(1.0)
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                     else yarn_mscale(factor, 1.0))
     return RopeScaling(factor=float(factor), original_max_position_embeddings=original, kind="yarn",
                        attention_factor=float(attention), beta_fast=_number(s, "beta_fast", "yarn") or 32.0,
-                       beta_slow=_number(s, "beta_slow", "yarn") or 1.0, truncate=bool(truncate))
+                       beta_slow=_number(s, "beta_slow", "yarn") or 1.0, truncate=bool(truncate),
+                       mscale_all_dim=mscale_all_dim)

@@ -164,7 +164,7 @@ def serve_rank(config, group: TpGroup) -> int:
         num_blocks, backend = agree(group, num_blocks, backend)
         describe(group)
         pool = PagedKvPool(local.num_layers, num_blocks, config.block_size, local.num_kv_heads, local.head_dim,
-                           config.torch_dtype, config.device, values_are_keys=local.mla is not None)
+                           config.torch_dtype, config.device, values_are_keys=local.values_are_keys)
         loop = RankLoop(group, model, pool, plan, backend, config.torch_dtype)
         log.info("rank %d serves its shard (%d KV blocks, %s attention)", group.rank, num_blocks, backend)
         stopped = loop.run()

@@ -315,7 +315,7 @@ def test_decode_attention_normalises_over_gpt_oss_sinks(kernels, rows):
 @pytest.mark.parametrize("heads,d,keys", [(16, 576, 300), (17, 64, 2000)])  # DeepSeek's latent rows; 8 and 9 heads
 def test_one_row_of_one_kv_head_splits_its_query_heads_over_the_threads(kernels, heads, d, keys):
     """A decode row of a model with one KV head (DeepSeek's latent rows, MQA) is shared out by
-    query heads (9 heads: 4 and 5), each share with its own queries, outputs and sinks; long
+    query heads (17 heads: 8 and 9), each share with its own queries, outputs and sinks; long
     enough a context that the threads take it."""
     g = torch.Generator().manual_seed(keys)
     bs, blocks = 16, 256

@@ -98,34 +98,15 @@ def test_an_o_proj_adapter_against_peft_and_others_refused(reference, tmp_path):
     projections is refused by name."""
     from peft import LoraConfig, get_peft_model
 
-    from executors.lora import LoraTargets, build_adapter, read_peft_dir
-    from tests.models.test_lora import forward
+    from executors.lora import LoraAdapterError, build_adapter, read_peft_dir
+    from tests.models.test_lora import adapter_against_peft
 
-    base = build("deepseek_v3", tmp_path / "base")
-    model = load_model(tmp_path / "base", torch.float32, "cpu")
-    torch.manual_seed(3)
-    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"],
-                                           init_lora_weights=False)).eval()
-    peft.save_pretrained(tmp_path / "adapter")
-    config, tensors = read_peft_dir(tmp_path / "adapter")
-    targets = LoraTargets.from_config(model.config)
-    adapter = build_adapter("a", "a@1", config, tensors, targets, dtype=torch.float32, device="cpu", max_rank=8,
-                            source=str(tmp_path / "adapter"))
-    ids = torch.tensor(TOKENS)
-    with torch.no_grad():
-        want = peft(ids[None]).logits[0]
-        with peft.disable_adapter():
-            plain = peft(ids[None]).logits[0]
-    (_, adapted), (_, unadapted) = forward(model, [(adapter, ids), (None, ids)], reference)[0]
-    assert (want - plain).abs().max() > 1e-2  # the adapter changes the answer
-    torch.testing.assert_close(adapted, want, atol=1e-4, rtol=0)
-    torch.testing.assert_close(unadapted, plain, atol=1e-4, rtol=0)
-
+    targets = adapter_against_peft("deepseek_v3", ["o_proj"], reference, tmp_path, TOKENS)
     other = get_peft_model(build("deepseek_v3", tmp_path / "base2"), LoraConfig(
         r=4, target_modules=["q_a_proj"], init_lora_weights=False))
     other.save_pretrained(tmp_path / "latent")
     config, tensors = read_peft_dir(tmp_path / "latent")
-    with pytest.raises(Exception, match="o_proj"):
+    with pytest.raises(LoraAdapterError, match="target module 'q_a_proj' is not one .* supported: o_proj"):
         build_adapter("b", "b@1", config, tensors, targets, dtype=torch.float32, device="cpu", max_rank=8,
                       source=str(tmp_path / "latent"))
 

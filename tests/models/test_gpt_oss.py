@@ -174,26 +174,6 @@ def test_an_attention_adapter_on_stacked_experts_models_against_peft(family, ref
     """A mixture of experts takes adapters on attention: q/k/v/o, whose biases and sinks
     (GPT-OSS) or multipliers (Granite MoE: o_proj's delta scaled by the residual multiplier too)
     stay the base model's; rows under the adapter and rows without it in one step."""
-    from peft import LoraConfig, get_peft_model
+    from tests.models.test_lora import adapter_against_peft
 
-    from executors.lora import LoraTargets, build_adapter, read_peft_dir
-    from tests.models.test_lora import forward
-
-    base = build(family, tmp_path / "base")
-    model = load_model(tmp_path / "base", torch.float32, "cpu")
-    torch.manual_seed(3)
-    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                                           init_lora_weights=False)).eval()
-    peft.save_pretrained(tmp_path / "adapter")
-    config, tensors = read_peft_dir(tmp_path / "adapter")
-    adapter = build_adapter("a", "a@1", config, tensors, LoraTargets.from_config(model.config), dtype=torch.float32,
-                            device="cpu", max_rank=8, source=str(tmp_path / "adapter"))
-    ids = torch.tensor(TOKENS)
-    with torch.no_grad():
-        want = peft(ids[None]).logits[0]
-        with peft.disable_adapter():
-            plain = peft(ids[None]).logits[0]
-    (_, adapted), (_, unadapted) = forward(model, [(adapter, ids), (None, ids)], reference)[0]
-    assert (want - plain).abs().max() > 1e-2  # the adapter changes the answer
-    torch.testing.assert_close(adapted, want, atol=1e-4, rtol=0)
-    torch.testing.assert_close(unadapted, plain, atol=1e-4, rtol=0)
+    adapter_against_peft(family, ["q_proj", "k_proj", "v_proj", "o_proj"], reference, tmp_path, TOKENS)

@@ -135,6 +135,35 @@ def forward(model, sequences: list[tuple[LoraAdapter | None, torch.Tensor]], ref
     return outs, lora
 
 
+def adapter_against_peft(family: str, target_modules: list[str], reference: bool, root,
+                         tokens: list[int]) -> LoraTargets:
+    """A tiny `family` model under a random PEFT adapter on `target_modules`: a row under the
+    adapter and a row without it in one step, against the PeftModel with it on and off (and the
+    adapter must change the answer). Returns what the served model offers to adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    base = build(family, root / "base")
+    model = load_model(root / "base", torch.float32, "cpu")
+    torch.manual_seed(3)
+    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=target_modules,
+                                           init_lora_weights=False)).eval()
+    peft.save_pretrained(root / "adapter")
+    config, tensors = read_peft_dir(root / "adapter")
+    targets = LoraTargets.from_config(model.config)
+    adapter = build_adapter("a", "a@1", config, tensors, targets, dtype=torch.float32, device="cpu", max_rank=8,
+                            source=str(root / "adapter"))
+    ids = torch.tensor(tokens)
+    with torch.no_grad():
+        want = peft(ids[None]).logits[0]
+        with peft.disable_adapter():
+            plain = peft(ids[None]).logits[0]
+    (_, adapted), (_, unadapted) = forward(model, [(adapter, ids), (None, ids)], reference)[0]
+    assert (want - plain).abs().max() > 1e-2  # the adapter changes the answer
+    torch.testing.assert_close(adapted, want, atol=TOL, rtol=0)
+    torch.testing.assert_close(unadapted, plain, atol=TOL, rtol=0)
+    return targets
+
+
 def mixed_batch(family: Family, adapters: dict[str, LoraAdapter]) -> list[tuple[LoraAdapter | None, torch.Tensor]]:
     return [(adapters.get(name), p) for (name, _), p in zip(MIXED, family.prompts[len(ALONE):], strict=True)]
 
