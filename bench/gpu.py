@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.common import ARGMAX, PROMPT_LEN, ROOT, SEED, Loop, inproc_batch_decode, prompts, serve
+from bench.common import ARGMAX, PROMPT_LEN, ROOT, SEED, Loop, inproc_batch_decode, pipelined_decode, prompts, serve
 from bench.gpu_report import RowSink
 from executors.llm import LlmExecutor, LlmExecutorConfig
 from executors.types import DecodeInput, PrefillInput
@@ -173,6 +173,16 @@ def decode_steps(loop: Loop, ex: LlmExecutor, batch: int, reps: int, vocab: int)
     return statistics.median(times), hs[0].sequence_length
 
 
+def decode_pipelined(loop: Loop, ex: LlmExecutor, batch: int, reps: int, vocab: int) -> float:
+    """Median wall ms between two results of a scheduler keeping two fed ARGMAX steps in flight."""
+    outs = loop.run(ex.batch_prefill([PrefillInput(input_ids=p, logits_policy=ARGMAX)
+                                      for p in prompts(batch, PROMPT_LEN, vocab)]))
+    gaps, hs = loop.run(pipelined_decode(ex, [o.kv_cache for o in outs], reps))
+    for h in hs:
+        loop.run(ex.release_cache(h.cache_id))
+    return statistics.median(gaps) * 1e3
+
+
 def graph_device_ms(ex: LlmExecutor, batch: int) -> float | None:
     """Device time of one replay of the bucket's graph (its buffers as the last step left them:
     the replay rewrites the same K and V into the same slots)."""
@@ -205,6 +215,12 @@ def bench_decode_variants(loop, model, shape, args, ceilings, rows) -> dict:
                 print(f"  decode {name:24s} batch {b:2d}: {ms:7.3f} ms/step, {b / ms * 1e3:8.0f} tok/s, "
                       f"{moved / ms / 1e6:6.0f} GB/s, {ms / floor_ms:.2f}x the floor ({floor_ms:.3f} ms){extra}",
                       flush=True)
+                if (backend, graphs, prologue, gemv) == variants[-1]:
+                    piped = decode_pipelined(loop, ex, b, reps, shape["vocab_size"])
+                    rows.append({"what": "decode pipelined", "attention": name, "batch": b, "step_ms": piped,
+                                 "one_at_a_time_ms": ms, "graph_device_ms": gpu_ms})
+                    print(f"  decode {name:24s} batch {b:2d}, two fed steps in flight: {piped:7.3f} ms/step "
+                          f"({ms / piped:.2f}x one at a time)", flush=True)
             if gemv and ex.graphs is not None and ex.graphs.matmuls is not None:
                 chosen = ex.graphs.matmuls.chosen()
                 rows.append({"what": "few_row_matmuls", "chosen": chosen,

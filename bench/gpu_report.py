@@ -56,6 +56,11 @@ def table_lines(rows: list[dict]) -> list[str]:
             out.append(f"    decode {x['attention']:24s} batch {x['batch']:2d}: {x['step_ms']:7.3f} ms/step "
                        f"{x['tok_s']:8.0f} tok/s {x['bandwidth_gb_s']:5.0f} GB/s, {x['x_floor']:.2f}x the floor"
                        f"{gpu}{target}")
+        elif what == "decode pipelined":
+            gpu = f", graph {x['graph_device_ms']:.3f} ms on the device" if x.get("graph_device_ms") else ""
+            out.append(f"    decode {x['attention']:24s} batch {x['batch']:2d}, two fed steps in flight: "
+                       f"{x['step_ms']:7.3f} ms/step ({x['one_at_a_time_ms'] / x['step_ms']:.2f}x one at a time)"
+                       f"{gpu}")
         elif what == "batch_prefill":
             out.append(f"    batch_prefill {x['prompts']}x{x['prompt_len']} {x['batched_ms']:.1f} ms "
                        f"({x['batched_tflops']:.0f} TFLOP/s) vs {x['prompts']} prefills {x['serial_ms']:.1f} ms: "

@@ -95,12 +95,16 @@ class DecodeGraphs:
         self.table_width = -(-max_sequence_length // pool.block_size)
         pinned = dev.type == "cuda"
         # Host staging: the rows of `_host_long` are ids, positions, slots and lengths (keys
-        # each row sees), and in its fifth row's first column the decode partitions' length for
-        # the step's longest context; `_host_int` holds the block tables.
-        self._host_long = torch.zeros(5, largest, dtype=torch.int64, pin_memory=pinned)
+        # each row sees), in its fifth row's first column the decode partitions' length for
+        # the step's longest context, and in its sixth, per row, the row of the last replay
+        # whose argmax id is the row's token (a fed token still on the device) or -1;
+        # `_host_int` holds the block tables.
+        self._host_long = torch.zeros(6, largest, dtype=torch.int64, pin_memory=pinned)
         self._host_int = torch.zeros(largest, self.table_width, dtype=torch.int32, pin_memory=pinned)
         self._long_np, self._int_np = self._host_long.numpy(), self._host_int.numpy()
-        self._long = torch.zeros(5, largest, dtype=torch.int64, device=dev)
+        self._long = torch.zeros(6, largest, dtype=torch.int64, device=dev)
+        # Each replay's argmax ids, kept for the next one's fed rows (executors/step_overlap.py).
+        self._last_ids = torch.zeros(largest, dtype=torch.int64, device=dev)
         self._int = torch.zeros(largest, self.table_width, dtype=torch.int32, device=dev)
         self._rows = torch.arange(largest, dtype=torch.int32, device=dev)
         self._copied = torch.cuda.Event() if pinned else None
@@ -142,6 +146,7 @@ class DecodeGraphs:
         self._long_np[:4, lo:hi] = 0
         self._long_np[2, lo:hi] = scratch * bs + bs - 1
         self._long_np[3, lo:hi] = 1
+        self._long_np[5, lo:hi] = -1
         self._int_np[lo:hi, 0] = scratch
 
     def _step(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,9 +157,15 @@ class DecodeGraphs:
         launch = DecodeLaunch(self._rows[:b], self._int[:b], self._long[3, :b], parts, self._long[4, :1])
         ctx = StepContext([], self.pool, self._long[2, :b], backend="triton", kernel_plan=KernelPlan(None, launch),
                           prologue=self.prologue, glu=self.glu, matmuls=self.matmuls)
-        hidden = self.model.hidden_states(self._long[0, :b], self._long[1, :b], ctx)
+        # A fed row's token is the argmax id of a row of the replay before (in the graph: the
+        # host need not have it yet).
+        fed = self._long[5, :b]
+        ids = torch.where(fed >= 0, self._last_ids[fed.clamp(min=0)], self._long[0, :b])
+        hidden = self.model.hidden_states(ids, self._long[1, :b], ctx)
         logits = self.model.logits(hidden)
-        return logits, argmax_pairs(logits)
+        pairs = argmax_pairs(logits)
+        self._last_ids[:b].copy_(pairs[0])
+        return logits, pairs
 
     def _capture(self) -> None:
         log.info("capturing decode CUDA graphs for batch sizes %s, then replaying those up to %d rows against "
@@ -191,9 +202,12 @@ class DecodeGraphs:
             raise RuntimeError(f"the decode graph of {n} rows gives argmax ids that are not its logits'")
 
     def run(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-            tables: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+            tables: Sequence[Sequence[int]],
+            fed: Sequence[int | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [n, vocab] of n decode rows (n <= max_batch) and their argmax pairs ([2, n]);
-        tables[i] is row i's block table (at least its first positions[i] // block_size + 1 blocks)."""
+        tables[i] is row i's block table (at least its first positions[i] // block_size + 1 blocks).
+        fed[i], where not None: row i's token is the argmax id of row fed[i] of the last replay
+        (ids[i] is then not read)."""
         n = len(ids)
         b = self.bucket(n)
         if self._copied is not None:
@@ -205,12 +219,17 @@ class DecodeGraphs:
         self._long_np[3, :n] = positions
         self._long_np[3, :n] += 1
         self._long_np[4, 0] = partition_length(max(positions) + 1, self._partitions[b])
+        self._long_np[5, :n] = -1
+        if fed is not None:
+            for i, row in enumerate(fed):
+                if row is not None:
+                    self._long_np[5, i] = row
         for i, (table, pos) in enumerate(zip(tables, positions)):
             need = pos // bs + 1
             self._int_np[i, :need] = np.asarray(table[:need], dtype=np.int32)
         self._pad(n, b)
         nonblocking = self._copied is not None
-        # All of _long (5 x largest int64, a few KB): a column slice would not be contiguous,
+        # All of _long (6 x largest int64, a few KB): a column slice would not be contiguous,
         # and torch would stage a non-contiguous pinned source through pageable memory.
         self._long.copy_(self._host_long, non_blocking=nonblocking)
         self._int[:b].copy_(self._host_int[:b], non_blocking=nonblocking)

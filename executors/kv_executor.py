@@ -44,6 +44,7 @@ from executors.lora_calls import add_adapter_now, lora_metrics, remove_adapter_n
 from executors.omp_pool import off_worker
 from executors.stats import ExecutorStats
 from executors.step_items import ItemSpec, Rows, StepItem, StepLogits, StepResult
+from executors.step_overlap import settled_results, undo_when_settled
 from executors.types import (
     DecodeInput,
     DecodeOutput,
@@ -126,6 +127,7 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
         self._fingerprint_task: asyncio.Future | None = None  # warm-up's digest, kept referenced
         # What the worker runs for a step whose caller went away; made once, not per step.
         self._undo_created = functools.partial(undo_created, self)
+        self._undo_abandoned = functools.partial(undo_when_settled, self.worker, self._undo_created)
 
     # -- the model ------------------------------------------------------------------------
     @abc.abstractmethod
@@ -250,10 +252,10 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
         return kv_status.cache_metrics(self)
 
     # -- execution (worker thread) --------------------------------------------------------
-    async def _run(self, fn, *args, on_abandon=None):
+    async def _run(self, fn, *args, on_abandon=None, overlaps=False):
         if self.stats.state is ExecutorState.SHUTDOWN:
             raise Unavailable(f"{self.name} executor is shut down")
-        return await self.worker.run(self._unless_shut_down, fn, *args, on_abandon=on_abandon)
+        return await self.worker.run(self._unless_shut_down, fn, *args, on_abandon=on_abandon, overlaps=overlaps)
 
     def _unless_shut_down(self, fn, *args):
         if self.stats.state is ExecutorState.SHUTDOWN:  # shut down while this call was queued
@@ -263,7 +265,19 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
     async def _step(self, specs: list[ItemSpec], where: str = "input") -> list[StepResult]:
         check_batch(specs, where, self.max_batch_size)
         with self.caches.using({s.cache_id for s in specs if s.cache_id is not None}):
-            return await self._run(run_step, self, specs, current_identity.get(), on_abandon=self._undo_created)
+            # overlaps: the step may run while the one before is in flight (it settles it itself)
+            done = await self._run(run_step, self, specs, current_identity.get(), on_abandon=self._undo_abandoned,
+                                   overlaps=True)
+            return await settled_results(done, self.worker, self._undo_created)
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether a decode step may be left in flight while the next one runs (step_overlap.py)."""
+        return False
+
+    def _feeds_on_device(self, items: list[StepItem]) -> bool:
+        """Whether the forward of these items takes a fed token from the step in flight on the device."""
+        return False
 
     def _handle(self, cache_id: str) -> KvCacheHandle:
         t, p = self.kv.get(cache_id), self.pool

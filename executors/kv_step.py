@@ -23,6 +23,7 @@ from executors.kv_status import used_bytes
 from executors.logits import apply_policies
 from executors.lora_calls import named_adapter
 from executors.step_items import ItemSpec, Rows, StepItem, StepLogits, StepResult
+from executors.step_overlap import HostPairs, InFlightStep, fill_fed_tokens, plain_argmax
 from executors.types import LogitsKind, LogitsPolicy, LogitsResult
 
 if TYPE_CHECKING:
@@ -37,10 +38,17 @@ def replay_key(s: ItemSpec) -> tuple:
     return (s.rows, None if s.rows is Rows.NONE else s.policy, s.feed)
 
 
-def run_step(ex: KvCacheExecutor, specs: list[ItemSpec], identity: str | None) -> list[StepResult]:
-    """Run the specs as one forward; a spec that repeats its cache's last step is replayed."""
+def run_step(ex: KvCacheExecutor, specs: list[ItemSpec], identity: str | None) -> list[StepResult] | InFlightStep:
+    """Run the specs as one forward; a spec that repeats its cache's last step is replayed.
+
+    A fed step of plain ARGMAX decode rows through the decode graphs, on an executor that
+    overlaps steps, returns in flight (step_overlap.py): its caller waits for InFlightStep.future."""
     started = time.perf_counter_ns()
-    specs = [feed(ex, s, identity) if s.feed else s for s in specs]
+    flight = ex.worker.in_flight if isinstance(ex.worker.in_flight, InFlightStep) else None
+    if flight is not None and not flight.continued_by(specs):
+        ex.worker.settle()
+        flight = None
+    specs = [feed(ex, s, identity, flight) if s.feed else s for s in specs]
     ex.stats.begin(len(specs))
     created: dict[str, int] = {}  # cache id -> creation serial
     # Server-chosen ids never equal an id a caller names anywhere in this call.
@@ -53,7 +61,17 @@ def run_step(ex: KvCacheExecutor, specs: list[ItemSpec], identity: str | None) -
         work = [(s, it) for s, it in zip(specs, resolved) if isinstance(it, StepItem)]
         copies = ex.kv.extend_many([(it.cache_id, it.start + len(it.tokens)) for _, it in work], swapped)
         ex.pool.copy_blocks(copies)  # copy-on-write: before anything writes into them
-        outputs = step_outputs(work, ex._forward_step([it for _, it in work]), ex.policy_kernels) if work else []
+        items = [it for _, it in work]
+        if flight is not None and any(it.fed_row is not None for it in items) and not ex._feeds_on_device(items):
+            settled(ex, work, flight)  # a forward that takes its tokens from the host
+            flight = None
+        step = ex._forward_step(items) if work else None
+        if flight is not None:  # launched behind it: now the step before can be finished
+            settled(ex, work, flight)
+            ex.stats.begin(len(specs))
+        if step is not None and leaves_in_flight(ex, work, step):
+            return in_flight(ex, specs, work, resolved, created, step, started)
+        outputs = step_outputs(work, step, ex.policy_kernels) if step is not None else []
         fresh = [finish(ex, it, out, created.get(it.cache_id)) for (_, it), out in zip(work, outputs)]
     except BaseException:
         # Undo everything: caches this call created go, the others return to their
@@ -69,6 +87,47 @@ def run_step(ex: KvCacheExecutor, specs: list[ItemSpec], identity: str | None) -
         ex.stats.state = ExecutorState.READY
         ex.stats.current_batch_size = 0
         raise
+    return conclude(ex, specs, work, resolved, fresh, created, started)
+
+
+def leaves_in_flight(ex: KvCacheExecutor, work: list[tuple[ItemSpec, StepItem]], step: StepLogits) -> bool:
+    """Whether a launched step is left in flight: every row through the decode graphs (whose
+    argmax pairs are all it needs: plain ARGMAX rows) and some fed, the mark of a caller that keeps
+    steps in flight. A caller that sends its tokens waits for each step: finishing it at once
+    answers it without the idle worker's polling (up to ~0.1 ms)."""
+    return (ex.overlaps_steps and step.argmax is not None and ex.kv.window is None
+            and any(s.feed for s, _ in work) and all(plain_argmax(s.policy) for s, _ in work))
+
+
+def settled(ex: KvCacheExecutor, work: list[tuple[ItemSpec, StepItem]], flight: InFlightStep) -> None:
+    """Settle the step in flight; the tokens its rows fed to this step's become the host's."""
+    ex.worker.settle()
+    fill_fed_tokens(work, flight)
+
+
+def in_flight(ex: KvCacheExecutor, specs: list[ItemSpec], work: list[tuple[ItemSpec, StepItem]],
+              resolved: list[StepItem | StepResult], created: dict[str, int], step: StepLogits,
+              started: int) -> InFlightStep:
+    """Leave a launched step in flight: its handles now (a later step grows its caches before it
+    is settled), its outputs and bookkeeping once its pairs reach the host."""
+    unanswered = [finish(ex, it, None, created.get(it.cache_id)) for _, it in work]
+
+    def conclude_with(ids: list[int], logprobs: list[float]) -> list[StepResult]:
+        fresh = [dataclasses.replace(r, outputs=[LogitsResult(LogitsKind.ARGMAX, token_id=ids[i], logprob=logprobs[i])])
+                 for r, (i, _) in zip(unanswered, step.spans)]
+        return conclude(ex, specs, work, resolved, fresh, created, started)
+
+    flight = InFlightStep(HostPairs(step.argmax),
+                          rows={it.cache_id: span[0] for (_, it), span in zip(work, step.spans)},
+                          ends={it.cache_id: it.start + len(it.tokens) for _, it in work}, conclude=conclude_with)
+    ex.worker.in_flight = flight
+    return flight
+
+
+def conclude(ex: KvCacheExecutor, specs: list[ItemSpec], work: list[tuple[ItemSpec, StepItem]],
+             resolved: list[StepItem | StepResult], fresh: list[StepResult], created: dict[str, int],
+             started: int) -> list[StepResult]:
+    """Commit a step that ran: its filled blocks named, its record kept for a retry, its stats."""
     for i, ((s, it), res) in enumerate(zip(work, fresh)):
         ex.kv.commit(it.cache_id, it.start, it.tokens)  # name the blocks filled, for reuse
         if ex.kv.slide(it.cache_id):  # every layer sliding: blocks the windows left go back to the pool
@@ -94,12 +153,15 @@ def run_step(ex: KvCacheExecutor, specs: list[ItemSpec], identity: str | None) -
     return results
 
 
-def feed(ex: KvCacheExecutor, s: ItemSpec, identity: str | None) -> ItemSpec:
+def feed(ex: KvCacheExecutor, s: ItemSpec, identity: str | None, flight: InFlightStep | None) -> ItemSpec:
     """A feed_sampled_token item with its token: the one its cache's latest step sampled, when
-    that step made the cache's length the item's position; for a retry of a fed step that
-    succeeded, the token that step ran (resolve then replays its record)."""
+    that step made the cache's length the item's position (still on the device when that step
+    is in flight: the item then names its row); for a retry of a fed step that succeeded, the
+    token that step ran (resolve then replays its record)."""
     table = ex.kv.get(s.cache_id)  # raises CacheNotFound
     ex.caches.touch(s.cache_id, identity, s.where)  # the owner's only
+    if flight is not None and flight.ends.get(s.cache_id) == s.expected_length == table.num_tokens:
+        return dataclasses.replace(s, tokens=[0], fed_row=flight.rows[s.cache_id])
     last = ex.caches.last_step(s.cache_id)
     end = last.start + len(last.tokens) if last is not None else -1
     if last is not None and table.num_tokens == end:
@@ -161,7 +223,7 @@ def resolve(ex: KvCacheExecutor, s: ItemSpec, created: dict[str, int], identity:
         # token is always computed, so that its logits (and its K and V) exist.
         reused = ex.kv.match_prefix(cache_id, s.tokens, limit=len(s.tokens) - 1)
     skip = reused or 0
-    return StepItem(cache_id, table, s.tokens[skip:], s.expected_length + skip, s.rows, reused, adapter)
+    return StepItem(cache_id, table, s.tokens[skip:], s.expected_length + skip, s.rows, reused, adapter, s.fed_row)
 
 
 def step_outputs(work: list[tuple[ItemSpec, StepItem]], step: StepLogits,

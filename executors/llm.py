@@ -215,16 +215,27 @@ class LlmExecutor(KvCacheExecutor):
             for i, span in zip(order, step.spans):
                 spans[i] = span
             return StepLogits(step.logits, spans)
-        if self.graphs is not None and len(items) <= self.graphs.max_batch and all(
-                len(it.tokens) == 1 and it.start > 0 and it.rows is Rows.LAST for it in items):
+        if self._graphed(items):
             return self._decode_graphed(items)
         return self._forward_flat(items)
+
+    def _graphed(self, items: list[StepItem]) -> bool:
+        """Whether these items' forward replays the decode graphs (no adapter: checked before)."""
+        return self.graphs is not None and len(items) <= self.graphs.max_batch and all(
+            len(it.tokens) == 1 and it.start > 0 and it.rows is Rows.LAST and it.adapter is None for it in items)
+
+    def _feeds_on_device(self, items: list[StepItem]) -> bool:
+        return self._graphed(items)  # the graph gathers fed tokens from the last replay's ids
+
+    @property
+    def overlaps_steps(self) -> bool:
+        return self.graphs is not None and self.config.step_overlap
 
     def _decode_graphed(self, items: list[StepItem]) -> StepLogits:
         """A decode step through the fixed-shape graphs (executors/decode_graphs.py)."""
         logits, pairs = self.graphs.run([it.tokens[0] for it in items], [it.start for it in items],
                                         [it.table.slots(it.start, it.start + 1)[0] for it in items],
-                                        [it.table.block_ids for it in items])
+                                        [it.table.block_ids for it in items], [it.fed_row for it in items])
         return StepLogits(logits, [(i, 1) for i in range(len(items))], pairs)
 
     def _forward_flat(self, items: list[StepItem]) -> StepLogits:

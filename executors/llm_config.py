@@ -39,6 +39,9 @@ class LlmExecutorConfig:
     # On CUDA with the triton backend: replay decode steps from CUDA graphs captured at
     # start-up for batch-size buckets (executors/decode_graphs.py).
     cuda_graphs: bool = True
+    # With decode graphs: a fed step whose rows all want a plain ARGMAX token is left in flight
+    # on the device while the worker stages and launches the next (executors/step_overlap.py).
+    step_overlap: bool = True
     # With the triton backend: a layer's q/k norm, rotation and K/V store as one Triton kernel
     # (executors/models/triton_prologue.py) and the GLU as one (triton_glu.py), each once its
     # start-up check passed; False runs them as torch ops (the bench compares the two).

@@ -43,6 +43,9 @@ class ItemSpec:
     adapter: str | None = None  # the LoRA adapter named in the request's metadata
     # tokens is empty until the worker puts the cache's last sampled token there (kv_step.feed)
     feed: bool = False
+    # The row of the step in flight whose sampled token this fed item takes on the device, until
+    # that step is settled and the host learns it (step_overlap.py); tokens is [0] meanwhile.
+    fed_row: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,3 +76,4 @@ class StepItem:
     rows: Rows
     reused: int | None = None  # prompt tokens taken from the prefix cache; None: no lookup
     adapter: LoraAdapter | None = None  # the cache's LoRA adapter
+    fed_row: int | None = None  # ItemSpec.fed_row: the token comes from the step in flight, on the device

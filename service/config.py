@@ -21,7 +21,7 @@ REFLECTION_MODES = ("on", "off", "authenticated")
 # paged executor would ignore them without a word: given with it, they are refused instead.
 LLM_ONLY_FLAGS = {"model": "--model", "dtype": "--dtype", "device": "--device",
                   "kv_memory_fraction": "--kv-memory-fraction", "attention_backend": "--attention-backend",
-                  "cuda_graphs": "--no-cuda-graphs", "triton_fused_ops": "--no-fused-kernels",
+                  "cuda_graphs": "--no-cuda-graphs", "step_overlap": "--no-step-overlap", "triton_fused_ops": "--no-fused-kernels",
                   "triton_gemv": "--triton-gemv", "cpu_kernels": "--no-cpu-kernels",
                   "quantization": "--quantization", "lora_dir": "--lora-dir",
                   "max_loras": "--max-loras", "max_lora_rank": "--max-lora-rank",
@@ -52,6 +52,9 @@ class ServeConfig:
     # CPU; decode steps on CUDA replay CUDA graphs unless cuda_graphs is off.
     attention_backend: str = "auto"
     cuda_graphs: bool = True
+    # A fed ARGMAX decode step through the graphs is left in flight while the next one is
+    # launched (executors/step_overlap.py); off: each step finishes before the next starts.
+    step_overlap: bool = True
     # The triton path's fused kernels (the attention prologue, the GLU), each once its start-up
     # check passed; off: those steps run as torch ops.
     triton_fused_ops: bool = True
@@ -217,6 +220,10 @@ def parse_args(argv: Sequence[str] | None = None) -> ServeConfig:
                    help="auto: Triton paged-attention kernels on CUDA, torch SDPA on CPU")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode steps eagerly on CUDA instead of replaying captured CUDA graphs")
+    p.add_argument("--no-step-overlap", dest="step_overlap", action="store_false",
+                   help="with decode CUDA graphs: finish each step (its tokens on the host, its caller "
+                        "answered) before the next one is launched, instead of leaving fed plain ARGMAX steps "
+                        "in flight while a step fed from them is staged and launched")
     p.add_argument("--no-fused-kernels", dest="triton_fused_ops", action="store_false",
                    help="with the Triton attention backend: run q/k norm, rotation, the K/V store and the MLP's "
                         "activation as torch ops instead of the fused Triton kernels")

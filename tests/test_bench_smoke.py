@@ -81,7 +81,10 @@ def test_the_gpu_parts_dry_run_on_a_cpu():
 
     rows += bench_offline(args)
     kinds = {r["what"] for r in rows}
-    assert kinds == {"ceilings", "decode", "batch_prefill", "grpc", "vs transformers", "offline throughput"}, kinds
+    assert kinds == {"ceilings", "decode", "decode pipelined", "batch_prefill", "grpc", "vs transformers",
+                     "offline throughput"}, kinds
+    # two fed steps in flight, at each batch, for the default path (in the dry run: SDPA)
+    assert [r["batch"] for r in rows if r["what"] == "decode pipelined"] == [1, 4]
     # BatchDecode, UnifiedDecode, StepSession, and a StepSession keeping fed steps in flight
     assert [r["rpc"] for r in rows if r["what"] == "grpc"] == ["BatchDecode", "UnifiedDecode", "StepSession",
                                                               "StepSession pipelined"]

@@ -190,6 +190,7 @@ def test_a_stale_unix_socket_is_replaced(tmp_path):
     (["--executor", "paged", "--no-cuda-graphs"], "--no-cuda-graphs is a flag of --executor llm"),
     (["--executor", "paged", "--no-fused-kernels"], "--no-fused-kernels is a flag of --executor llm"),
     (["--executor", "paged", "--triton-gemv"], "--triton-gemv is a flag of --executor llm"),
+    (["--executor", "paged", "--no-step-overlap"], "--no-step-overlap is a flag of --executor llm"),
     (["--executor", "paged", "--max-loras", "8"], "--max-loras is a flag of --executor llm"),
 ])
 def test_bad_flags_are_refused(args, message, capsys):
@@ -208,6 +209,9 @@ def test_flags_of_the_executor_chosen_are_taken():
     assert llm_config(ServeConfig(triton_fused_ops=False)).triton_fused_ops is False
     assert parse_args(["--triton-gemv"]) == ServeConfig(triton_gemv=True)
     assert llm_config(ServeConfig(triton_gemv=True)).triton_gemv is True
+    assert parse_args(["--no-step-overlap"]) == ServeConfig(step_overlap=False)
+    assert llm_config(ServeConfig(step_overlap=False)).step_overlap is False
+    assert llm_config(ServeConfig()).step_overlap is True
     assert parse_args(["--executor", "paged", "--num-blocks", "8", "--block-size", "4"]) \
         == ServeConfig(executor="paged", num_blocks=8, block_size=4)
 

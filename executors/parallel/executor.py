@@ -130,13 +130,13 @@ class TensorParallelExecutor(LlmExecutor):
         self._send(header(Op.DROP, self._adapter_ids.pop(adapter.key)))
 
     # -- health ------------------------------------------------------------------------------
-    async def _run(self, fn, *args, on_abandon=None):
+    async def _run(self, fn, *args, on_abandon=None, overlaps=False):
         if self.group.failure is not None:
             raise Unavailable(f"the executor lost a tensor-parallel rank: {self.group.failure}")
         if self._stopped:
             raise Unavailable("the executor is stopping: its tensor-parallel ranks have left")
         try:
-            return await super()._run(fn, *args, on_abandon=on_abandon)
+            return await super()._run(fn, *args, on_abandon=on_abandon, overlaps=overlaps)
         except RankFailure as e:
             raise Unavailable(f"the executor lost a tensor-parallel rank: {e}") from None
 
