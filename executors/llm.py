@@ -220,7 +220,8 @@ class LlmExecutor(KvCacheExecutor):
         return self._forward_flat(items)
 
     def _graphed(self, items: list[StepItem]) -> bool:
-        """Whether these items' forward replays the decode graphs (no adapter: checked before)."""
+        """Whether these items' forward replays the decode graphs: one-token decodes without an
+        adapter, no more than the largest bucket."""
         return self.graphs is not None and len(items) <= self.graphs.max_batch and all(
             len(it.tokens) == 1 and it.start > 0 and it.rows is Rows.LAST and it.adapter is None for it in items)
 

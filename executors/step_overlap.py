@@ -8,8 +8,8 @@ two steps in flight gives the worker the next step before the last one's tokens 
 a step whose rows all went through the decode graphs and all want a plain ARGMAX token (their
 ids and log-probabilities: argmax pairs the graph computes), and some of which were fed (the
 mark of such a scheduler; one that sends its tokens waits for each step, and is answered at
-once), is not finished when its forward is queued: its pairs start their copy to the host, its caller's answer waits in an
-`InFlightStep`, and the worker moves on. The next step, if it continues those caches, is
+once), is not finished when its forward is queued: its pairs start their copy to the host,
+its caller's answer waits in an `InFlightStep`, and the worker moves on. The next step, if it continues those caches, is
 resolved, staged and launched at once, its fed tokens read on the device from the step in
 flight (`DecodeGraphs`: the graph gathers them before its embedding); only then is the step in
 flight settled: its pairs read, its caches committed and recorded, its caller answered.
