@@ -6,8 +6,9 @@ own, in float32 and in bfloat16: six servers, started together. Every RPC runs t
 typed client: prefill (whole and chunked), decode across block boundaries, batch_prefill,
 batch_decode through the decode CUDA graphs' buckets (with padding rows), unified batches
 mixing fresh prompts, chunks and decodes, Forward, ForwardVerify, TruncateKv, ReleaseCache,
-prefix reuse, LoRA rows beside base rows, ARGMAX greedy steps. After every test the pool
-is back to all free with no cache left.
+prefix reuse, LoRA rows beside base rows, ARGMAX greedy steps, and greedy steps with two fed
+steps in flight in a StepSession (left in flight on the device: executors/step_overlap.py).
+After every test the pool is back to all free with no cache left.
 
 The reference is transformers (and PEFT for adapter rows) in float32 on the CPU, recomputing
 each sequence from scratch.
@@ -331,6 +332,39 @@ def test_greedy_steps_follow_the_reference(served):
                                 for t, h in zip(tokens, handles)])
         handles = [s.kv_cache for s in steps]
         tokens = [s.logits.token_id for s in steps]
+    for h in handles:
+        c.release_cache(h)
+
+
+def test_fed_steps_in_flight_follow_the_reference(served):
+    """A StepSession keeping two fed ARGMAX steps in flight (the graphed executor launches each
+    before the one before settles, its tokens gathered on the device: executors/step_overlap.py)
+    for 20 steps on two sequences; each token is checked once its result is read."""
+    c, fam = served.client, served.family
+    seqs = [prompt(13), prompt(31)]
+    outs = c.batch_prefill([PrefillInput(p, logits_policy=LogitsPolicy.argmax()) for p in seqs])
+    handles = [o.kv_cache for o in outs]
+    for i, o in enumerate(outs):
+        served.same_choice(o.logits.token_id, fam.logits(seqs[i])[-1])
+        seqs[i] = seqs[i] + [o.logits.token_id]
+    lengths = [h.sequence_length for h in handles]
+
+    def fed(k: int) -> list[UnifiedBatchItem]:
+        return [UnifiedBatchItem(h.cache_id, [], n + k, True, logits_policy=LogitsPolicy.argmax(),
+                                 feed_sampled_token=True) for h, n in zip(handles, lengths)]
+
+    steps = 20
+    with c.step_session() as session:
+        session.send(fed(0))
+        session.send(fed(1))
+        for k in range(steps):
+            results = session.receive()
+            if k + 2 < steps:
+                session.send(fed(k + 2))
+            for i, r in enumerate(results):
+                assert r.kv_cache.sequence_length == lengths[i] + k + 1
+                served.same_choice(r.logits.token_id, fam.logits(seqs[i])[-1])
+                seqs[i] = seqs[i] + [r.logits.token_id]
     for h in handles:
         c.release_cache(h)
 
