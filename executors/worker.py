@@ -135,22 +135,22 @@ class SerialWorker:
             if item is None:  # close()
                 self.settle()
                 return
-            future, fn, args, overlaps = item
-            if not future.set_running_or_notify_cancel():
-                continue  # cancelled while queued
-            if not overlaps:
-                self.settle()
-            try:
-                result = fn(*args)
-            except BaseException as e:  # noqa: BLE001 -- handed to the caller, as a ThreadPoolExecutor does
-                future.set_exception(e)
-                del e
-            else:
-                future.set_result(result)
-                del result
+            self._run_job(*item)
             # Nothing of a finished job stays referenced while the thread waits for the next
             # (a stopped server's executor must be collectable).
-            del item, future, fn, args
+            del item
+
+    def _run_job(self, future: Future, fn: Callable[..., Any], args: tuple, overlaps: bool) -> None:
+        if not future.set_running_or_notify_cancel():
+            return  # cancelled while queued
+        if not overlaps:
+            self.settle()
+        try:
+            result = fn(*args)
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller, as a ThreadPoolExecutor does
+            future.set_exception(e)
+        else:
+            future.set_result(result)
 
     def close(self) -> None:
         """Drop what is queued (its callers see it cancelled), finish the job under way and what
