@@ -32,7 +32,7 @@ def test_the_service_checks_run_on_a_cpu_server(tmp_path):
                           env={**os.environ, PATH_VARIABLE: str(log)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     outcomes = read_rows(log)
-    assert len(outcomes) == 9 and all(t["outcome"] == "passed" for t in outcomes), outcomes
+    assert len(outcomes) == 10 and all(t["outcome"] == "passed" for t in outcomes), outcomes
     (budget,) = [json.loads(t["bf16_budget"]) for t in outcomes if t.get("bf16_budget")]
     assert budget["family"] == "qwen3" and budget["ours_max_rel"] <= 3e-2
 
