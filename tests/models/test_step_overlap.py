@@ -113,7 +113,11 @@ async def one_at_a_time(ex: LlmExecutor, steps: int) -> list[list[tuple[int, flo
 
 
 def run(coro):
-    return asyncio.new_event_loop().run_until_complete(coro)
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
 
 
 def close(*executors):
