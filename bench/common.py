@@ -153,11 +153,11 @@ async def inproc_batch_decode(ex, inputs):
     return outs, timer.executor_ns, time.perf_counter_ns() - t0
 
 
-async def pipelined_decode(ex, handles, steps: int) -> tuple[list[float], list]:
-    """A scheduler keeping two fed ARGMAX steps in flight in-process (step k+2 is sent when step
-    k's tokens arrive; executors/step_overlap.py lets the executor launch it before step k+1
-    settles): the seconds between consecutive results, the first two left out, and the handles
-    after the last step."""
+async def pipelined_decode(ex, handles, steps: int) -> tuple[list[float], list[list]]:
+    """`steps` decode steps of a scheduler keeping two fed ARGMAX steps in flight in-process
+    (step k+2 is sent when step k's tokens arrive; executors/step_overlap.py lets the executor
+    launch it before step k+1 settles): the seconds between consecutive results from the third
+    on, and every step's results (UnifiedItemResults)."""
     from executors.types import UnifiedBatchItem
 
     lengths = [h.sequence_length for h in handles]
@@ -168,12 +168,12 @@ async def pipelined_decode(ex, handles, steps: int) -> tuple[list[float], list]:
                               logits_policy=ARGMAX, feed_sampled_token=True) for h, n in zip(handles, lengths)]))
 
     sent, gaps, last, results = [step(0), step(1)], [], 0.0, []
-    for k in range(steps + 2):
-        results = await sent[k]
+    for k in range(steps):
+        results.append(await sent[k])
         now = time.perf_counter()
         if k >= 2:
             gaps.append(now - last)
         last = now
-        if k + 2 < steps + 2:
+        if k + 2 < steps:
             sent.append(step(k + 2))
-    return gaps, [r.kv_cache for r in results]
+    return gaps, results

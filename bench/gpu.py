@@ -177,9 +177,9 @@ def decode_pipelined(loop: Loop, ex: LlmExecutor, batch: int, reps: int, vocab: 
     """Median wall ms between two results of a scheduler keeping two fed ARGMAX steps in flight."""
     outs = loop.run(ex.batch_prefill([PrefillInput(input_ids=p, logits_policy=ARGMAX)
                                       for p in prompts(batch, PROMPT_LEN, vocab)]))
-    gaps, hs = loop.run(pipelined_decode(ex, [o.kv_cache for o in outs], reps))
-    for h in hs:
-        loop.run(ex.release_cache(h.cache_id))
+    gaps, results = loop.run(pipelined_decode(ex, [o.kv_cache for o in outs], reps + 2))
+    for r in results[-1]:
+        loop.run(ex.release_cache(r.kv_cache.cache_id))
     return statistics.median(gaps) * 1e3
 
 

@@ -82,12 +82,15 @@ class DecodeGraphs:
 
     def __init__(self, model: DecoderLM, pool: PagedKvPool, max_batch: int, max_sequence_length: int,
                  *, capture: bool, prologue: QkvPrologue | None = None, glu: FusedGlu | None = None,
-                 matmuls: FewRowMatmuls | None = None) -> None:
+                 matmuls: FewRowMatmuls | None = None, feeds: bool = False) -> None:
         """`prologue`, `glu`: the executor's fused kernels (triton_prologue.py, triton_glu.py), or None;
-        `matmuls`: the few-row matmuls (few_row_matmuls.py) for buckets of up to 8 rows, or None."""
+        `matmuls`: the few-row matmuls (few_row_matmuls.py) for buckets of up to 8 rows, or None;
+        `feeds`: a row's token may be a row's argmax id of the replay before (`run`'s `fed`: the
+        executor leaves steps in flight); off, the graphs hold neither the gather nor the ids."""
         if pool.scratch_block is None:
             raise ValueError("decode graphs need a pool with a scratch block for padding rows")
         self.model, self.pool, self.prologue, self.glu, self.matmuls = model, pool, prologue, glu, matmuls
+        self.feeds = feeds
         self.buckets = buckets_up_to(max_batch)
         self.max_sequence_length = max_sequence_length
         dev = pool.device
@@ -104,7 +107,7 @@ class DecodeGraphs:
         self._long_np, self._int_np = self._host_long.numpy(), self._host_int.numpy()
         self._long = torch.zeros(6, largest, dtype=torch.int64, device=dev)
         # Each replay's argmax ids, kept for the next one's fed rows (executors/step_overlap.py).
-        self._last_ids = torch.zeros(largest, dtype=torch.int64, device=dev)
+        self._last_ids = torch.zeros(largest, dtype=torch.int64, device=dev) if feeds else None
         self._int = torch.zeros(largest, self.table_width, dtype=torch.int32, device=dev)
         self._rows = torch.arange(largest, dtype=torch.int32, device=dev)
         self._copied = torch.cuda.Event() if pinned else None
@@ -157,14 +160,15 @@ class DecodeGraphs:
         launch = DecodeLaunch(self._rows[:b], self._int[:b], self._long[3, :b], parts, self._long[4, :1])
         ctx = StepContext([], self.pool, self._long[2, :b], backend="triton", kernel_plan=KernelPlan(None, launch),
                           prologue=self.prologue, glu=self.glu, matmuls=self.matmuls)
-        # A fed row's token is the argmax id of a row of the replay before (in the graph: the
-        # host need not have it yet).
-        fed = self._long[5, :b]
-        ids = torch.where(fed >= 0, self._last_ids[fed.clamp(min=0)], self._long[0, :b])
+        ids = self._long[0, :b]
+        if self.feeds:  # a fed row's token: the argmax id of a row of the replay before, not yet the host's
+            fed = self._long[5, :b]
+            ids = torch.where(fed >= 0, self._last_ids[fed.clamp(min=0)], ids)
         hidden = self.model.hidden_states(ids, self._long[1, :b], ctx)
         logits = self.model.logits(hidden)
         pairs = argmax_pairs(logits)
-        self._last_ids[:b].copy_(pairs[0])
+        if self.feeds:
+            self._last_ids[:b].copy_(pairs[0])
         return logits, pairs
 
     def _capture(self) -> None:
@@ -219,11 +223,7 @@ class DecodeGraphs:
         self._long_np[3, :n] = positions
         self._long_np[3, :n] += 1
         self._long_np[4, 0] = partition_length(max(positions) + 1, self._partitions[b])
-        self._long_np[5, :n] = -1
-        if fed is not None:
-            for i, row in enumerate(fed):
-                if row is not None:
-                    self._long_np[5, i] = row
+        self._long_np[5, :n] = -1 if fed is None else [-1 if row is None else row for row in fed]
         for i, (table, pos) in enumerate(zip(tables, positions)):
             need = pos // bs + 1
             self._int_np[i, :need] = np.asarray(table[:need], dtype=np.int32)

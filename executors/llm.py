@@ -155,7 +155,7 @@ class LlmExecutor(KvCacheExecutor):
             try:
                 self.graphs = DecodeGraphs(self.model, self.pool, config.max_batch_size, max_sequence_length,
                                            capture=cuda, prologue=self.qkv_prologue, glu=self.fused_glu,
-                                           matmuls=few_row_matmuls(config, self.model))
+                                           matmuls=few_row_matmuls(config, self.model), feeds=config.step_overlap)
             except Exception as e:  # a capture that fails leaves eager decode, which works
                 if not cuda:
                     raise

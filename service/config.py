@@ -21,8 +21,9 @@ REFLECTION_MODES = ("on", "off", "authenticated")
 # paged executor would ignore them without a word: given with it, they are refused instead.
 LLM_ONLY_FLAGS = {"model": "--model", "dtype": "--dtype", "device": "--device",
                   "kv_memory_fraction": "--kv-memory-fraction", "attention_backend": "--attention-backend",
-                  "cuda_graphs": "--no-cuda-graphs", "step_overlap": "--no-step-overlap", "triton_fused_ops": "--no-fused-kernels",
-                  "triton_gemv": "--triton-gemv", "cpu_kernels": "--no-cpu-kernels",
+                  "cuda_graphs": "--no-cuda-graphs", "step_overlap": "--no-step-overlap",
+                  "triton_fused_ops": "--no-fused-kernels", "triton_gemv": "--triton-gemv",
+                  "cpu_kernels": "--no-cpu-kernels",
                   "quantization": "--quantization", "lora_dir": "--lora-dir",
                   "max_loras": "--max-loras", "max_lora_rank": "--max-lora-rank",
                   "tensor_parallel_size": "--tensor-parallel-size",

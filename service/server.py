@@ -34,8 +34,8 @@ def llm_config(config: ServeConfig):
     return LlmExecutorConfig(
         model_dir=config.model, dtype=config.dtype, device=config.device, num_blocks=config.num_blocks,
         kv_memory_fraction=config.kv_memory_fraction, attention_backend=config.attention_backend,
-        cuda_graphs=config.cuda_graphs, step_overlap=config.step_overlap, triton_fused_ops=config.triton_fused_ops, triton_gemv=config.triton_gemv,
-        cpu_kernels=config.cpu_kernels,
+        cuda_graphs=config.cuda_graphs, step_overlap=config.step_overlap, triton_fused_ops=config.triton_fused_ops,
+        triton_gemv=config.triton_gemv, cpu_kernels=config.cpu_kernels,
         quantization=config.quantization,
         block_size=config.block_size, max_batch_size=config.max_batch_size, prefix_caching=config.prefix_caching,
         lora_dir=config.lora_dir, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)

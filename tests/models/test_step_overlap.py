@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from bench.common import pipelined_decode
 from executors import kv_step
 from executors.llm import LlmExecutor, LlmExecutorConfig
 from executors.types import LogitsKind, LogitsPolicy, PrefillInput, UnifiedBatchItem
@@ -82,24 +83,10 @@ async def prefilled(ex: LlmExecutor, lengths=(5, 9, 13)):
 
 
 async def pipelined(ex: LlmExecutor, steps: int) -> list[list[tuple[int, float]]]:
-    """A scheduler that keeps two fed steps in flight: step k+2 is sent when step k's tokens
-    arrive, continuing the cache lengths step k+1 will leave."""
+    """Two fed steps in flight (bench.common.pipelined_decode): each step's ids and log-probabilities."""
     handles, _ = await prefilled(ex)
-    lengths = [h.sequence_length for h in handles]
-
-    def step(k):
-        return asyncio.ensure_future(ex.unified_decode(
-            [UnifiedBatchItem(seq_id=h.cache_id, q_tokens=[], pos_offset=n + k, is_final_chunk=True,
-                              logits_policy=ARGMAX, feed_sampled_token=True) for h, n in zip(handles, lengths)]))
-
-    sent = [step(0), step(1)]
-    got = []
-    for k in range(steps):
-        results = await sent[k]
-        got.append([(r.logits.token_id, r.logits.logprob) for r in results])
-        if k + 2 < steps:
-            sent.append(step(k + 2))
-    return got
+    _, results = await pipelined_decode(ex, handles, steps)
+    return [[(r.logits.token_id, r.logits.logprob) for r in step] for step in results]
 
 
 async def one_at_a_time(ex: LlmExecutor, steps: int) -> list[list[tuple[int, float]]]:
