@@ -42,6 +42,9 @@ class ClientConfig:
     credentials: grpc.ChannelCredentials | None
     call_metadata: tuple[tuple[str, str], ...]
     options: tuple[tuple[str, Any], ...]
+    # The stepping calls' handles come back without block ids (HANDLE_DETAIL_COMPACT) unless a
+    # call says otherwise: what a scheduler that reads only ids and lengths wants.
+    compact_handles: bool = False
 
     @classmethod
     def build(
@@ -53,6 +56,7 @@ class ClientConfig:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: Sequence[tuple[str, Any]] = (),
         token: str | None = None,
+        compact_handles: bool = False,
     ) -> ClientConfig:
         """`token`: a bearer token, sent as `authorization: Bearer <token>` with every call."""
         if token is not None:
@@ -67,11 +71,16 @@ class ClientConfig:
             credentials=credentials,
             call_metadata=tuple((str(k), str(v)) for k, v in (call_metadata or ())),
             options=tuple(channel_options(max_message_bytes, options)),
+            compact_handles=bool(compact_handles),
         )
 
     def deadline(self, timeout: Timeout) -> float | None:
         """The per-call timeout: the call's own, else the client's default."""
         return self.timeout if timeout is USE_DEFAULT else timeout  # type: ignore[return-value]
+
+    def compact(self, override: bool | None) -> bool:
+        """Whether a stepping call asks for compact handles: the call's own choice, else the client's."""
+        return self.compact_handles if override is None else override
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...] | None:

@@ -71,9 +71,10 @@ class AsyncExecutorClient(KvMoveCalls):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: Sequence[tuple[str, Any]] = (),
         token: str | None = None,
+        compact_handles: bool = False,
     ) -> None:
         self._config = ClientConfig.build(target, timeout, credentials, call_metadata, max_message_bytes, options,
-                                          token=token)
+                                          token=token, compact_handles=compact_handles)
         self._channel: grpc.aio.Channel | None = None
         self._stubs: tuple[pb_grpc.ModelExecutorServiceStub, health_pb2_grpc.HealthStub] | None = None
 
@@ -177,28 +178,37 @@ class AsyncExecutorClient(KvMoveCalls):
 
     # -- hot path: domain types ------------------------------------------------------------
 
-    async def prefill(self, item: PrefillInput, *, timeout: Timeout = USE_DEFAULT) -> PrefillOutput:
-        resp = await self._call(self.stub.Prefill, convert.prefill_request(item), timeout)
+    async def prefill(self, item: PrefillInput, *, timeout: Timeout = USE_DEFAULT,
+                      compact_handles: bool | None = None) -> PrefillOutput:
+        request = convert.prefill_request(item, self._config.compact(compact_handles))
+        resp = await self._call(self.stub.Prefill, request, timeout)
         return convert.prefill_response(resp)
 
-    async def decode(self, item: DecodeInput, *, timeout: Timeout = USE_DEFAULT) -> DecodeOutput:
-        resp = await self._call(self.stub.Decode, convert.decode_request(item), timeout)
+    async def decode(self, item: DecodeInput, *, timeout: Timeout = USE_DEFAULT,
+                     compact_handles: bool | None = None) -> DecodeOutput:
+        request = convert.decode_request(item, self._config.compact(compact_handles))
+        resp = await self._call(self.stub.Decode, request, timeout)
         return convert.decode_response(resp)
 
     async def batch_prefill(
-        self, items: Sequence[PrefillInput], *, timeout: Timeout = USE_DEFAULT
+        self, items: Sequence[PrefillInput], *, timeout: Timeout = USE_DEFAULT, compact_handles: bool | None = None
     ) -> list[PrefillOutput]:
-        resp = await self._call(self.stub.BatchPrefill, convert.batch_prefill_request(items), timeout)
+        request = convert.batch_prefill_request(items, self._config.compact(compact_handles))
+        resp = await self._call(self.stub.BatchPrefill, request, timeout)
         return convert.batch_prefill_response(resp)
 
-    async def batch_decode(self, items: Sequence[DecodeInput], *, timeout: Timeout = USE_DEFAULT) -> list[DecodeOutput]:
-        resp = await self._call(self.stub.BatchDecode, convert.batch_decode_request(items), timeout)
+    async def batch_decode(self, items: Sequence[DecodeInput], *, timeout: Timeout = USE_DEFAULT,
+                           compact_handles: bool | None = None) -> list[DecodeOutput]:
+        request = convert.batch_decode_request(items, self._config.compact(compact_handles))
+        resp = await self._call(self.stub.BatchDecode, request, timeout)
         return convert.batch_decode_response(resp)
 
     async def unified_decode(
-        self, batch: UnifiedBatch | Sequence[UnifiedBatchItem], *, timeout: Timeout = USE_DEFAULT
+        self, batch: UnifiedBatch | Sequence[UnifiedBatchItem], *, timeout: Timeout = USE_DEFAULT,
+        compact_handles: bool | None = None,
     ) -> list[UnifiedItemResult]:
-        resp = await self._call(self.stub.UnifiedDecode, convert.unified_decode_request(batch), timeout)
+        request = convert.unified_decode_request(batch, self._config.compact(compact_handles))
+        resp = await self._call(self.stub.UnifiedDecode, request, timeout)
         return convert.unified_decode_response(resp)
 
     async def forward(
@@ -214,8 +224,9 @@ class AsyncExecutorClient(KvMoveCalls):
         logits_policy: LogitsPolicy | None = None,
         *,
         timeout: Timeout = USE_DEFAULT,
+        compact_handles: bool | None = None,
     ) -> ForwardVerifyOutput:
-        request = convert.forward_verify_request(kv_cache, tokens, logits_policy)
+        request = convert.forward_verify_request(kv_cache, tokens, logits_policy, self._config.compact(compact_handles))
         return convert.forward_verify_response(await self._call(self.stub.ForwardVerify, request, timeout))
 
     async def truncate_kv(
@@ -244,9 +255,10 @@ class AsyncExecutorClient(KvMoveCalls):
         """One grpc.health.v1 Check of the executor service."""
         return await self._call(self._open()[1].Check, health_request(service), timeout)
 
-    def step_session(self, *, timeout: float | None = None) -> AsyncStepSession:
-        """Open a StepSession stream: many unified steps over one call (see client.session)."""
-        return AsyncStepSession(self.stub, self._config.metadata, timeout)
+    def step_session(self, *, timeout: float | None = None, compact_handles: bool | None = None) -> AsyncStepSession:
+        """Open a StepSession stream: many unified steps over one call (see client.session); every
+        step's handles compact (without block ids) as `compact_handles` says, else as the client's."""
+        return AsyncStepSession(self.stub, self._config.metadata, timeout, self._config.compact(compact_handles))
 
     async def wait_ready(self, timeout: float = DEFAULT_TIMEOUT_S, *, poll_interval: float = 0.1) -> None:
         """Poll health until SERVING (after warm-up), waiting through connection failures.

@@ -71,9 +71,10 @@ class ExecutorClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         options: Sequence[tuple[str, Any]] = (),
         token: str | None = None,
+        compact_handles: bool = False,
     ) -> None:
         self._config = ClientConfig.build(target, timeout, credentials, call_metadata, max_message_bytes, options,
-                                          token=token)
+                                          token=token, compact_handles=compact_handles)
         self._channel: grpc.Channel | None = None
         self._stubs: tuple[pb_grpc.ModelExecutorServiceStub, health_pb2_grpc.HealthStub] | None = None
         self._lock = threading.Lock()  # threads may race to open the channel
@@ -178,28 +179,37 @@ class ExecutorClient:
 
     # -- hot path: domain types ------------------------------------------------------------
 
-    def prefill(self, item: PrefillInput, *, timeout: Timeout = USE_DEFAULT) -> PrefillOutput:
-        resp = self._call(self.stub.Prefill, convert.prefill_request(item), timeout)
+    def prefill(self, item: PrefillInput, *, timeout: Timeout = USE_DEFAULT,
+                compact_handles: bool | None = None) -> PrefillOutput:
+        request = convert.prefill_request(item, self._config.compact(compact_handles))
+        resp = self._call(self.stub.Prefill, request, timeout)
         return convert.prefill_response(resp)
 
-    def decode(self, item: DecodeInput, *, timeout: Timeout = USE_DEFAULT) -> DecodeOutput:
-        resp = self._call(self.stub.Decode, convert.decode_request(item), timeout)
+    def decode(self, item: DecodeInput, *, timeout: Timeout = USE_DEFAULT,
+               compact_handles: bool | None = None) -> DecodeOutput:
+        request = convert.decode_request(item, self._config.compact(compact_handles))
+        resp = self._call(self.stub.Decode, request, timeout)
         return convert.decode_response(resp)
 
     def batch_prefill(
-        self, items: Sequence[PrefillInput], *, timeout: Timeout = USE_DEFAULT
+        self, items: Sequence[PrefillInput], *, timeout: Timeout = USE_DEFAULT, compact_handles: bool | None = None
     ) -> list[PrefillOutput]:
-        resp = self._call(self.stub.BatchPrefill, convert.batch_prefill_request(items), timeout)
+        request = convert.batch_prefill_request(items, self._config.compact(compact_handles))
+        resp = self._call(self.stub.BatchPrefill, request, timeout)
         return convert.batch_prefill_response(resp)
 
-    def batch_decode(self, items: Sequence[DecodeInput], *, timeout: Timeout = USE_DEFAULT) -> list[DecodeOutput]:
-        resp = self._call(self.stub.BatchDecode, convert.batch_decode_request(items), timeout)
+    def batch_decode(self, items: Sequence[DecodeInput], *, timeout: Timeout = USE_DEFAULT,
+                     compact_handles: bool | None = None) -> list[DecodeOutput]:
+        request = convert.batch_decode_request(items, self._config.compact(compact_handles))
+        resp = self._call(self.stub.BatchDecode, request, timeout)
         return convert.batch_decode_response(resp)
 
     def unified_decode(
-        self, batch: UnifiedBatch | Sequence[UnifiedBatchItem], *, timeout: Timeout = USE_DEFAULT
+        self, batch: UnifiedBatch | Sequence[UnifiedBatchItem], *, timeout: Timeout = USE_DEFAULT,
+        compact_handles: bool | None = None,
     ) -> list[UnifiedItemResult]:
-        resp = self._call(self.stub.UnifiedDecode, convert.unified_decode_request(batch), timeout)
+        request = convert.unified_decode_request(batch, self._config.compact(compact_handles))
+        resp = self._call(self.stub.UnifiedDecode, request, timeout)
         return convert.unified_decode_response(resp)
 
     def forward(
@@ -215,8 +225,9 @@ class ExecutorClient:
         logits_policy: LogitsPolicy | None = None,
         *,
         timeout: Timeout = USE_DEFAULT,
+        compact_handles: bool | None = None,
     ) -> ForwardVerifyOutput:
-        request = convert.forward_verify_request(kv_cache, tokens, logits_policy)
+        request = convert.forward_verify_request(kv_cache, tokens, logits_policy, self._config.compact(compact_handles))
         return convert.forward_verify_response(self._call(self.stub.ForwardVerify, request, timeout))
 
     def truncate_kv(
@@ -285,9 +296,10 @@ class ExecutorClient:
         """One grpc.health.v1 Check of the executor service."""
         return self._call(self._open()[1].Check, health_request(service), timeout)
 
-    def step_session(self, *, timeout: float | None = None) -> StepSession:
-        """Open a StepSession stream: many unified steps over one call (see client.session)."""
-        return StepSession(self.stub, self._config.metadata, timeout)
+    def step_session(self, *, timeout: float | None = None, compact_handles: bool | None = None) -> StepSession:
+        """Open a StepSession stream: many unified steps over one call (see client.session); every
+        step's handles compact (without block ids) as `compact_handles` says, else as the client's."""
+        return StepSession(self.stub, self._config.metadata, timeout, self._config.compact(compact_handles))
 
     def wait_ready(self, timeout: float = DEFAULT_TIMEOUT_S, *, poll_interval: float = 0.1) -> None:
         """Poll health until SERVING (after warm-up), waiting through connection failures.

@@ -127,6 +127,7 @@ def fill_handle(target: pb.KvCacheHandle, handle: KvCacheHandle) -> None:
     target.cache_id = handle.cache_id
     table = target.block_table
     table.block_ids.extend(handle.block_ids)
+    table.held_blocks = handle.held_blocks or len(handle.block_ids)
     table.sequence_length = handle.sequence_length
     table.block_size = handle.block_size
     target.num_layers = handle.num_layers
@@ -138,6 +139,13 @@ def fill_handle(target: pb.KvCacheHandle, handle: KvCacheHandle) -> None:
         if len(_DEVICE_WIRE) < 256:
             _DEVICE_WIRE[handle.device] = device
     target.device.CopyFrom(device)
+
+
+def fill_request_handle(target: pb.KvCacheHandle, handle: KvCacheHandle) -> None:
+    """A handle sent back in a request: its id and length, all the executor reads of it. The block
+    ids stay out: they grow with the cache (2048 for 32K tokens in 16-token blocks), on every step."""
+    target.cache_id = handle.cache_id
+    target.block_table.sequence_length = handle.sequence_length
 
 
 def handle_to_proto(handle: KvCacheHandle) -> pb.KvCacheHandle:
@@ -159,6 +167,8 @@ def handle_from_proto(handle: pb.KvCacheHandle) -> KvCacheHandle:
         num_kv_heads=handle.num_kv_heads,
         head_dim=handle.head_dim,
         device=device_from_proto(handle.device),
+        # A server older than the field lists the blocks only.
+        held_blocks=table.held_blocks or len(table.block_ids),
     )
 
 

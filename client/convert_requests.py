@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ._proto import executor_pb2 as pb
-from .convert_common import _item_metadata, cache_id_of, fill_handle, handle_to_proto
+from .convert_common import _item_metadata, cache_id_of, fill_request_handle
 from .convert_logits import _set_policy
 from .convert_tensors import data_type
 from .types import (
@@ -44,7 +44,7 @@ def prefill_input_to_proto(item: PrefillInput) -> pb.PrefillInput:
     if item.position_ids is not None:
         msg.position_ids.extend(token_list(item.position_ids, "position_ids"))
     if item.kv_cache is not None:
-        fill_handle(msg.kv_cache, item.kv_cache)
+        fill_request_handle(msg.kv_cache, item.kv_cache)
     _item_metadata(item.metadata, item.lora_adapter, msg.metadata)
     _set_policy(msg, item.logits_policy)
     return msg
@@ -54,7 +54,7 @@ def decode_input_to_proto(item: DecodeInput, msg: pb.DecodeInput | None = None) 
     """One DecodeInput on the wire (filled into msg where given)."""
     msg = pb.DecodeInput() if msg is None else msg
     msg.token_id = int(item.token_id)
-    fill_handle(msg.kv_cache, item.kv_cache)
+    fill_request_handle(msg.kv_cache, item.kv_cache)
     if item.position_id is not None:
         msg.position_id = int(item.position_id)
     if item.metadata or item.lora_adapter is not None:
@@ -77,30 +77,36 @@ def unified_item_to_proto(item: UnifiedBatchItem, msg: pb.UnifiedBatchItem | Non
     return msg
 
 
-def prefill_request(item: PrefillInput) -> pb.PrefillRequest:
-    return pb.PrefillRequest(input=prefill_input_to_proto(item))
+# `compact` below: ask for the returned handles without block ids (HANDLE_DETAIL_COMPACT).
+def handle_detail(compact: bool) -> int:
+    return pb.HANDLE_DETAIL_COMPACT if compact else pb.HANDLE_DETAIL_UNSPECIFIED
 
 
-def decode_request(item: DecodeInput) -> pb.DecodeRequest:
-    request = pb.DecodeRequest()
+def prefill_request(item: PrefillInput, compact: bool = False) -> pb.PrefillRequest:
+    return pb.PrefillRequest(input=prefill_input_to_proto(item), handle_detail=handle_detail(compact))
+
+
+def decode_request(item: DecodeInput, compact: bool = False) -> pb.DecodeRequest:
+    request = pb.DecodeRequest(handle_detail=handle_detail(compact))
     decode_input_to_proto(item, request.input)
     return request
 
 
-def batch_prefill_request(items: Sequence[PrefillInput]) -> pb.BatchPrefillRequest:
-    return pb.BatchPrefillRequest(inputs=[prefill_input_to_proto(i) for i in items])
+def batch_prefill_request(items: Sequence[PrefillInput], compact: bool = False) -> pb.BatchPrefillRequest:
+    return pb.BatchPrefillRequest(inputs=[prefill_input_to_proto(i) for i in items], handle_detail=handle_detail(compact))
 
 
-def batch_decode_request(items: Sequence[DecodeInput]) -> pb.BatchDecodeRequest:
-    request = pb.BatchDecodeRequest()
+def batch_decode_request(items: Sequence[DecodeInput], compact: bool = False) -> pb.BatchDecodeRequest:
+    request = pb.BatchDecodeRequest(handle_detail=handle_detail(compact))
     for item in items:
         decode_input_to_proto(item, request.inputs.add())
     return request
 
 
-def unified_decode_request(batch: UnifiedBatch | Sequence[UnifiedBatchItem]) -> pb.UnifiedDecodeRequest:
+def unified_decode_request(batch: UnifiedBatch | Sequence[UnifiedBatchItem],
+                           compact: bool = False) -> pb.UnifiedDecodeRequest:
     items = batch.items if isinstance(batch, UnifiedBatch) else batch
-    request = pb.UnifiedDecodeRequest()
+    request = pb.UnifiedDecodeRequest(handle_detail=handle_detail(compact))
     for item in items:
         unified_item_to_proto(item, request.batch.items.add())
     return request
@@ -124,9 +130,10 @@ def forward_request(input_ids: TokenIds, output: str = "logits", dtype: str = "f
 
 
 def forward_verify_request(
-    kv_cache: KvCacheHandle, tokens: TokenIds, logits_policy: LogitsPolicy | None = None
+    kv_cache: KvCacheHandle, tokens: TokenIds, logits_policy: LogitsPolicy | None = None, compact: bool = False
 ) -> pb.ForwardVerifyRequest:
-    msg = pb.ForwardVerifyRequest(kv_cache=handle_to_proto(kv_cache), tokens=token_list(tokens))
+    msg = pb.ForwardVerifyRequest(tokens=token_list(tokens), handle_detail=handle_detail(compact))
+    fill_request_handle(msg.kv_cache, kv_cache)
     _set_policy(msg, logits_policy)
     return msg
 

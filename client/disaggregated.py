@@ -88,7 +88,7 @@ class _DecodeScheduler(Scheduler):
         already counted off that replica's free blocks)."""
         rep = self.replicas[replica]
         s.cache_id, s.replica, s.computed = cache.cache_id, replica, cache.sequence_length
-        s.blocks = len(cache.block_ids) or rep.blocks_for(cache.sequence_length)
+        s.blocks = cache.held_blocks or rep.blocks_for(cache.sequence_length)
         rep.free_blocks -= s.blocks - reserved
         s.order, s.stall_since = next(self._order), None
         s.stream._scheduler = self  # its cancel() reaches this scheduler from now on

@@ -121,28 +121,33 @@ class AsyncExecutorRouter(BatchRouting):
         self._in_flight: dict[str, int] = {}
 
     # -- single-cache calls ---------------------------------------------------------------
-    async def prefill(self, item: PrefillInput, *, timeout: Timeout = USE_DEFAULT) -> PrefillOutput:
+    # compact_handles, as the clients' (None: the replica's client's own setting).
+    async def prefill(self, item: PrefillInput, *, timeout: Timeout = USE_DEFAULT,
+                      compact_handles: bool | None = None) -> PrefillOutput:
         await self._maybe_refresh()
         if item.kv_cache is not None:
             await self._wait_moves([item.kv_cache.cache_id])
         item, replica, created = self._prefill_route(item, "input")
-        out = await self._guard(self.replicas[replica].prefill(item, timeout=timeout), created,
-                                [item.kv_cache.cache_id])
+        out = await self._guard(self.replicas[replica].prefill(item, timeout=timeout, compact_handles=compact_handles),
+                                created, [item.kv_cache.cache_id])
         return out
 
-    async def decode(self, item: DecodeInput, *, timeout: Timeout = USE_DEFAULT) -> DecodeOutput:
+    async def decode(self, item: DecodeInput, *, timeout: Timeout = USE_DEFAULT,
+                     compact_handles: bool | None = None) -> DecodeOutput:
         cid = item.kv_cache.cache_id
         await self._wait_moves([cid])
         replica = self._route(cid, "input.kv_cache")
-        return await self._guard(self.replicas[replica].decode(item, timeout=timeout), [], [cid])
+        return await self._guard(self.replicas[replica].decode(item, timeout=timeout, compact_handles=compact_handles),
+                                 [], [cid])
 
     async def forward_verify(
         self, kv_cache: KvCacheHandle, tokens: TokenIds, logits_policy: LogitsPolicy | None = None,
-        *, timeout: Timeout = USE_DEFAULT,
+        *, timeout: Timeout = USE_DEFAULT, compact_handles: bool | None = None,
     ) -> ForwardVerifyOutput:
         await self._wait_moves([kv_cache.cache_id])
         replica = self._route(kv_cache.cache_id, "kv_cache")
-        call = self.replicas[replica].forward_verify(kv_cache, tokens, logits_policy, timeout=timeout)
+        call = self.replicas[replica].forward_verify(kv_cache, tokens, logits_policy, timeout=timeout,
+                                                     compact_handles=compact_handles)
         return await self._guard(call, [], [kv_cache.cache_id])
 
     async def truncate_kv(self, cache: KvCacheHandle | str, new_length: int, *,

@@ -59,8 +59,9 @@ class BatchRouting(CachePlacement):
     """The router's batch calls: BatchPrefill, BatchDecode and UnifiedDecode, split per replica."""
 
     # -- batches: split per replica, merge in order --------------------------------------
-    async def batch_prefill(self, items: Sequence[PrefillInput], *,
-                            timeout: Timeout = USE_DEFAULT) -> list[PrefillOutput]:
+    # compact_handles, as the clients' (None: each replica's client's own setting).
+    async def batch_prefill(self, items: Sequence[PrefillInput], *, timeout: Timeout = USE_DEFAULT,
+                            compact_handles: bool | None = None) -> list[PrefillOutput]:
         await self._maybe_refresh()
         await self._wait_moves([it.kv_cache.cache_id for it in items if it.kv_cache is not None])
         routed, replicas, created = [], [], []
@@ -74,18 +75,21 @@ class BatchRouting(CachePlacement):
             self._undo_pins(created)
             raise
         touched = [it.kv_cache.cache_id for it in routed]
-        return await self._split(routed, replicas, lambda r, part: self.replicas[r].batch_prefill(part, timeout=timeout),
-                                 created, touched)
+        return await self._split(routed, replicas, lambda r, part: self.replicas[r].batch_prefill(
+                                     part, timeout=timeout, compact_handles=compact_handles), created, touched)
 
-    async def batch_decode(self, items: Sequence[DecodeInput], *, timeout: Timeout = USE_DEFAULT) -> list[DecodeOutput]:
+    async def batch_decode(self, items: Sequence[DecodeInput], *, timeout: Timeout = USE_DEFAULT,
+                           compact_handles: bool | None = None) -> list[DecodeOutput]:
         await self._wait_moves([it.kv_cache.cache_id for it in items])
         replicas = [self._route(it.kv_cache.cache_id, f"inputs[{i}].kv_cache") for i, it in enumerate(items)]
         touched = [it.kv_cache.cache_id for it in items]
         return await self._split(list(items), replicas,
-                                 lambda r, part: self.replicas[r].batch_decode(part, timeout=timeout), [], touched)
+                                 lambda r, part: self.replicas[r].batch_decode(
+                                     part, timeout=timeout, compact_handles=compact_handles), [], touched)
 
     async def unified_decode(self, batch: UnifiedBatch | Sequence[UnifiedBatchItem], *,
-                             timeout: Timeout = USE_DEFAULT) -> list[UnifiedItemResult]:
+                             timeout: Timeout = USE_DEFAULT,
+                             compact_handles: bool | None = None) -> list[UnifiedItemResult]:
         items = list(batch.items if isinstance(batch, UnifiedBatch) else batch)
         if any(not it.seq_id or (it.pos_offset == 0 and it.seq_id not in self._owner) for it in items):
             await self._maybe_refresh()
@@ -110,7 +114,8 @@ class BatchRouting(CachePlacement):
             raise
         touched = [it.seq_id for it in routed]
         return await self._split(routed, replicas,
-                                 lambda r, part: self.replicas[r].unified_decode(part, timeout=timeout),
+                                 lambda r, part: self.replicas[r].unified_decode(
+                                     part, timeout=timeout, compact_handles=compact_handles),
                                  created, touched)
 
     async def _split(self, items: list[Any], replicas: list[int],

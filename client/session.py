@@ -37,8 +37,9 @@ def step_error(err: pb.StepError) -> ExecutorError:
                              domain="modelexec.v1")
 
 
-def _request(step_id: int, batch: UnifiedBatch | Sequence[UnifiedBatchItem]) -> pb.StepSessionRequest:
-    return pb.StepSessionRequest(step_id=step_id, batch=convert.unified_decode_request(batch).batch)
+def _request(step_id: int, batch: UnifiedBatch | Sequence[UnifiedBatchItem], compact: bool) -> pb.StepSessionRequest:
+    request = convert.unified_decode_request(batch, compact)
+    return pb.StepSessionRequest(step_id=step_id, batch=request.batch, handle_detail=request.handle_detail)
 
 
 def _check_answered(unanswered: int) -> None:
@@ -55,8 +56,9 @@ def _results(resp: Any) -> list[UnifiedItemResult]:
 class AsyncStepSession:
     """`async with client.step_session() as s: results = await s.step(items)`."""
 
-    def __init__(self, stub: Any, metadata: Any, timeout: float | None) -> None:
+    def __init__(self, stub: Any, metadata: Any, timeout: float | None, compact: bool = False) -> None:
         self._call = stub.StepSession(metadata=metadata, timeout=timeout)
+        self._compact = compact  # every step's handles without block ids (HANDLE_DETAIL_COMPACT)
         self._step_id = 0
         self._unanswered = 0  # steps sent whose results are not read yet
         self._lock = asyncio.Lock()  # responses match requests: one write or read at a time
@@ -83,7 +85,7 @@ class AsyncStepSession:
     async def _write(self, batch: UnifiedBatch | Sequence[UnifiedBatchItem]) -> int:
         self._step_id += 1
         try:
-            await self._call.write(_request(self._step_id, batch))
+            await self._call.write(_request(self._step_id, batch, self._compact))
         except grpc.RpcError as e:
             raise from_rpc_error(e) from e
         except asyncio.InvalidStateError:  # the call had ended: a step cancelled, a deadline, the server
@@ -128,7 +130,8 @@ class AsyncStepSession:
 class StepSession:
     """The blocking twin: `with client.step_session() as s: results = s.step(items)`."""
 
-    def __init__(self, stub: Any, metadata: Any, timeout: float | None) -> None:
+    def __init__(self, stub: Any, metadata: Any, timeout: float | None, compact: bool = False) -> None:
+        self._compact = compact  # every step's handles without block ids (HANDLE_DETAIL_COMPACT)
         self._requests: queue.Queue[Any] = queue.Queue()
         self._responses = stub.StepSession(iter(self._requests.get, _END), metadata=metadata, timeout=timeout)
         self._step_id = 0
@@ -143,7 +146,7 @@ class StepSession:
         """Send a step without waiting for its result (receive() reads results in the order
         sent); its step id."""
         self._step_id += 1
-        self._requests.put(_request(self._step_id, batch))
+        self._requests.put(_request(self._step_id, batch, self._compact))
         self._unanswered += 1
         return self._step_id
 

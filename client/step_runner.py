@@ -44,7 +44,9 @@ async def run_step(sched: Scheduler, r: int, items: list[tuple[_Seq, int]]) -> N
     delay = sched.config.retry_backoff_s
     for attempt in itertools.count():
         try:
-            results = await sched.router.unified_decode(batch)
+            # Compact handles: the scheduler counts blocks from lengths, and block ids that grow with
+            # every context would cost more to send than the step's tokens at long contexts.
+            results = await sched.router.unified_decode(batch, compact_handles=True)
             break
         except ExecutorError as e:
             if is_transient(e) and attempt < sched.config.retry_attempts:
@@ -74,7 +76,7 @@ def apply_result(sched: Scheduler, s: _Seq, n: int, res: UnifiedItemResult) -> N
         sched.replicas[moved].free_blocks -= s.blocks
         s.replica = moved
     rep = sched.replicas[s.replica]
-    blocks = len(res.kv_cache.block_ids) if res.kv_cache.block_ids else rep.blocks_for(s.computed + n)
+    blocks = res.kv_cache.held_blocks or rep.blocks_for(s.computed + n)
     rep.free_blocks -= blocks - s.blocks
     s.blocks = blocks
     s.computed += n

@@ -54,6 +54,8 @@ class KvCacheHandle:
     Pass it back unchanged: the executor checks `sequence_length` so a stale view
     fails with FAILED_PRECONDITION instead of producing wrong logits. `device` is
     "cpu", "cuda:0", "rocm:1", "metal:0", or "" when the server left it unset.
+    `block_ids` is empty in a compact handle (`compact_handles`); `held_blocks` counts the
+    blocks the cache holds either way.
     """
 
     cache_id: str
@@ -64,6 +66,11 @@ class KvCacheHandle:
     num_kv_heads: int = 0
     head_dim: int = 0
     device: str = "cpu"
+    held_blocks: int = 0  # 0: as many as block_ids lists
+
+    def __post_init__(self) -> None:
+        if not self.held_blocks and self.block_ids:
+            object.__setattr__(self, "held_blocks", len(self.block_ids))
 
 
 @dataclass(frozen=True, slots=True)

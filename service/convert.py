@@ -165,6 +165,18 @@ def logits_adjustments(msg: pb.LogitsAdjustments) -> LogitsAdjustments:
     )
 
 
+_HANDLE_DETAILS = (pb.HANDLE_DETAIL_UNSPECIFIED, pb.HANDLE_DETAIL_FULL, pb.HANDLE_DETAIL_COMPACT)
+
+
+def compact_handles(request) -> bool:
+    """Whether a stepping request asks for its handles without block ids (HANDLE_DETAIL_COMPACT)."""
+    detail = request.handle_detail
+    if detail not in _HANDLE_DETAILS:  # a value of a newer contract, or a mistake: never guessed at
+        raise InvalidParameter(f"handle_detail {detail} is not a HandleDetail: use HANDLE_DETAIL_FULL (1) "
+                               "or HANDLE_DETAIL_COMPACT (2)", field="handle_detail")
+    return detail == pb.HANDLE_DETAIL_COMPACT
+
+
 def kv_handle(msg: pb.KvCacheHandle, where: str) -> t.KvCacheHandle:
     cache_id = msg.cache_id
     if not cache_id:

@@ -46,10 +46,13 @@ def device(name: str) -> pb.Device:
     return out
 
 
-def fill_handle(target: pb.KvCacheHandle, h: t.KvCacheHandle) -> None:
+def fill_handle(target: pb.KvCacheHandle, h: t.KvCacheHandle, compact: bool = False) -> None:
+    """`compact`: without the block ids (HANDLE_DETAIL_COMPACT)."""
     target.cache_id = h.cache_id
     table = target.block_table
-    table.block_ids.extend(h.block_ids)
+    if not compact:
+        table.block_ids.extend(h.block_ids)
+    table.held_blocks = len(h.block_ids)
     table.sequence_length = h.sequence_length
     table.block_size = h.block_size
     target.num_layers = h.num_layers
@@ -58,9 +61,9 @@ def fill_handle(target: pb.KvCacheHandle, h: t.KvCacheHandle) -> None:
     target.device.CopyFrom(_known_device(h.device))
 
 
-def handle(h: t.KvCacheHandle) -> pb.KvCacheHandle:
+def handle(h: t.KvCacheHandle, compact: bool = False) -> pb.KvCacheHandle:
     out = pb.KvCacheHandle()
-    fill_handle(out, h)
+    fill_handle(out, h, compact)
     return out
 
 
@@ -85,34 +88,36 @@ def logits_output(r: t.LogitsResult) -> pb.LogitsOutput:
     return out
 
 
-def fill_output(target: pb.PrefillOutput | pb.DecodeOutput, o: t.PrefillOutput | t.DecodeOutput) -> None:
+def fill_output(target: pb.PrefillOutput | pb.DecodeOutput, o: t.PrefillOutput | t.DecodeOutput,
+                compact: bool = False) -> None:
     """A PrefillOutput or DecodeOutput (the same two fields)."""
     fill_logits(target.logits, o.logits)
-    fill_handle(target.kv_cache, o.kv_cache)
+    fill_handle(target.kv_cache, o.kv_cache, compact)
 
 
-def fill_unified_result(target: pb.UnifiedItemResult, r: t.UnifiedItemResult) -> None:
+def fill_unified_result(target: pb.UnifiedItemResult, r: t.UnifiedItemResult, compact: bool = False) -> None:
     target.seq_id = r.seq_id
-    fill_handle(target.kv_cache, r.kv_cache)
+    fill_handle(target.kv_cache, r.kv_cache, compact)
     if r.logits is not None:
         fill_logits(target.logits, r.logits)
 
 
-def with_output(response: Any, out: t.PrefillOutput | t.DecodeOutput) -> Any:
+# `compact` below: the handles without block ids (the request's HANDLE_DETAIL_COMPACT).
+def with_output(response: Any, out: t.PrefillOutput | t.DecodeOutput, compact: bool = False) -> Any:
     """A PrefillResponse or DecodeResponse with its output filled in."""
-    fill_output(response.output, out)
+    fill_output(response.output, out, compact)
     return response
 
 
-def with_outputs(response: Any, outs: list[t.PrefillOutput] | list[t.DecodeOutput]) -> Any:
+def with_outputs(response: Any, outs: list[t.PrefillOutput] | list[t.DecodeOutput], compact: bool = False) -> Any:
     """A BatchPrefillResponse or BatchDecodeResponse with its outputs filled in."""
     for o in outs:
-        fill_output(response.outputs.add(), o)
+        fill_output(response.outputs.add(), o, compact)
     return response
 
 
-def with_results(response: Any, results: list[t.UnifiedItemResult]) -> Any:
+def with_results(response: Any, results: list[t.UnifiedItemResult], compact: bool = False) -> Any:
     """A UnifiedDecodeResponse or StepSessionResponse with its results filled in."""
     for r in results:
-        fill_unified_result(response.results.add(), r)
+        fill_unified_result(response.results.add(), r, compact)
     return response

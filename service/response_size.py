@@ -65,28 +65,30 @@ class ResponseBudget:
             return min(max(policy.k, 0), self.vocab_size, MAX_TOP_K) * self.top_k_entry + ROW_FRAMING
         return min(policy.top_logprobs, self.vocab_size, MAX_TOP_K) * self.top_k_entry + ROW_FRAMING
 
-    def handle(self, cache_id: str | None, end_length: int, name_chars: int = 0) -> int:
-        """A handle to a cache holding `end_length` tokens after the call, and its item's framing."""
-        blocks = -(-max(end_length, 0) // self.block_size)
+    def handle(self, cache_id: str | None, end_length: int, name_chars: int = 0, compact: bool = False) -> int:
+        """A handle to a cache holding `end_length` tokens after the call, and its item's framing;
+        `compact`: without its block ids (HANDLE_DETAIL_COMPACT)."""
+        blocks = 0 if compact else -(-max(end_length, 0) // self.block_size)
         id_chars = len(cache_id) if cache_id else SERVER_CHOSEN_ID
         return blocks * self.block_id + id_chars + name_chars + ITEM_FRAMING
 
     # -- bounds: the most bytes each call's whole response can take ----------------------
-    def prefills(self, inputs: Sequence[PrefillInput]) -> int:
-        return RESPONSE_FRAMING + sum(self.row(i.logits_policy) + self.handle(*_continued(i.kv_cache, len(i.input_ids)))
+    def prefills(self, inputs: Sequence[PrefillInput], compact: bool = False) -> int:
+        return RESPONSE_FRAMING + sum(self.row(i.logits_policy)
+                                      + self.handle(*_continued(i.kv_cache, len(i.input_ids)), compact=compact)
                                       for i in inputs)
 
-    def decodes(self, inputs: Sequence[DecodeInput]) -> int:
-        return RESPONSE_FRAMING + sum(self.row(i.logits_policy) + self.handle(*_continued(i.kv_cache, 1))
+    def decodes(self, inputs: Sequence[DecodeInput], compact: bool = False) -> int:
+        return RESPONSE_FRAMING + sum(self.row(i.logits_policy) + self.handle(*_continued(i.kv_cache, 1), compact=compact)
                                       for i in inputs)
 
-    def unified(self, items: Sequence[UnifiedBatchItem]) -> int:
+    def unified(self, items: Sequence[UnifiedBatchItem], compact: bool = False) -> int:
         return RESPONSE_FRAMING + sum((self.row(i.logits_policy) if i.is_final_chunk else 0)
-                                      + self.handle(i.seq_id, i.pos_offset + i.token_count, len(i.seq_id))
+                                      + self.handle(i.seq_id, i.pos_offset + i.token_count, len(i.seq_id), compact)
                                       for i in items)
 
-    def verify(self, handle: KvCacheHandle, tokens: int, policy: LogitsPolicy) -> int:
-        return RESPONSE_FRAMING + tokens * self.row(policy) + self.handle(*_continued(handle, tokens))
+    def verify(self, handle: KvCacheHandle, tokens: int, policy: LogitsPolicy, compact: bool = False) -> int:
+        return RESPONSE_FRAMING + tokens * self.row(policy) + self.handle(*_continued(handle, tokens), compact=compact)
 
     def forward(self, tokens: int, kind: ForwardKind, dtype: DType) -> int:
         if kind is ForwardKind.TOKEN_LOGPROBS:
@@ -97,21 +99,23 @@ class ResponseBudget:
         return RESPONSE_FRAMING + payload + ROW_FRAMING
 
     # -- checks, before the call runs ------------------------------------------------------
-    def check_prefills(self, inputs: Sequence[PrefillInput], where: str) -> None:
+    # `compact`: the call returns its handles without block ids (HANDLE_DETAIL_COMPACT).
+    def check_prefills(self, inputs: Sequence[PrefillInput], where: str, compact: bool = False) -> None:
         if not self.fits_anyway(len(inputs)):
-            self._check(self.prefills(inputs), where)
+            self._check(self.prefills(inputs, compact), where)
 
-    def check_decodes(self, inputs: Sequence[DecodeInput], where: str) -> None:
+    def check_decodes(self, inputs: Sequence[DecodeInput], where: str, compact: bool = False) -> None:
         if not self.fits_anyway(len(inputs)):
-            self._check(self.decodes(inputs), where)
+            self._check(self.decodes(inputs, compact), where)
 
-    def check_unified(self, items: Sequence[UnifiedBatchItem], where: str) -> None:
+    def check_unified(self, items: Sequence[UnifiedBatchItem], where: str, compact: bool = False) -> None:
         if not self.fits_anyway(len(items)):
-            self._check(self.unified(items), where)
+            self._check(self.unified(items, compact), where)
 
-    def check_verify(self, handle: KvCacheHandle, tokens: int, policy: LogitsPolicy, where: str) -> None:
+    def check_verify(self, handle: KvCacheHandle, tokens: int, policy: LogitsPolicy, where: str,
+                     compact: bool = False) -> None:
         if not self.fits_anyway(tokens):
-            self._check(self.verify(handle, tokens, policy), where)
+            self._check(self.verify(handle, tokens, policy, compact), where)
 
     def check_forward(self, tokens: int, kind: ForwardKind, dtype: DType, where: str) -> None:
         self._check(self.forward(tokens, kind, dtype), where)

@@ -122,45 +122,48 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         call = _Call()
         self._check_size(1, len(request.input.input_ids), "input.input_ids")
-        prefill = convert.prefill_input(request.input, "input")
-        self.responses.check_prefills((prefill,), "input")
+        prefill, compact = convert.prefill_input(request.input, "input"), convert.compact_handles(request)
+        self.responses.check_prefills((prefill,), "input", compact)
         out = await self.executor.prefill(prefill)
-        return call.stamp(convert_results.with_output(pb.PrefillResponse(), out))
+        return call.stamp(convert_results.with_output(pb.PrefillResponse(), out, compact))
 
     async def Decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
         call = _Call()
-        decode = convert.decode_input(request.input, "input")
-        self.responses.check_decodes((decode,), "input")
+        decode, compact = convert.decode_input(request.input, "input"), convert.compact_handles(request)
+        self.responses.check_decodes((decode,), "input", compact)
         out = await self.executor.decode(decode)
-        return call.stamp(convert_results.with_output(pb.DecodeResponse(), out))
+        return call.stamp(convert_results.with_output(pb.DecodeResponse(), out, compact))
 
     async def BatchPrefill(self, request: pb.BatchPrefillRequest, context) -> pb.BatchPrefillResponse:
         call = _Call()
         self._check_size(len(request.inputs), sum(len(i.input_ids) for i in request.inputs), "inputs")
         inputs = [convert.prefill_input(m, f"inputs[{i}]") for i, m in enumerate(request.inputs)]
-        self.responses.check_prefills(inputs, "inputs")
+        compact = convert.compact_handles(request)
+        self.responses.check_prefills(inputs, "inputs", compact)
         outs = await self.executor.batch_prefill(inputs)
-        return call.stamp(convert_results.with_outputs(pb.BatchPrefillResponse(), outs))
+        return call.stamp(convert_results.with_outputs(pb.BatchPrefillResponse(), outs, compact))
 
     async def BatchDecode(self, request: pb.BatchDecodeRequest, context) -> pb.BatchDecodeResponse:
         call = _Call()
         self._check_size(len(request.inputs), len(request.inputs), "inputs")
         inputs = [convert.decode_input(m, f"inputs[{i}]") for i, m in enumerate(request.inputs)]
-        self.responses.check_decodes(inputs, "inputs")
+        compact = convert.compact_handles(request)
+        self.responses.check_decodes(inputs, "inputs", compact)
         outs = await self.executor.batch_decode(inputs)
-        return call.stamp(convert_results.with_outputs(pb.BatchDecodeResponse(), outs))
+        return call.stamp(convert_results.with_outputs(pb.BatchDecodeResponse(), outs, compact))
 
     async def UnifiedDecode(self, request: pb.UnifiedDecodeRequest, context) -> pb.UnifiedDecodeResponse:
         call = _Call()
-        results = await self._unified(request.batch)
-        return call.stamp(convert_results.with_results(pb.UnifiedDecodeResponse(), results))
+        compact = convert.compact_handles(request)
+        results = await self._unified(request.batch, compact)
+        return call.stamp(convert_results.with_results(pb.UnifiedDecodeResponse(), results, compact))
 
-    async def _unified(self, batch: pb.UnifiedBatch) -> list:
+    async def _unified(self, batch: pb.UnifiedBatch, compact: bool) -> list:
         """A unified batch checked, converted and run (UnifiedDecode, and each StepSession step)."""
         items = batch.items
         self._check_size(len(items), sum(map(convert.item_tokens, items)), "batch.items")
         unified = [convert.unified_item(m, f"batch.items[{i}]") for i, m in enumerate(items)]
-        self.responses.check_unified(unified, "batch.items")
+        self.responses.check_unified(unified, "batch.items", compact)
         return await self.executor.unified_decode(unified)
 
     async def StepSession(self, requests, context):
@@ -177,14 +180,16 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         try:
             if isinstance(request, _Undecodable):
                 raise _malformed(request)
-            results = await self._unified(request.batch)
+            compact = convert.compact_handles(request)
+            results = await self._unified(request.batch, compact)
         except Exception as exc:  # noqa: BLE001 - mapped exactly as the call wrapper maps unary calls
             err = to_status_error(exc)
             return pb.StepSessionResponse(
                 step_id=getattr(request, "step_id", 0), timing=call.timing(),
                 error=pb.StepError(code=err.code.value[0], message=err.message, reason=err.reason,
                                    metadata=err.metadata))
-        return call.stamp(convert_results.with_results(pb.StepSessionResponse(step_id=request.step_id), results))
+        return call.stamp(convert_results.with_results(pb.StepSessionResponse(step_id=request.step_id), results,
+                                                       compact))
 
     # -- forward and speculative decoding -------------------------------------------------
     async def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:
@@ -199,10 +204,11 @@ class ModelExecutorServicer(pb_grpc.ModelExecutorServiceServicer):
         call = _Call()
         self._check_size(1, len(request.tokens), "tokens")
         handle, policy = convert.verify_handle(request), convert.logits_policy(request.logits_policy, "logits_policy")
-        self.responses.check_verify(handle, len(request.tokens), policy, "tokens")
+        compact = convert.compact_handles(request)
+        self.responses.check_verify(handle, len(request.tokens), policy, "tokens", compact)
         out = await self.executor.forward_verify(handle, request.tokens, policy)
         return pb.ForwardVerifyResponse(outputs=[convert_results.logits_output(r) for r in out.outputs],
-                                        kv_cache=convert_results.handle(out.kv_cache), timing=call.timing())
+                                        kv_cache=convert_results.handle(out.kv_cache, compact), timing=call.timing())
 
     async def TruncateKv(self, request: pb.TruncateKvRequest, context) -> pb.TruncateKvResponse:
         call = _Call()

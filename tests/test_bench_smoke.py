@@ -287,3 +287,21 @@ def test_the_mla_bench_gives_the_cache_the_kernel_and_both_sides_steps(capsys):
     assert "cache, DeepSeek-V2-Lite" in out and "(71.1x ours)" in out
     assert out.count("kernel, context    24") == (1 if cpu_kernels() is not None else 0)
     assert out.count("decode, context    24, batch") == 2 and out.count("ours alone") == 2
+
+
+def test_the_handles_bench_steps_both_forms_at_each_size(capsys, tmp_path):
+    """bench.handles at tiny sizes: a line a call and size, and rows whose compact responses
+    are the smaller, by the block ids they leave out."""
+    pytest.importorskip("transformers")
+    import json
+
+    from bench import handles
+
+    out_file = tmp_path / "handles.json"
+    assert handles.main(["--ids", "4,64", "--batch", "2", "--rounds", "1", "--out", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("UnifiedDecode batch  2") == 2 and out.count("StepSession   batch  2") == 2
+    rows = [r for r in json.loads(out_file.read_text())["rows"] if r["call"] == "UnifiedDecode"]
+    assert [r["block_ids_per_handle"] for r in rows] == [4, 64]
+    small, large = (r["full_response_bytes"] - r["compact_response_bytes"] for r in rows)
+    assert 0 < small < large and large >= 2 * 64  # two handles' ids, at least a byte each

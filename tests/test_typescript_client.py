@@ -87,14 +87,15 @@ def test_demo_prefill_decode_release(built: Path, make_server) -> None:
     prefill, decode = s["prefill"], s["decode"]
     assert prefill["cacheId"] and decode["cacheId"] == prefill["cacheId"]
     assert (prefill["sequenceLength"], decode["sequenceLength"]) == (3, 4)
-    assert prefill["blockIds"] and prefill["blockSize"] == 4
+    assert prefill["blockIds"] and prefill["blockSize"] == 4 and prefill["heldBlocks"] == len(prefill["blockIds"])
+    assert decode["blockIds"] == [] and decode["heldBlocks"] == 1  # asked for compact: the count, no ids
     for step in (prefill, decode):
         assert 0 <= step["tokenId"] < vocab
         assert step["logprob"] <= 0 and math.isfinite(step["logprob"])
         # uint64 timings arrive as bigint, printed as decimal strings (protobuf JSON style).
         assert int(step["timing"]["totalNs"]) >= int(step["timing"]["executorNs"]) > 0
     assert s["release"] == {"step": "release", "cacheId": prefill["cacheId"], "released": True,
-                            "freedBlocks": len(decode["blockIds"])}
+                            "freedBlocks": decode["heldBlocks"]}
     assert s["status"]["freeBlocks"] == s["status"]["totalBlocks"] == 256
     assert s["status"]["activeCaches"] == 0
 

@@ -14,6 +14,7 @@ import {
   type GetInfoResponse,
   GetStatusRequest,
   type GetStatusResponse,
+  HandleDetail,
   ImportKvRequest,
   type ImportKvResponse,
   type KvCacheHandle,
@@ -61,6 +62,16 @@ export class ExecutorError extends Error {
   }
 }
 
+/** Options of the stepping calls (`prefill`, `decode`). */
+export interface StepOptions {
+  /**
+   * Return the handle without its block ids (HANDLE_DETAIL_COMPACT): they grow with the cache
+   * (2048 at 32K tokens in 16-token blocks), and the executor reads only `cacheId` and the
+   * block table's `sequenceLength` of a handle sent back. `heldBlocks` still counts them.
+   */
+  compactHandles?: boolean;
+}
+
 /** Options of `exportKv`: positions [start, end) of the cache (default all of it). */
 export interface ExportKvOptions {
   /** First position to export (default 0). */
@@ -81,6 +92,10 @@ export interface ReleaseCacheOptions {
    * only if no step has grown it since its last export.
    */
   expectedLength?: number;
+}
+
+function handleDetail(options: StepOptions): HandleDetail {
+  return options.compactHandles ? HandleDetail.HANDLE_DETAIL_COMPACT : HandleDetail.HANDLE_DETAIL_UNSPECIFIED;
 }
 
 function cacheIdOf(cache: KvCacheHandle | string): string {
@@ -201,13 +216,13 @@ export class ExecutorClient {
    * Nested messages may be partial too (`logitsPolicy: { argmax: {} }`): fields a later
    * contract adds do not break a caller's literals.
    */
-  prefill(input: DeepPartial<PrefillInput>): Promise<PrefillResponse> {
-    return this.unary(this.stub.prefill, PrefillRequest.fromPartial({ input }));
+  prefill(input: DeepPartial<PrefillInput>, options: StepOptions = {}): Promise<PrefillResponse> {
+    return this.unary(this.stub.prefill, PrefillRequest.fromPartial({ input, handleDetail: handleDetail(options) }));
   }
 
   /** Appends `input.tokenId` to the cache `input.kvCache` (the handle the last call returned). */
-  decode(input: DeepPartial<DecodeInput>): Promise<DecodeResponse> {
-    return this.unary(this.stub.decode, DecodeRequest.fromPartial({ input }));
+  decode(input: DeepPartial<DecodeInput>, options: StepOptions = {}): Promise<DecodeResponse> {
+    return this.unary(this.stub.decode, DecodeRequest.fromPartial({ input, handleDetail: handleDetail(options) }));
   }
 
   /**

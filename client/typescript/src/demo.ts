@@ -44,6 +44,7 @@ function handle(h: KvCacheHandle | undefined) {
     cacheId: h?.cacheId,
     sequenceLength: h?.blockTable?.sequenceLength,
     blockIds: h?.blockTable?.blockIds,
+    heldBlocks: h?.blockTable?.heldBlocks,
     blockSize: h?.blockTable?.blockSize,
   };
 }
@@ -69,11 +70,11 @@ async function main(): Promise<void> {
     made = afterPrefill?.cacheId;
     emit({ step: "prefill", ...handle(afterPrefill), ...logits(prefill.output?.logits), timing: prefill.timing });
 
-    const decode = await client.decode({
-      tokenId: prefill.output?.logits?.tokenId ?? 0,
-      kvCache: afterPrefill,
-      logitsPolicy: { argmax: {} },
-    });
+    // Its handle compact: the block ids left out, only their count (heldBlocks) returned.
+    const decode = await client.decode(
+      { tokenId: prefill.output?.logits?.tokenId ?? 0, kvCache: afterPrefill, logitsPolicy: { argmax: {} } },
+      { compactHandles: true },
+    );
     const afterDecode = decode.output?.kvCache;
     emit({ step: "decode", ...handle(afterDecode), ...logits(decode.output?.logits), timing: decode.timing });
 

@@ -32,6 +32,12 @@ class DeviceType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DEVICE_TYPE_ROCM: _ClassVar[DeviceType]
     DEVICE_TYPE_METAL: _ClassVar[DeviceType]
 
+class HandleDetail(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HANDLE_DETAIL_UNSPECIFIED: _ClassVar[HandleDetail]
+    HANDLE_DETAIL_FULL: _ClassVar[HandleDetail]
+    HANDLE_DETAIL_COMPACT: _ClassVar[HandleDetail]
+
 class LogitsKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     LOGITS_KIND_UNSPECIFIED: _ClassVar[LogitsKind]
@@ -93,6 +99,9 @@ DEVICE_TYPE_CPU: DeviceType
 DEVICE_TYPE_CUDA: DeviceType
 DEVICE_TYPE_ROCM: DeviceType
 DEVICE_TYPE_METAL: DeviceType
+HANDLE_DETAIL_UNSPECIFIED: HandleDetail
+HANDLE_DETAIL_FULL: HandleDetail
+HANDLE_DETAIL_COMPACT: HandleDetail
 LOGITS_KIND_UNSPECIFIED: LogitsKind
 LOGITS_KIND_FULL: LogitsKind
 LOGITS_KIND_ARGMAX: LogitsKind
@@ -145,14 +154,16 @@ class Device(_message.Message):
     def __init__(self, type: _Optional[_Union[DeviceType, str]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class BlockTable(_message.Message):
-    __slots__ = ("block_ids", "sequence_length", "block_size")
+    __slots__ = ("block_ids", "sequence_length", "block_size", "held_blocks")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     sequence_length: int
     block_size: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., sequence_length: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    held_blocks: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., sequence_length: _Optional[int] = ..., block_size: _Optional[int] = ..., held_blocks: _Optional[int] = ...) -> None: ...
 
 class KvCacheHandle(_message.Message):
     __slots__ = ("cache_id", "block_table", "num_layers", "num_kv_heads", "head_dim", "device")
@@ -334,10 +345,12 @@ class DecodeOutput(_message.Message):
     def __init__(self, logits: _Optional[_Union[LogitsOutput, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("input",)
+    __slots__ = ("input", "handle_detail")
     INPUT_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_DETAIL_FIELD_NUMBER: _ClassVar[int]
     input: PrefillInput
-    def __init__(self, input: _Optional[_Union[PrefillInput, _Mapping]] = ...) -> None: ...
+    handle_detail: HandleDetail
+    def __init__(self, input: _Optional[_Union[PrefillInput, _Mapping]] = ..., handle_detail: _Optional[_Union[HandleDetail, str]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("output", "timing")
@@ -348,10 +361,12 @@ class PrefillResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[PrefillOutput, _Mapping]] = ..., timing: _Optional[_Union[CallTiming, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("input",)
+    __slots__ = ("input", "handle_detail")
     INPUT_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_DETAIL_FIELD_NUMBER: _ClassVar[int]
     input: DecodeInput
-    def __init__(self, input: _Optional[_Union[DecodeInput, _Mapping]] = ...) -> None: ...
+    handle_detail: HandleDetail
+    def __init__(self, input: _Optional[_Union[DecodeInput, _Mapping]] = ..., handle_detail: _Optional[_Union[HandleDetail, str]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("output", "timing")
@@ -362,10 +377,12 @@ class DecodeResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[DecodeOutput, _Mapping]] = ..., timing: _Optional[_Union[CallTiming, _Mapping]] = ...) -> None: ...
 
 class BatchPrefillRequest(_message.Message):
-    __slots__ = ("inputs",)
+    __slots__ = ("inputs", "handle_detail")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_DETAIL_FIELD_NUMBER: _ClassVar[int]
     inputs: _containers.RepeatedCompositeFieldContainer[PrefillInput]
-    def __init__(self, inputs: _Optional[_Iterable[_Union[PrefillInput, _Mapping]]] = ...) -> None: ...
+    handle_detail: HandleDetail
+    def __init__(self, inputs: _Optional[_Iterable[_Union[PrefillInput, _Mapping]]] = ..., handle_detail: _Optional[_Union[HandleDetail, str]] = ...) -> None: ...
 
 class BatchPrefillResponse(_message.Message):
     __slots__ = ("outputs", "timing")
@@ -376,10 +393,12 @@ class BatchPrefillResponse(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[PrefillOutput, _Mapping]]] = ..., timing: _Optional[_Union[CallTiming, _Mapping]] = ...) -> None: ...
 
 class BatchDecodeRequest(_message.Message):
-    __slots__ = ("inputs",)
+    __slots__ = ("inputs", "handle_detail")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_DETAIL_FIELD_NUMBER: _ClassVar[int]
     inputs: _containers.RepeatedCompositeFieldContainer[DecodeInput]
-    def __init__(self, inputs: _Optional[_Iterable[_Union[DecodeInput, _Mapping]]] = ...) -> None: ...
+    handle_detail: HandleDetail
+    def __init__(self, inputs: _Optional[_Iterable[_Union[DecodeInput, _Mapping]]] = ..., handle_detail: _Optional[_Union[HandleDetail, str]] = ...) -> None: ...
 
 class BatchDecodeResponse(_message.Message):
     __slots__ = ("outputs", "timing")
@@ -431,10 +450,12 @@ class UnifiedItemResult(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., logits: _Optional[_Union[LogitsOutput, _Mapping]] = ..., kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ...) -> None: ...
 
 class UnifiedDecodeRequest(_message.Message):
-    __slots__ = ("batch",)
+    __slots__ = ("batch", "handle_detail")
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_DETAIL_FIELD_NUMBER: _ClassVar[int]
     batch: UnifiedBatch
-    def __init__(self, batch: _Optional[_Union[UnifiedBatch, _Mapping]] = ...) -> None: ...
+    handle_detail: HandleDetail
+    def __init__(self, batch: _Optional[_Union[UnifiedBatch, _Mapping]] = ..., handle_detail: _Optional[_Union[HandleDetail, str]] = ...) -> None: ...
 
 class UnifiedDecodeResponse(_message.Message):
     __slots__ = ("results", "timing")
@@ -465,14 +486,16 @@ class ForwardResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., kind: _Optional[_Union[ForwardOutput, str]] = ..., timing: _Optional[_Union[CallTiming, _Mapping]] = ...) -> None: ...
 
 class ForwardVerifyRequest(_message.Message):
-    __slots__ = ("kv_cache", "tokens", "logits_policy")
+    __slots__ = ("kv_cache", "tokens", "logits_policy", "handle_detail")
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGITS_POLICY_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_DETAIL_FIELD_NUMBER: _ClassVar[int]
     kv_cache: KvCacheHandle
     tokens: _containers.RepeatedScalarFieldContainer[int]
     logits_policy: LogitsPolicy
-    def __init__(self, kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., logits_policy: _Optional[_Union[LogitsPolicy, _Mapping]] = ...) -> None: ...
+    handle_detail: HandleDetail
+    def __init__(self, kv_cache: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., logits_policy: _Optional[_Union[LogitsPolicy, _Mapping]] = ..., handle_detail: _Optional[_Union[HandleDetail, str]] = ...) -> None: ...
 
 class ForwardVerifyResponse(_message.Message):
     __slots__ = ("outputs", "kv_cache", "timing")
@@ -1022,12 +1045,14 @@ class ShutdownResponse(_message.Message):
     def __init__(self, released_caches: _Optional[int] = ..., timing: _Optional[_Union[CallTiming, _Mapping]] = ...) -> None: ...
 
 class StepSessionRequest(_message.Message):
-    __slots__ = ("step_id", "batch")
+    __slots__ = ("step_id", "batch", "handle_detail")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_DETAIL_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     batch: UnifiedBatch
-    def __init__(self, step_id: _Optional[int] = ..., batch: _Optional[_Union[UnifiedBatch, _Mapping]] = ...) -> None: ...
+    handle_detail: HandleDetail
+    def __init__(self, step_id: _Optional[int] = ..., batch: _Optional[_Union[UnifiedBatch, _Mapping]] = ..., handle_detail: _Optional[_Union[HandleDetail, str]] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "message", "reason", "metadata")
