@@ -35,7 +35,6 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from executors.logits import argmax_pairs
@@ -226,7 +225,7 @@ class DecodeGraphs:
         self._long_np[5, :n] = -1 if fed is None else [-1 if row is None else row for row in fed]
         for i, (table, pos) in enumerate(zip(tables, positions)):
             need = pos // bs + 1
-            self._int_np[i, :need] = np.asarray(table[:need], dtype=np.int32)
+            self._int_np[i, :need] = table[:need]  # a BlockTable.ids_array(): one copy, not a conversion
         self._pad(n, b)
         nonblocking = self._copied is not None
         # All of _long (6 x largest int64, a few KB): a column slice would not be contiguous,

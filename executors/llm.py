@@ -236,7 +236,7 @@ class LlmExecutor(KvCacheExecutor):
         """A decode step through the fixed-shape graphs (executors/decode_graphs.py)."""
         logits, pairs = self.graphs.run([it.tokens[0] for it in items], [it.start for it in items],
                                         [it.table.slots(it.start, it.start + 1)[0] for it in items],
-                                        [it.table.block_ids for it in items], [it.fed_row for it in items])
+                                        [it.table.ids_array() for it in items], [it.fed_row for it in items])
         return StepLogits(logits, [(i, 1) for i in range(len(items))], pairs)
 
     def _forward_flat(self, items: list[StepItem]) -> StepLogits:

@@ -59,7 +59,8 @@ def plan_step(items: Sequence, block_size: int, clear_stale: bool) -> tuple[Step
             # reads (masked) whole blocks, and a masked NaN would still poison its row.
             first = block_ids[(end - 1) // block_size] * block_size
             plan.stale.extend(range(first + end % block_size, first + block_size))
-        plan.segments.append(Segment(q_start=q_start, q_len=n, start=start, block_ids=block_ids))
+        plan.segments.append(Segment(q_start=q_start, q_len=n, start=start, block_ids=block_ids,
+                                     table=it.table.ids_array()))
         plan.adapters.append(it.adapter)
         if it.rows is Rows.NONE:
             spans.append(None)

@@ -70,6 +70,7 @@ class HoldsMixin:
             table = self.get(extend)
             if hold.copies:  # its partly filled last block gives way to the written copy
                 old = table.block_ids.pop()
+                table.changed(len(table.block_ids))
                 self.allocator.decref(old)
                 del table.block_hashes[len(table.block_ids):]
             table.block_ids.extend(hold.block_ids)

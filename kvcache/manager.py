@@ -139,6 +139,7 @@ class KvCacheManager(HoldsMixin, PrefixCacheMixin):
                 (private,) = self.allocator.allocate(1)
                 copies.append((last, private))
                 table.block_ids[-1] = private
+                table.changed(len(table.block_ids) - 1)
                 self.allocator.decref(last)
                 if swapped is not None:
                     swapped.append((table, len(table.block_ids) - 1, last, private))
@@ -156,6 +157,7 @@ class KvCacheManager(HoldsMixin, PrefixCacheMixin):
         for table, index, shared, private in reversed(swapped):
             self.allocator.incref(shared)
             table.block_ids[index] = shared
+            table.changed(index)
             self.allocator.decref(private)
 
     def extend(self, cache_id: str, length: int) -> list[tuple[int, int]]:
@@ -173,6 +175,7 @@ class KvCacheManager(HoldsMixin, PrefixCacheMixin):
         keep = table.blocks_for(length)
         freed = self._drop_blocks(table.block_ids[keep:])
         del table.block_ids[keep:]
+        table.changed(keep)
         del table.tokens[length:]
         # A cut block keeps its hash (its K and V are intact) until this cache writes into it.
         del table.block_hashes[length // self.block_size:]
@@ -216,6 +219,7 @@ class KvCacheManager(HoldsMixin, PrefixCacheMixin):
         table = self.get(cache_id)
         upto = max(0, table.num_tokens - self.window + 1 - self.window_reserve) // self.block_size
         freed = 0
+        table.changed(table.freed_blocks)
         for i in range(table.freed_blocks, upto):
             freed += self.allocator.decref(table.block_ids[i])
             table.block_ids[i] = FREED
@@ -250,6 +254,7 @@ class KvCacheManager(HoldsMixin, PrefixCacheMixin):
             assert len(table.tokens) <= table.num_tokens, f"{cid}: more tokens than positions"
             assert len(table.block_hashes) <= len(table.tokens) // self.block_size, f"{cid}: hash of an unfilled block"
             assert all(b == FREED for b in table.block_ids[:table.freed_blocks]), f"{cid}: freed blocks"
+            assert table.mirror_in_step(), f"{cid}: ids_array differs from block_ids"
             live = table.block_ids[table.freed_blocks:]
             assert FREED not in live, f"{cid}: a freed block after a live one"
             for b, h in zip(table.block_ids, table.block_hashes):

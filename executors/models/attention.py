@@ -52,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from executors.models import attention_sdpa
@@ -82,6 +83,9 @@ class Segment:
     start: int  # position of the first new token (tokens cached before it)
     context_slots: torch.Tensor | None = None  # pool slots of positions 0..start+q_len-1 (reference path)
     block_ids: list[int] | None = None  # the sequence's block table (fast path); None without a cache
+    # The same as an int32 array (BlockTable.ids_array) where the step plan has one: the kernels'
+    # tables are copied from it (block_tables.py), not converted from the list.
+    table: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from executors.models.block_tables import padded_block_tables, segment_table
 from kvcache.kv_pool import PagedKvPool
 
 if TYPE_CHECKING:
@@ -198,8 +199,7 @@ def plan_attention(ctx: StepContext, num_rows: int, window: int | None = None,
 
 
 def _plan_paged(decode: list[tuple[Segment, int]], window: int | None) -> PagedRows:
-    width = max(nb for _, nb in decode)
-    tables = torch.tensor([seg.block_ids[:nb] + [0] * (width - nb) for seg, nb in decode], dtype=torch.int32)
+    tables = torch.from_numpy(padded_block_tables([segment_table(seg) for seg, _ in decode], [nb for _, nb in decode]))
     hi = [seg.start + 1 for seg, _ in decode]
     lo = [0 if window is None else max(0, h - window) for h in hi]
     rows = [seg.q_start for seg, _ in decode]

@@ -44,6 +44,7 @@ from executors.cpu_kernels.step import (
     StepSpec,
 )
 from executors.models.attention import StepContext
+from executors.models.block_tables import padded_block_tables, segment_table
 
 if TYPE_CHECKING:
     from executors.models.decoder import DecoderLM
@@ -107,13 +108,13 @@ class FusedDecode:
                 or ctx.slot_mapping is None or ctx.slot_mapping.dtype != torch.int64 or len(segments) != m):
             return None
         bs = pool.block_size
-        tables = []
         for row, seg in enumerate(segments):
             if seg.q_len != 1 or seg.start == 0 or seg.q_start != row or seg.block_ids is None:
                 return None
-            tables.append(seg.block_ids[:seg.start // bs + 1])  # entries behind a window may be FREED: never read
-        width = max(map(len, tables))
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        # Entries behind a window may be FREED: never read.
+        tables = torch.from_numpy(padded_block_tables([segment_table(seg) for seg in segments],
+                                                      [seg.start // bs + 1 for seg in segments]))
+        width = tables.shape[1]
         positions = positions.to(torch.int64).contiguous()
         zero = ctx.zero_slots
         if zero is not None and zero.dtype != torch.int64:

@@ -33,6 +33,7 @@ import torch
 
 from executors.models.attention import LayerAttention, StepContext
 from executors.models.attention_reference import sdpa
+from executors.models.block_tables import segment_table
 from executors.models.triton_attention_aot import compile_for
 from executors.models.triton_attention_launch import (
     LOG2E,
@@ -74,7 +75,7 @@ def plan_step(ctx: StepContext) -> KernelPlan:
     for seg in ctx.segments:
         if seg.q_len == 1 and seg.start > 0:
             rows.append(seg.q_start)
-            tables.append(seg.block_ids)
+            tables.append(segment_table(seg))
             lengths.append(seg.start + 1)
         else:
             prefill.append((seg.q_start, seg.q_len, seg.start, seg.block_ids))

@@ -21,9 +21,11 @@ import logging
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 
+from executors.models.block_tables import padded_block_tables
 from executors.models.triton_attention_kernels import _decode_kernel, _merge_kernel, _prefill_kernel
 
 LOG2E = 1.4426950408889634
@@ -152,9 +154,8 @@ def partition_length(max_length: int, partitions: int) -> int:
 def decode_launch(rows: list[int], tables: list[list[int]], lengths: list[int], block_size: int,
                   kv_heads: int, device: torch.device, partitions: int | None = None) -> DecodeLaunch:
     """`partitions`: None picks them with decode_partitions."""
-    width = max(-(-n // block_size) for n in lengths)
-    padded = [[max(b, 0) for b in t[:-(-n // block_size)]] + [0] * (width - -(-n // block_size))
-              for t, n in zip(tables, lengths)]  # FREED blocks: never loaded (window), any id will do
+    # FREED blocks: never loaded (window), any id will do.
+    padded = np.maximum(padded_block_tables(tables, [-(-n // block_size) for n in lengths]), 0)
     if partitions is None:
         partitions = decode_partitions(len(rows), kv_heads, max(lengths), device)
 
@@ -163,7 +164,7 @@ def decode_launch(rows: list[int], tables: list[list[int]], lengths: list[int], 
 
     # The partitions' length rides after the lengths: one copy to the device for both.
     counts = i32([*lengths, partition_length(max(lengths), partitions)])
-    return DecodeLaunch(i32(rows), i32(padded), counts[:-1], partitions, counts[-1:])
+    return DecodeLaunch(i32(rows), torch.from_numpy(padded).to(device), counts[:-1], partitions, counts[-1:])
 
 
 def paged_decode(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
