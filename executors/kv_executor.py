@@ -285,7 +285,7 @@ class KvCacheExecutor(KvMoves, ModelExecutor):
             cache_id=cache_id,
             sequence_length=t.num_tokens,
             # Blocks the sliding windows left (FREED) are not the cache's any more: the held ones.
-            block_ids=tuple(t.block_ids[t.freed_blocks:]),
+            block_ids=t.ids_tuple()[t.freed_blocks:],
             block_size=t.block_size,
             num_layers=p.num_layers,
             num_kv_heads=p.num_kv_heads,

@@ -52,7 +52,7 @@ def plan_step(items: Sequence, block_size: int, clear_stale: bool) -> tuple[Step
         plan.ids.extend(it.tokens)
         plan.positions.extend(range(start, end))
         plan.slots.extend(it.table.slots(start, end))
-        block_ids = list(it.table.block_ids)
+        block_ids = it.table.ids_tuple()  # the step's snapshot of the table
         if clear_stale and end % block_size and (start == 0 or (end - 1) // block_size > (start - 1) // block_size):
             # This step enters the block holding position end-1: clear its slots past the
             # sequence's end, which may hold a previous owner's K/V. The fast attention

@@ -37,6 +37,8 @@ class BlockTable:
     # block_ids as int32 (ids_array): its first _synced entries equal the list's.
     _ids: np.ndarray | None = field(default=None, repr=False, compare=False)
     _synced: int = field(default=0, repr=False, compare=False)
+    # block_ids as a tuple (ids_tuple), while no entry changed and none was appended.
+    _tuple: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
 
     @property
     def capacity(self) -> int:
@@ -72,14 +74,27 @@ class BlockTable:
             self._synced = n
         return mirror[:n]
 
+    def ids_tuple(self) -> tuple[int, ...]:
+        """block_ids as a tuple (a step's snapshot of the table, a handle's ids): made again only when
+        the table grew or changed, once every block_size tokens of a decode, not on every step."""
+        ids = self._tuple
+        if ids is None or len(ids) != len(self.block_ids):
+            ids = self._tuple = tuple(self.block_ids)
+        return ids
+
     def changed(self, index: int) -> None:
-        """Entries from `index` on were set in place or removed: ids_array copies them again. (Entries
-        appended need no call; everything that shortens the list or sets an entry makes one.)"""
+        """Entries from `index` on were set in place or removed: ids_array copies them again, and
+        ids_tuple makes its tuple again. (Entries appended need no call; everything that shortens
+        the list or sets an entry makes one.)"""
         self._synced = min(self._synced, index)
+        self._tuple = None
 
     def mirror_in_step(self) -> bool:
-        """Whether ids_array's synced entries still equal the list's (an invariant the tests check)."""
-        return self._ids is None or self._ids[:self._synced].tolist() == self.block_ids[:self._synced]
+        """Whether ids_array's synced entries and ids_tuple's tuple (where it would be returned) still
+        equal the list's: an invariant the tests check."""
+        ids = self._tuple
+        return ((self._ids is None or self._ids[:self._synced].tolist() == self.block_ids[:self._synced])
+                and (ids is None or len(ids) != len(self.block_ids) or list(ids) == self.block_ids))
 
     def slots(self, start: int, end: int) -> list[int]:
         """Flat slot of every position in [start, end)."""

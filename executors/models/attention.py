@@ -49,6 +49,7 @@ table holds FREED there), so nothing reads them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -82,7 +83,7 @@ class Segment:
     q_len: int  # rows (new tokens)
     start: int  # position of the first new token (tokens cached before it)
     context_slots: torch.Tensor | None = None  # pool slots of positions 0..start+q_len-1 (reference path)
-    block_ids: list[int] | None = None  # the sequence's block table (fast path); None without a cache
+    block_ids: Sequence[int] | None = None  # the sequence's block table (fast path); None without a cache
     # The same as an int32 array (BlockTable.ids_array) where the step plan has one: the kernels'
     # tables are copied from it (block_tables.py), not converted from the list.
     table: np.ndarray | None = None

@@ -1,5 +1,6 @@
-"""BlockTable.ids_array: the int32 copy of a table's block ids the step's kernels read, kept in
-step with the list by copying only what was appended or marked changed. Every way the manager
+"""BlockTable.ids_array and ids_tuple: the int32 copy of a table's block ids the step's kernels
+read, kept in step with the list by copying only what was appended or marked changed, and the
+tuple a step's plan and its handles take, made again only when the table grew or changed. Every way the manager
 changes a table in place or shortens it must mark it: a stale entry would send a row's
 attention to another sequence's blocks."""
 
@@ -21,6 +22,7 @@ def synced(m: KvCacheManager) -> None:
         t = m.get(cid)
         array = t.ids_array()
         assert array.dtype == np.int32 and array.tolist() == t.block_ids, cid
+        assert t.ids_tuple() == tuple(t.block_ids), cid
 
 
 def test_appends_are_copied_and_marked_entries_copied_again():
@@ -38,6 +40,20 @@ def test_appends_are_copied_and_marked_entries_copied_again():
     t.changed(2)
     assert t.ids_array().tolist() == [3, 9, 7]
     assert BlockTable(BS).ids_array().shape == (0,)
+
+
+def test_the_tuple_is_kept_until_the_table_grows_or_changes():
+    t = BlockTable(BS, [3, 1, 4])
+    first = t.ids_tuple()
+    assert first == (3, 1, 4) and t.ids_tuple() is first  # no copy a step
+    t.block_ids.append(5)
+    assert t.ids_tuple() == (3, 1, 4, 5)
+    del t.block_ids[3:]
+    t.block_ids.append(6)  # as long as before: only the mark tells
+    t.changed(3)
+    assert t.ids_tuple() == (3, 1, 4, 6) and t.mirror_in_step()
+    t.block_ids[0] = 7
+    assert not t.mirror_in_step()
 
 
 def test_truncate_then_grow_back_swap_and_unswap_reach_the_array():

@@ -145,7 +145,8 @@ class ManagerMachine(RuleBasedStateMachine):
             t = self.m.get(cid)
             assert t.num_tokens == length
             assert len(t.block_ids) == blocks(length)
-            assert t.ids_array().tolist() == t.block_ids  # synced here: later changes must reach it
+            # Synced here: later changes must reach them.
+            assert t.ids_array().tolist() == t.block_ids and t.ids_tuple() == tuple(t.block_ids)
         s = self.m.stats()
         assert (s.used_blocks, s.free_blocks, s.active_caches) == (self.used(), NUM_BLOCKS - self.used(), len(self.model))
         assert (s.allocation_failures, s.block_allocations) == (self.failures, self.allocations)

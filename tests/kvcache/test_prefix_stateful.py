@@ -194,7 +194,8 @@ class PrefixMachine(RuleBasedStateMachine):
         for cid, tokens in self.model.items():
             table = self.m.get(cid)
             assert table.num_tokens == len(tokens) and table.tokens == tokens
-            assert table.ids_array().tolist() == table.block_ids  # synced here: later changes must reach it
+            # Synced here: later changes must reach them.
+            assert table.ids_array().tolist() == table.block_ids and table.ids_tuple() == tuple(table.block_ids)
             ns = self.namespace[cid]
             assert [self.slots[s] for s in table.slots(0, len(tokens))] == [(ns, t) for t in tokens], cid
 
