@@ -44,8 +44,8 @@ async def run_step(sched: Scheduler, r: int, items: list[tuple[_Seq, int]]) -> N
     delay = sched.config.retry_backoff_s
     for attempt in itertools.count():
         try:
-            # Compact handles: the scheduler counts blocks from lengths, and block ids that grow with
-            # every context would cost more to send than the step's tokens at long contexts.
+            # Compact handles: the scheduler reads a handle's length and held_blocks only, and block
+            # ids that grow with every context would cost more to send than the step's tokens.
             results = await sched.router.unified_decode(batch, compact_handles=True)
             break
         except ExecutorError as e:

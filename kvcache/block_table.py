@@ -89,7 +89,7 @@ class BlockTable:
         self._synced = min(self._synced, index)
         self._tuple = None
 
-    def mirror_in_step(self) -> bool:
+    def copies_in_step(self) -> bool:
         """Whether ids_array's synced entries and ids_tuple's tuple (where it would be returned) still
         equal the list's: an invariant the tests check."""
         ids = self._tuple

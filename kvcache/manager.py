@@ -254,7 +254,7 @@ class KvCacheManager(HoldsMixin, PrefixCacheMixin):
             assert len(table.tokens) <= table.num_tokens, f"{cid}: more tokens than positions"
             assert len(table.block_hashes) <= len(table.tokens) // self.block_size, f"{cid}: hash of an unfilled block"
             assert all(b == FREED for b in table.block_ids[:table.freed_blocks]), f"{cid}: freed blocks"
-            assert table.mirror_in_step(), f"{cid}: ids_array differs from block_ids"
+            assert table.copies_in_step(), f"{cid}: ids_array or ids_tuple differs from block_ids"
             live = table.block_ids[table.freed_blocks:]
             assert FREED not in live, f"{cid}: a freed block after a live one"
             for b, h in zip(table.block_ids, table.block_hashes):

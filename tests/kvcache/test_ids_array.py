@@ -32,9 +32,9 @@ def test_appends_are_copied_and_marked_entries_copied_again():
     assert t.ids_array().tolist() == [3, 1, 4, *range(100, 140)]
     t.block_ids[1] = 9
     assert t.ids_array()[1] == 1  # not marked: the array keeps what it copied
-    assert not t.mirror_in_step()
+    assert not t.copies_in_step()
     t.changed(1)
-    assert t.mirror_in_step() and t.ids_array().tolist()[:3] == [3, 9, 4]
+    assert t.copies_in_step() and t.ids_array().tolist()[:3] == [3, 9, 4]
     del t.block_ids[2:]
     t.block_ids.append(7)  # as long as before the cut would not tell it apart: marked
     t.changed(2)
@@ -51,9 +51,9 @@ def test_the_tuple_is_kept_until_the_table_grows_or_changes():
     del t.block_ids[3:]
     t.block_ids.append(6)  # as long as before: only the mark tells
     t.changed(3)
-    assert t.ids_tuple() == (3, 1, 4, 6) and t.mirror_in_step()
+    assert t.ids_tuple() == (3, 1, 4, 6) and t.copies_in_step()
     t.block_ids[0] = 7
-    assert not t.mirror_in_step()
+    assert not t.copies_in_step()
 
 
 def test_truncate_then_grow_back_swap_and_unswap_reach_the_array():
