@@ -127,7 +127,7 @@ def fill_handle(target: pb.KvCacheHandle, handle: KvCacheHandle) -> None:
     target.cache_id = handle.cache_id
     table = target.block_table
     table.block_ids.extend(handle.block_ids)
-    table.held_blocks = handle.held_blocks or len(handle.block_ids)
+    table.held_blocks = handle.held_blocks
     table.sequence_length = handle.sequence_length
     table.block_size = handle.block_size
     target.num_layers = handle.num_layers
@@ -167,8 +167,7 @@ def handle_from_proto(handle: pb.KvCacheHandle) -> KvCacheHandle:
         num_kv_heads=handle.num_kv_heads,
         head_dim=handle.head_dim,
         device=device_from_proto(handle.device),
-        # A server older than the field lists the blocks only.
-        held_blocks=table.held_blocks or len(table.block_ids),
+        held_blocks=table.held_blocks,  # 0 from a server older than the field: KvCacheHandle counts the ids
     )
 
 

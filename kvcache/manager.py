@@ -219,7 +219,8 @@ class KvCacheManager(HoldsMixin, PrefixCacheMixin):
         table = self.get(cache_id)
         upto = max(0, table.num_tokens - self.window + 1 - self.window_reserve) // self.block_size
         freed = 0
-        table.changed(table.freed_blocks)
+        if upto > table.freed_blocks:  # most steps move no block: their ids_tuple stays
+            table.changed(table.freed_blocks)
         for i in range(table.freed_blocks, upto):
             freed += self.allocator.decref(table.block_ids[i])
             table.block_ids[i] = FREED

@@ -91,6 +91,8 @@ def test_a_sliding_window_and_an_adopted_extension_reach_the_array():
     m.extend("w", 30)
     assert m.slide("w") > 0 and m.get("w").block_ids[0] == FREED
     synced(m)
+    kept = m.get("w").ids_tuple()
+    assert m.slide("w") == 0 and m.get("w").ids_tuple() is kept  # a step that moves no block: nothing made again
     m.create("x")
     m.extend("x", 6)
     synced(m)
